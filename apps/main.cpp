@@ -1,0 +1,56 @@
+// The `flexdemo` command: parses arguments (CLI11) and dispatches to the subcommands.
+// Any error becomes one line on stderr and a non-zero exit.
+#include "bench/bench.h"
+
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <exception>
+
+int main(int argc, char** argv) {
+  CLI::App app{"flexdemo: FlexDeMo training — hybrid sharding inside nodes, DeMo between nodes"};
+  app.require_subcommand(1);
+  auto* bench = app.add_subcommand("bench", "benchmarks that print ratios measured in one run");
+  bench->require_subcommand(1);
+
+  flexdemo::bench::OptimizerBenchArgs opt;
+  auto* optimizer = bench->add_subcommand(
+      "optimizer", "time a DeMo step (one replica) against an AdamW step on GPT-2-shaped params");
+  optimizer->add_option("--scale", opt.scale, "GPT-2-124M shapes scaled by S (0.25: 3.8M params)")
+      ->capture_default_str();
+  optimizer->add_option("--topk", opt.topk, "coefficients kept per chunk")->capture_default_str();
+  optimizer->add_option("--chunk", opt.chunk, "target chunk edge")->capture_default_str();
+  optimizer->add_option("--values", opt.values, "wire value encoding")
+      ->check(CLI::IsMember({"fp32", "bf16", "int8", "1bit"}))
+      ->capture_default_str();
+  optimizer->add_option("--threads", opt.threads, "intra-op threads")->capture_default_str();
+  optimizer->add_option("--steps", opt.steps, "timed steps (median reported)")
+      ->capture_default_str();
+  optimizer->add_flag("--json", opt.json, "print one JSON object");
+
+  flexdemo::bench::ExchangeBenchArgs ex;
+  auto* exchange = bench->add_subcommand(
+      "exchange", "under mpirun: DeMo's bytes between replicas against a dense all-reduce");
+  exchange->add_option("--scale", ex.scale, "GPT-2-124M shapes scaled by S")->capture_default_str();
+  exchange->add_option("--topk", ex.topk, "coefficients kept per chunk")->capture_default_str();
+  exchange->add_option("--chunk", ex.chunk, "target chunk edge")->capture_default_str();
+  exchange->add_option("--values", ex.values, "wire value encoding")
+      ->check(CLI::IsMember({"fp32", "bf16", "int8", "1bit"}))
+      ->capture_default_str();
+  exchange->add_option("--steps", ex.steps, "optimizer steps")->capture_default_str();
+  exchange->add_flag("--json", ex.json, "print one JSON object (rank 0)");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    if (optimizer->parsed()) return flexdemo::bench::run_bench_optimizer(opt);
+    if (exchange->parsed()) return flexdemo::bench::run_bench_exchange(ex);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "flexdemo: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,109 @@
+// flexdemo/comm.h — the communicator: collectives over a group of ranks, behind one interface.
+// Implements the interface and its MPI backend's entry points; the trainer and optimizers never
+// call MPI directly. Tensors may live on any device (staged through host memory if needed).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+namespace flexdemo::comm {
+
+// Raised for every failed collective; carries the backend's own error text and the call site.
+class CommError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+enum class ReduceOp { Sum, Avg };
+
+// Traffic and time of one communicator since creation (or the last reset_stats()).
+// Bytes are what a bandwidth-optimal ring moves per rank (NCCL-tests' "bus bytes"), so they
+// follow from the payload alone, whatever algorithm the backend picks:
+//   all-gather of n bytes per rank over P ranks: sent = received = (P-1) * n
+//   all-reduce of n bytes:                        sent = received = 2 (P-1)/P * n
+//   reduce-scatter of n input bytes:              sent = received = (P-1)/P * n
+//   broadcast of n bytes:                         sent = n on the root, received = n elsewhere
+struct CommStats {
+  uint64_t bytes_sent = 0;      // bytes this rank put on the wire
+  uint64_t bytes_received = 0;  // bytes this rank took off the wire
+  double seconds = 0.0;         // wall time from a collective's start to its completion
+  uint64_t collectives = 0;     // completed collectives
+};
+
+// Handle to a non-blocking collective. wait() completes it (and copies results back to the
+// caller's tensors when they were staged); it is idempotent. Destroying an unfinished handle waits.
+class Work {
+ public:
+  virtual ~Work() = default;
+  virtual void wait() = 0;
+  virtual bool is_completed() = 0;  // true once wait() returned or the operation finished
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // ====== Non-blocking collectives (complete with Work::wait) ======
+  // output.numel() == size() * input.numel(); output[r] is rank r's input. Same dtype.
+  virtual std::unique_ptr<Work> iall_gather(const at::Tensor& input, const at::Tensor& output) = 0;
+  // Variable sizes: counts[r] = numel of rank r's input; output holds them back to back.
+  virtual std::unique_ptr<Work> iall_gather_v(const at::Tensor& input, const at::Tensor& output,
+                                              const std::vector<int64_t>& counts) = 0;
+  // In place. float32, float64, bfloat16 (Sum and Avg); int32, int64 (Sum only).
+  virtual std::unique_ptr<Work> iall_reduce(const at::Tensor& tensor, ReduceOp op) = 0;
+  // input.numel() == size() * output.numel(); output = reduction of every rank's slice rank().
+  virtual std::unique_ptr<Work> ireduce_scatter(const at::Tensor& input, const at::Tensor& output,
+                                                ReduceOp op) = 0;
+  virtual std::unique_ptr<Work> ibroadcast(const at::Tensor& tensor, int root) = 0;
+  virtual std::unique_ptr<Work> ibarrier() = 0;
+
+  // ====== Blocking forms ======
+  void all_gather(const at::Tensor& input, const at::Tensor& output) {
+    iall_gather(input, output)->wait();
+  }
+  void all_gather_v(const at::Tensor& input, const at::Tensor& output,
+                    const std::vector<int64_t>& counts) {
+    iall_gather_v(input, output, counts)->wait();
+  }
+  void all_reduce(const at::Tensor& tensor, ReduceOp op) { iall_reduce(tensor, op)->wait(); }
+  void reduce_scatter(const at::Tensor& input, const at::Tensor& output, ReduceOp op) {
+    ireduce_scatter(input, output, op)->wait();
+  }
+  void broadcast(const at::Tensor& tensor, int root) { ibroadcast(tensor, root)->wait(); }
+  void barrier() { ibarrier()->wait(); }
+
+  // ====== Groups ======
+  // Collective over this communicator: ranks with the same color form a new communicator,
+  // ordered by key (ties by rank in this one).
+  virtual std::shared_ptr<Communicator> split(int color, int key) = 0;
+
+  // ====== Accounting ======
+  virtual CommStats stats() const = 0;
+  virtual void reset_stats() = 0;
+};
+
+// ====== MPI backend ======
+// Initialises MPI on construction (unless something else already did) and finalises it on
+// destruction if it initialised it. Create one per process, before any communicator.
+class MpiRuntime {
+ public:
+  MpiRuntime(int* argc = nullptr, char*** argv = nullptr);
+  ~MpiRuntime();
+  MpiRuntime(const MpiRuntime&) = delete;
+  MpiRuntime& operator=(const MpiRuntime&) = delete;
+
+  // All ranks of the job (MPI_COMM_WORLD). Errors raise CommError instead of aborting.
+  std::shared_ptr<Communicator> world() const;
+
+ private:
+  bool owns_mpi_ = false;
+};
+
+}  // namespace flexdemo::comm

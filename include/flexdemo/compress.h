@@ -1,0 +1,75 @@
+// flexdemo/compress.h — top-k extraction per chunk, the compact wire format, and the
+// deterministic decode-aggregate. Never reads a received payload out of bounds: every payload
+// is validated (header, sizes, checksum, index range) before a byte of its body is used.
+#pragma once
+
+#include "flexdemo/dct.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace flexdemo::compress {
+
+// Raised for a payload that is truncated, corrupt, of another version or another shape.
+class WireFormatError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+enum class ValueEncoding : uint8_t {
+  Fp32 = 0,  // 4 bytes per value, exact
+  Bf16 = 1,  // 2 bytes per value, round to nearest even
+  Int8 = 2,  // 1 byte per value + one fp32 scale per chunk (max |v| / 127)
+  Sign = 3,  // 1 bit per value + one fp32 scale per chunk (mean |v|): decodes to +-scale
+};
+std::string to_string(ValueEncoding encoding);               // "fp32" "bf16" "int8" "1bit"
+ValueEncoding parse_value_encoding(const std::string& name);  // inverse of to_string
+
+// ====== Top-k ======
+// The k coefficients of largest magnitude in every chunk, indices ascending within a chunk.
+struct TopK {
+  int64_t k = 0;       // per chunk
+  at::Tensor indices;  // int64 [num_chunks, k]: position u * chunk_cols + v inside the chunk
+  at::Tensor values;   // float32 [num_chunks, k]: the signed coefficients
+};
+int64_t clamp_topk(int64_t k, const dct::ChunkPlan& plan);  // into [1, chunk_numel]
+// coeffs: float32 contiguous block layout (see dct.h). Ties go to the lower index.
+TopK select_topk(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k);
+// coeffs[selected] += alpha * values: with alpha = -1 this is DeMo's error feedback.
+void add_selected(at::Tensor& coeffs, const dct::ChunkPlan& plan, const TopK& topk, float alpha);
+
+// ====== Wire format ======
+// One payload per tensor: a 36-byte little-endian header, then the body:
+//   u32 magic "FDMO" | u8 version | u8 value encoding | u8 index bytes | u8 0
+//   u32 rows | u32 cols | u32 chunk_rows | u32 chunk_cols | u32 k | u32 body bytes | u32 crc32
+//   body: indices [num_chunks * k] (1 byte if chunk_numel <= 256, 2 if <= 65536, else 4),
+//         per-chunk fp32 scales (int8 and 1bit only), values (4, 2, 1 bytes or 1 bit each).
+constexpr uint32_t kWireMagic = 0x4F4D4446;  // "FDMO" read as little-endian bytes
+constexpr uint8_t kWireVersion = 1;
+constexpr size_t kWireHeaderBytes = 36;
+
+int index_bytes_for(int64_t chunk_numel);
+// Exact payload size (header + body) for one tensor; k is clamped as select_topk does.
+size_t wire_payload_bytes(const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding);
+
+// Writes the payload (wire_payload_bytes bytes) to dst and replaces topk.values by what a
+// receiver decodes, so that error feedback removes exactly what was sent.
+void encode_payload(const dct::ChunkPlan& plan, TopK& topk, ValueEncoding encoding, uint8_t* dst);
+
+// Throws WireFormatError unless `data` (size bytes) is a complete, intact payload for this
+// plan, k and encoding, all indices inside their chunk.
+void validate_payload(const uint8_t* data, size_t size, const dct::ChunkPlan& plan, int64_t k,
+                      ValueEncoding encoding);
+
+// Decodes the payloads of one tensor from R replicas, given in rank order, each `size` bytes,
+// into out (float32 block layout, overwritten): per coefficient, the mean of the values of the
+// replicas that selected it, 0 where none did. Summed in rank order, so the result is
+// bit-identical on every replica. Every payload is validated first.
+void decode_mean(const std::vector<const uint8_t*>& payloads, size_t size,
+                 const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding, at::Tensor& out);
+
+}  // namespace flexdemo::compress

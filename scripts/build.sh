@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Configures (once) and builds flexdemo in Release into build/, reusing it between runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+jobs="${FLEXDEMO_JOBS:-2}"
+if [ ! -f build/CMakeCache.txt ]; then
+  cmake -S . -B build -DCMAKE_BUILD_TYPE=Release
+fi
+cmake --build build -j "$jobs"

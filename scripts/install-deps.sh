@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Installs every build and run dependency of flexdemo from Debian packages.
+# Idempotent: packages already present are skipped, so a second run does no network work.
+set -euo pipefail
+
+packages=(
+  build-essential cmake pkg-config
+  libtorch-dev                     # tensors and autograd (LibTorch 1.13 on Debian 12)
+  libopenblas0-pthread             # fast BLAS for LibTorch (reference BLAS is ~4x slower)
+  libopenmpi-dev openmpi-bin       # the distributed engine and mpirun
+  googletest libgtest-dev          # unit and MPI tests
+  libbenchmark-dev                 # micro-benchmarks
+  libcli11-dev                     # command-line parsing
+  nlohmann-json3-dev               # JSON output
+  libfmt-dev libspdlog-dev         # formatting and logging
+  zlib1g-dev                       # CRC-32 checksums of wire payloads
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#packages[@]} packages present"
+  exit 0
+fi
+
+echo "install-deps: installing ${missing[*]}"
+sudo=""
+if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -qq
+$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"

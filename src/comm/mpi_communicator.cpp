@@ -1,0 +1,322 @@
+// MPI backend of the Communicator: non-blocking MPI collectives, host staging for tensors on
+// other devices, byte/time accounting, and MPI errors turned into CommError (never an abort).
+#include "flexdemo/comm.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <mpi.h>
+
+#include <chrono>
+#include <climits>
+#include <mutex>
+#include <sstream>
+
+namespace flexdemo::comm {
+namespace {
+
+// ====== Errors ======
+void check_mpi(int code, const char* call, const char* file, int line) {
+  if (code == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) length = 0;
+  std::ostringstream msg;
+  msg << call << " failed (" << file << ":" << line << "): " << std::string(text, length);
+  throw CommError(msg.str());
+}
+#define FLEXDEMO_MPI_CHECK(call) check_mpi((call), #call, __FILE__, __LINE__)
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument(message);
+}
+
+// ====== bfloat16 reduction ======
+// MPI has no bfloat16: a 2-byte contiguous type and a user sum that adds in float and rounds.
+MPI_Datatype g_bf16_type = MPI_DATATYPE_NULL;
+MPI_Op g_bf16_sum = MPI_OP_NULL;
+
+void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
+  auto* a = static_cast<const c10::BFloat16*>(in);
+  auto* b = static_cast<c10::BFloat16*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = c10::BFloat16(float(a[i]) + float(b[i]));
+}
+
+MPI_Datatype mpi_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return MPI_FLOAT;
+    case at::kDouble: return MPI_DOUBLE;
+    case at::kInt: return MPI_INT32_T;
+    case at::kLong: return MPI_INT64_T;
+    case at::kBFloat16: return g_bf16_type;
+    default:
+      throw std::invalid_argument(std::string("all-reduce does not support dtype ") +
+                                  c10::toString(t) +
+                                  "; accepted: float32, float64, bfloat16, int32, int64");
+  }
+}
+
+int checked_count(int64_t n, const char* what) {
+  require(n >= 0 && n <= INT_MAX, std::string(what) + " of " + std::to_string(n) +
+                                      " elements exceeds MPI's int count limit");
+  return static_cast<int>(n);
+}
+
+// A tensor as MPI sees it: contiguous host memory. `user` gets the result back on completion
+// when it is not that memory itself (another device, or not contiguous).
+struct Staged {
+  at::Tensor user;
+  at::Tensor host;
+  bool copy_back = false;
+
+  static Staged input(const at::Tensor& t) {
+    Staged s{t, t, false};
+    if (!t.is_cpu() || !t.is_contiguous()) s.host = t.to(at::kCPU).contiguous();
+    return s;
+  }
+  static Staged output(const at::Tensor& t, bool keep_contents) {
+    Staged s{t, t, false};
+    if (!t.is_cpu() || !t.is_contiguous()) {
+      s.host = keep_contents ? t.to(at::kCPU).contiguous()
+                             : at::empty(t.sizes(), t.options().device(at::kCPU));
+      s.copy_back = true;
+    }
+    return s;
+  }
+  void* data() const { return host.data_ptr(); }
+};
+
+struct SharedStats {
+  std::mutex mutex;
+  CommStats stats;
+};
+
+using Clock = std::chrono::steady_clock;
+
+class MpiWork final : public Work {
+ public:
+  MpiWork(std::shared_ptr<SharedStats> stats, uint64_t bytes_sent, uint64_t bytes_received)
+      : stats_(std::move(stats)), sent_(bytes_sent), received_(bytes_received),
+        start_(Clock::now()) {}
+  ~MpiWork() override {
+    if (!done_) {
+      MPI_Wait(&request_, MPI_STATUS_IGNORE);  // cannot throw from a destructor
+    }
+  }
+
+  void wait() override {
+    if (done_) return;
+    FLEXDEMO_MPI_CHECK(MPI_Wait(&request_, MPI_STATUS_IGNORE));
+    finish();
+  }
+  bool is_completed() override {
+    if (done_) return true;
+    int flag = 0;
+    FLEXDEMO_MPI_CHECK(MPI_Test(&request_, &flag, MPI_STATUS_IGNORE));
+    if (flag) finish();
+    return done_;
+  }
+
+  MPI_Request request_ = MPI_REQUEST_NULL;
+  std::vector<Staged> outputs_;          // copied back to the user's tensors at completion
+  std::vector<at::Tensor> keep_alive_;   // inputs MPI reads until completion
+  std::vector<int> counts_, displs_;     // argument arrays MPI reads until completion
+  double divide_by_ = 1.0;               // Avg: divide the outputs after the sum
+
+ private:
+  void finish() {
+    done_ = true;
+    for (auto& o : outputs_) {
+      if (divide_by_ != 1.0) o.host.div_(divide_by_);
+      if (o.copy_back) o.user.copy_(o.host);
+    }
+    const double seconds = std::chrono::duration<double>(Clock::now() - start_).count();
+    std::lock_guard<std::mutex> lock(stats_->mutex);
+    stats_->stats.bytes_sent += sent_;
+    stats_->stats.bytes_received += received_;
+    stats_->stats.seconds += seconds;
+    stats_->stats.collectives += 1;
+  }
+
+  std::shared_ptr<SharedStats> stats_;
+  uint64_t sent_, received_;
+  Clock::time_point start_;
+  bool done_ = false;
+};
+
+uint64_t nbytes(const at::Tensor& t) { return uint64_t(t.numel()) * t.element_size(); }
+
+class MpiCommunicator final : public Communicator {
+ public:
+  explicit MpiCommunicator(MPI_Comm comm, bool owns) : comm_(comm), owns_(owns) {
+    FLEXDEMO_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
+    FLEXDEMO_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
+    FLEXDEMO_MPI_CHECK(MPI_Comm_size(comm_, &size_));
+  }
+  ~MpiCommunicator() override {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (owns_ && !finalized) MPI_Comm_free(&comm_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+
+  std::unique_ptr<Work> iall_gather(const at::Tensor& input, const at::Tensor& output) override {
+    require(output.numel() == size_ * input.numel() && output.dtype() == input.dtype(),
+            "all_gather: output must have size() * input.numel() = " +
+                std::to_string(size_ * input.numel()) + " elements of the input's dtype, got " +
+                std::to_string(output.numel()));
+    const uint64_t n = nbytes(input);
+    auto work = make_work((size_ - 1) * n, (size_ - 1) * n);
+    Staged in = Staged::input(input), out = Staged::output(output, false);
+    const int count = checked_count(int64_t(n), "all_gather");
+    FLEXDEMO_MPI_CHECK(MPI_Iallgather(in.data(), count, MPI_BYTE, out.data(), count, MPI_BYTE,
+                                      comm_, &work->request_));
+    work->keep_alive_.push_back(in.host);
+    work->outputs_.push_back(out);
+    return work;
+  }
+
+  std::unique_ptr<Work> iall_gather_v(const at::Tensor& input, const at::Tensor& output,
+                                      const std::vector<int64_t>& counts) override {
+    require(int(counts.size()) == size_, "all_gather_v: need one count per rank (" +
+                                             std::to_string(size_) + "), got " +
+                                             std::to_string(counts.size()));
+    require(counts[rank_] == input.numel(),
+            "all_gather_v: counts[rank] = " + std::to_string(counts[rank_]) +
+                " does not match the input's " + std::to_string(input.numel()) + " elements");
+    const int64_t elem = input.element_size();
+    int64_t total = 0;
+    for (int64_t c : counts) total += c;
+    require(output.numel() == total && output.dtype() == input.dtype(),
+            "all_gather_v: output must have sum(counts) = " + std::to_string(total) +
+                " elements of the input's dtype, got " + std::to_string(output.numel()));
+    const uint64_t received = uint64_t(total - counts[rank_]) * elem;
+    auto work = make_work((size_ - 1) * nbytes(input), received);
+    int64_t offset = 0;
+    for (int64_t c : counts) {
+      work->counts_.push_back(checked_count(c * elem, "all_gather_v"));
+      work->displs_.push_back(checked_count(offset * elem, "all_gather_v offset"));
+      offset += c;
+    }
+    Staged in = Staged::input(input), out = Staged::output(output, false);
+    FLEXDEMO_MPI_CHECK(MPI_Iallgatherv(in.data(), work->counts_[rank_], MPI_BYTE, out.data(),
+                                       work->counts_.data(), work->displs_.data(), MPI_BYTE,
+                                       comm_, &work->request_));
+    work->keep_alive_.push_back(in.host);
+    work->outputs_.push_back(out);
+    return work;
+  }
+
+  std::unique_ptr<Work> iall_reduce(const at::Tensor& tensor, ReduceOp op) override {
+    const MPI_Datatype type = mpi_type(tensor.scalar_type());
+    require(op == ReduceOp::Sum || at::isFloatingType(tensor.scalar_type()),
+            "all_reduce: Avg needs a floating dtype, got " +
+                std::string(c10::toString(tensor.scalar_type())));
+    const uint64_t ring = 2 * (size_ - 1) * nbytes(tensor) / size_;
+    auto work = make_work(ring, ring);
+    Staged io = Staged::output(tensor, true);
+    const MPI_Op mpi_op = tensor.scalar_type() == at::kBFloat16 ? g_bf16_sum : MPI_SUM;
+    FLEXDEMO_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, io.data(),
+                                      checked_count(tensor.numel(), "all_reduce"), type, mpi_op,
+                                      comm_, &work->request_));
+    if (op == ReduceOp::Avg) work->divide_by_ = size_;
+    work->outputs_.push_back(io);
+    return work;
+  }
+
+  std::unique_ptr<Work> ireduce_scatter(const at::Tensor& input, const at::Tensor& output,
+                                        ReduceOp op) override {
+    const MPI_Datatype type = mpi_type(input.scalar_type());
+    require(input.numel() == size_ * output.numel() && output.dtype() == input.dtype(),
+            "reduce_scatter: input must have size() * output.numel() = " +
+                std::to_string(size_ * output.numel()) + " elements of the output's dtype, got " +
+                std::to_string(input.numel()));
+    require(op == ReduceOp::Sum || at::isFloatingType(input.scalar_type()),
+            "reduce_scatter: Avg needs a floating dtype");
+    const uint64_t ring = (size_ - 1) * nbytes(input) / size_;
+    auto work = make_work(ring, ring);
+    Staged in = Staged::input(input), out = Staged::output(output, false);
+    const MPI_Op mpi_op = input.scalar_type() == at::kBFloat16 ? g_bf16_sum : MPI_SUM;
+    FLEXDEMO_MPI_CHECK(MPI_Ireduce_scatter_block(in.data(), out.data(),
+                                                 checked_count(output.numel(), "reduce_scatter"),
+                                                 type, mpi_op, comm_, &work->request_));
+    if (op == ReduceOp::Avg) work->divide_by_ = size_;
+    work->keep_alive_.push_back(in.host);
+    work->outputs_.push_back(out);
+    return work;
+  }
+
+  std::unique_ptr<Work> ibroadcast(const at::Tensor& tensor, int root) override {
+    const uint64_t n = nbytes(tensor);
+    auto work = make_work(rank_ == root ? n : 0, rank_ == root ? 0 : n);
+    Staged io = Staged::output(tensor, rank_ == root);
+    FLEXDEMO_MPI_CHECK(MPI_Ibcast(io.data(), checked_count(int64_t(n), "broadcast"), MPI_BYTE,
+                                  root, comm_, &work->request_));
+    work->outputs_.push_back(io);
+    return work;
+  }
+
+  std::unique_ptr<Work> ibarrier() override {
+    auto work = make_work(0, 0);
+    FLEXDEMO_MPI_CHECK(MPI_Ibarrier(comm_, &work->request_));
+    return work;
+  }
+
+  std::shared_ptr<Communicator> split(int color, int key) override {
+    MPI_Comm sub = MPI_COMM_NULL;
+    FLEXDEMO_MPI_CHECK(MPI_Comm_split(comm_, color, key, &sub));
+    return std::make_shared<MpiCommunicator>(sub, true);
+  }
+
+  CommStats stats() const override {
+    std::lock_guard<std::mutex> lock(stats_->mutex);
+    return stats_->stats;
+  }
+  void reset_stats() override {
+    std::lock_guard<std::mutex> lock(stats_->mutex);
+    stats_->stats = CommStats{};
+  }
+
+ private:
+  std::unique_ptr<MpiWork> make_work(uint64_t sent, uint64_t received) {
+    return std::make_unique<MpiWork>(stats_, sent, received);
+  }
+
+  MPI_Comm comm_;
+  bool owns_;
+  int rank_ = 0, size_ = 1;
+  std::shared_ptr<SharedStats> stats_ = std::make_shared<SharedStats>();
+};
+
+}  // namespace
+
+// ====== Runtime ======
+MpiRuntime::MpiRuntime(int* argc, char*** argv) {
+  int initialized = 0;
+  FLEXDEMO_MPI_CHECK(MPI_Initialized(&initialized));
+  if (!initialized) {
+    int provided = 0;
+    FLEXDEMO_MPI_CHECK(MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &provided));
+    owns_mpi_ = true;
+  }
+  FLEXDEMO_MPI_CHECK(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
+  if (g_bf16_type == MPI_DATATYPE_NULL) {
+    FLEXDEMO_MPI_CHECK(MPI_Type_contiguous(2, MPI_BYTE, &g_bf16_type));
+    FLEXDEMO_MPI_CHECK(MPI_Type_commit(&g_bf16_type));
+    FLEXDEMO_MPI_CHECK(MPI_Op_create(&bf16_sum, /*commute=*/1, &g_bf16_sum));
+  }
+}
+
+MpiRuntime::~MpiRuntime() {
+  if (!owns_mpi_) return;
+  if (g_bf16_sum != MPI_OP_NULL) MPI_Op_free(&g_bf16_sum);
+  if (g_bf16_type != MPI_DATATYPE_NULL) MPI_Type_free(&g_bf16_type);
+  MPI_Finalize();
+}
+
+std::shared_ptr<Communicator> MpiRuntime::world() const {
+  return std::make_shared<MpiCommunicator>(MPI_COMM_WORLD, false);
+}
+
+}  // namespace flexdemo::comm

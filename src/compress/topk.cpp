@@ -1,0 +1,98 @@
+// Per-chunk top-k by magnitude over block-layout coefficients, and adding values back at the
+// selected positions (error feedback). Plain loops: a bounded heap per chunk beats a full sort.
+#include "flexdemo/compress.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+namespace flexdemo::compress {
+
+int64_t clamp_topk(int64_t k, const dct::ChunkPlan& plan) {
+  return std::max<int64_t>(1, std::min<int64_t>(k, plan.chunk_numel()));
+}
+
+namespace {
+
+void check_coeffs(const at::Tensor& coeffs, const dct::ChunkPlan& plan, const char* who) {
+  if (coeffs.scalar_type() != at::kFloat || !coeffs.is_contiguous() || !coeffs.is_cpu() ||
+      coeffs.numel() != plan.padded_numel()) {
+    throw std::invalid_argument(std::string(who) +
+                                ": coefficients must be a contiguous float32 CPU tensor of " +
+                                std::to_string(plan.padded_numel()) + " elements");
+  }
+}
+
+}  // namespace
+
+TopK select_topk(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k_requested) {
+  check_coeffs(coeffs, plan, "select_topk");
+  const int64_t k = clamp_topk(k_requested, plan);
+  const int64_t chunks = plan.num_chunks();
+  TopK out;
+  out.k = k;
+  out.indices = at::empty({chunks, k}, at::kLong);
+  out.values = at::empty({chunks, k}, at::kFloat);
+  const float* src = coeffs.data_ptr<float>();
+  int64_t* idx_out = out.indices.data_ptr<int64_t>();
+  float* val_out = out.values.data_ptr<float>();
+  const int64_t h = plan.chunk_rows, w = plan.chunk_cols, stride = plan.padded_cols;
+
+  at::parallel_for(0, chunks, 16, [&](int64_t begin, int64_t end) {
+    // Heap of (magnitude, index) whose top is the weakest kept entry; "stronger" means a larger
+    // magnitude, or the same magnitude and a lower index.
+    std::vector<std::pair<float, int64_t>> heap(k);
+    auto weaker = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+      return a.first > b.first || (a.first == b.first && a.second < b.second);
+    };
+    for (int64_t c = begin; c < end; ++c) {
+      const float* base = src + plan.chunk_origin(c);
+      int64_t filled = 0;
+      for (int64_t u = 0; u < h; ++u) {
+        const float* row = base + u * stride;
+        for (int64_t v = 0; v < w; ++v) {
+          const float mag = std::fabs(row[v]);
+          const int64_t pos = u * w + v;
+          if (filled < k) {
+            heap[filled++] = {mag, pos};
+            if (filled == k) std::make_heap(heap.begin(), heap.end(), weaker);
+          } else if (mag > heap.front().first) {  // equal magnitude: the kept lower index wins
+            std::pop_heap(heap.begin(), heap.end(), weaker);
+            heap.back() = {mag, pos};
+            std::push_heap(heap.begin(), heap.end(), weaker);
+          }
+        }
+      }
+      std::sort(heap.begin(), heap.end(),
+                [](const auto& a, const auto& b) { return a.second < b.second; });
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t pos = heap[j].second;
+        idx_out[c * k + j] = pos;
+        val_out[c * k + j] = base[plan.offset_in_chunk(pos)];
+      }
+    }
+  });
+  return out;
+}
+
+void add_selected(at::Tensor& coeffs, const dct::ChunkPlan& plan, const TopK& topk, float alpha) {
+  check_coeffs(coeffs, plan, "add_selected");
+  float* dst = coeffs.data_ptr<float>();
+  const int64_t* idx = topk.indices.data_ptr<int64_t>();
+  const float* val = topk.values.data_ptr<float>();
+  const int64_t k = topk.k;
+  at::parallel_for(0, plan.num_chunks(), 64, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      float* base = dst + plan.chunk_origin(c);
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t pos = idx[c * k + j];
+        base[plan.offset_in_chunk(pos)] += alpha * val[c * k + j];
+      }
+    }
+  });
+}
+
+}  // namespace flexdemo::compress

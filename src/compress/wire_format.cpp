@@ -1,0 +1,299 @@
+// The wire format: encode one tensor's top-k into a self-describing payload, validate a
+// received payload completely before use, and decode R payloads into their per-coefficient mean.
+#include "flexdemo/compress.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <zlib.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+namespace flexdemo::compress {
+
+std::string to_string(ValueEncoding encoding) {
+  switch (encoding) {
+    case ValueEncoding::Fp32: return "fp32";
+    case ValueEncoding::Bf16: return "bf16";
+    case ValueEncoding::Int8: return "int8";
+    case ValueEncoding::Sign: return "1bit";
+  }
+  return "unknown";
+}
+
+ValueEncoding parse_value_encoding(const std::string& name) {
+  for (auto e : {ValueEncoding::Fp32, ValueEncoding::Bf16, ValueEncoding::Int8,
+                 ValueEncoding::Sign}) {
+    if (name == to_string(e)) return e;
+  }
+  throw std::invalid_argument("unknown value encoding '" + name +
+                              "'; accepted: fp32, bf16, int8, 1bit");
+}
+
+int index_bytes_for(int64_t chunk_numel) {
+  if (chunk_numel <= 256) return 1;
+  if (chunk_numel <= 65536) return 2;
+  return 4;
+}
+
+namespace {
+
+// ====== Byte order ======
+void put_u32(uint8_t* p, uint32_t v) {
+  for (int b = 0; b < 4; ++b) p[b] = uint8_t(v >> (8 * b));
+}
+uint32_t get_u32(const uint8_t* p) {
+  return uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24;
+}
+void put_f32(uint8_t* p, float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  put_u32(p, bits);
+}
+float get_f32(const uint8_t* p) {
+  const uint32_t bits = get_u32(p);
+  float v;
+  std::memcpy(&v, &bits, 4);
+  return v;
+}
+
+// Where each part of a payload's body lies, for a given plan, k and encoding.
+struct Layout {
+  int64_t chunks = 0, k = 0, entries = 0;
+  int index_bytes = 0;
+  size_t scales_at = 0;  // offsets inside the body
+  size_t values_at = 0;
+  size_t body_bytes = 0;
+};
+
+bool has_scales(ValueEncoding e) { return e == ValueEncoding::Int8 || e == ValueEncoding::Sign; }
+
+Layout layout_of(const dct::ChunkPlan& plan, int64_t k_requested, ValueEncoding encoding) {
+  Layout l;
+  l.chunks = plan.num_chunks();
+  l.k = clamp_topk(k_requested, plan);
+  l.entries = l.chunks * l.k;
+  l.index_bytes = index_bytes_for(plan.chunk_numel());
+  l.scales_at = size_t(l.entries) * l.index_bytes;
+  l.values_at = l.scales_at + (has_scales(encoding) ? size_t(l.chunks) * 4 : 0);
+  size_t value_bytes = 0;
+  switch (encoding) {
+    case ValueEncoding::Fp32: value_bytes = size_t(l.entries) * 4; break;
+    case ValueEncoding::Bf16: value_bytes = size_t(l.entries) * 2; break;
+    case ValueEncoding::Int8: value_bytes = size_t(l.entries); break;
+    case ValueEncoding::Sign: value_bytes = (size_t(l.entries) + 7) / 8; break;
+  }
+  l.body_bytes = l.values_at + value_bytes;
+  return l;
+}
+
+uint32_t checksum(const uint8_t* body, size_t n) {
+  return uint32_t(crc32_z(crc32_z(0L, Z_NULL, 0), body, n));
+}
+
+uint32_t to_u32(int64_t v, const char* what) {
+  if (v < 0 || v > int64_t(std::numeric_limits<uint32_t>::max())) {
+    throw std::invalid_argument(std::string("wire format: ") + what + " " + std::to_string(v) +
+                                " does not fit 32 bits");
+  }
+  return uint32_t(v);
+}
+
+int64_t read_index(const uint8_t* p, int width) {
+  switch (width) {
+    case 1: return p[0];
+    case 2: return int64_t(p[0]) | int64_t(p[1]) << 8;
+    default: return int64_t(get_u32(p));
+  }
+}
+
+void write_index(uint8_t* p, int64_t v, int width) {
+  for (int b = 0; b < width; ++b) p[b] = uint8_t(v >> (8 * b));
+}
+
+// Value j (0-based among all entries) of a validated body.
+inline float read_value(const uint8_t* body, const Layout& l, ValueEncoding e, int64_t entry) {
+  const uint8_t* values = body + l.values_at;
+  switch (e) {
+    case ValueEncoding::Fp32: return get_f32(values + 4 * entry);
+    case ValueEncoding::Bf16: {
+      const uint16_t bits = uint16_t(values[2 * entry] | values[2 * entry + 1] << 8);
+      return float(c10::BFloat16(bits, c10::BFloat16::from_bits()));
+    }
+    case ValueEncoding::Int8:
+      return float(int8_t(values[entry])) * get_f32(body + l.scales_at + 4 * (entry / l.k));
+    case ValueEncoding::Sign: {
+      const float scale = get_f32(body + l.scales_at + 4 * (entry / l.k));
+      return (values[entry / 8] >> (entry % 8)) & 1 ? -scale : scale;
+    }
+  }
+  return 0.0f;
+}
+
+[[noreturn]] void reject(const std::string& why) {
+  throw WireFormatError("invalid wire payload: " + why);
+}
+
+void expect_field(uint32_t got, int64_t want, const char* field) {
+  if (int64_t(got) != want) {
+    reject(std::string(field) + " is " + std::to_string(got) + ", this replica expects " +
+           std::to_string(want));
+  }
+}
+
+}  // namespace
+
+size_t wire_payload_bytes(const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding) {
+  return kWireHeaderBytes + layout_of(plan, k, encoding).body_bytes;
+}
+
+void encode_payload(const dct::ChunkPlan& plan, TopK& topk, ValueEncoding encoding,
+                    uint8_t* dst) {
+  const Layout l = layout_of(plan, topk.k, encoding);
+  if (l.k != topk.k || topk.indices.numel() != l.entries || topk.values.numel() != l.entries) {
+    throw std::invalid_argument("encode_payload: top-k does not match the chunk plan");
+  }
+  uint8_t* body = dst + kWireHeaderBytes;
+  const int64_t* idx = topk.indices.data_ptr<int64_t>();
+  float* val = topk.values.data_ptr<float>();
+
+  for (int64_t e = 0; e < l.entries; ++e) write_index(body + e * l.index_bytes, idx[e], l.index_bytes);
+  uint8_t* values = body + l.values_at;
+  switch (encoding) {
+    case ValueEncoding::Fp32:
+      for (int64_t e = 0; e < l.entries; ++e) put_f32(values + 4 * e, val[e]);
+      break;
+    case ValueEncoding::Bf16:
+      for (int64_t e = 0; e < l.entries; ++e) {
+        const c10::BFloat16 b(val[e]);
+        values[2 * e] = uint8_t(b.x);
+        values[2 * e + 1] = uint8_t(b.x >> 8);
+        val[e] = float(b);
+      }
+      break;
+    case ValueEncoding::Int8:
+      for (int64_t c = 0; c < l.chunks; ++c) {
+        float max_abs = 0.0f;
+        for (int64_t j = 0; j < l.k; ++j) max_abs = std::max(max_abs, std::fabs(val[c * l.k + j]));
+        const float scale = max_abs / 127.0f;
+        put_f32(body + l.scales_at + 4 * c, scale);
+        for (int64_t j = 0; j < l.k; ++j) {
+          const int64_t e = c * l.k + j;
+          const float q = scale > 0.0f ? std::nearbyint(val[e] / scale) : 0.0f;
+          const int8_t stored = int8_t(std::max(-127.0f, std::min(127.0f, q)));
+          values[e] = uint8_t(stored);
+          val[e] = float(stored) * scale;
+        }
+      }
+      break;
+    case ValueEncoding::Sign:
+      std::memset(values, 0, (size_t(l.entries) + 7) / 8);
+      for (int64_t c = 0; c < l.chunks; ++c) {
+        double sum_abs = 0.0;
+        for (int64_t j = 0; j < l.k; ++j) sum_abs += std::fabs(val[c * l.k + j]);
+        const float scale = float(sum_abs / double(l.k));
+        put_f32(body + l.scales_at + 4 * c, scale);
+        for (int64_t j = 0; j < l.k; ++j) {
+          const int64_t e = c * l.k + j;
+          const bool negative = std::signbit(val[e]);
+          if (negative) values[e / 8] |= uint8_t(1u << (e % 8));
+          val[e] = negative ? -scale : scale;
+        }
+      }
+      break;
+  }
+
+  put_u32(dst + 0, kWireMagic);
+  dst[4] = kWireVersion;
+  dst[5] = uint8_t(encoding);
+  dst[6] = uint8_t(l.index_bytes);
+  dst[7] = 0;
+  put_u32(dst + 8, to_u32(plan.rows, "rows"));
+  put_u32(dst + 12, to_u32(plan.cols, "cols"));
+  put_u32(dst + 16, to_u32(plan.chunk_rows, "chunk rows"));
+  put_u32(dst + 20, to_u32(plan.chunk_cols, "chunk cols"));
+  put_u32(dst + 24, to_u32(l.k, "k"));
+  put_u32(dst + 28, to_u32(int64_t(l.body_bytes), "body bytes"));
+  put_u32(dst + 32, checksum(body, l.body_bytes));
+}
+
+void validate_payload(const uint8_t* data, size_t size, const dct::ChunkPlan& plan, int64_t k,
+                      ValueEncoding encoding) {
+  if (size < kWireHeaderBytes) {
+    reject("truncated: " + std::to_string(size) + " bytes, the header alone is " +
+           std::to_string(kWireHeaderBytes));
+  }
+  if (get_u32(data) != kWireMagic) reject("bad magic (not a flexdemo payload)");
+  if (data[4] != kWireVersion) {
+    reject("version " + std::to_string(data[4]) + ", this build reads version " +
+           std::to_string(kWireVersion));
+  }
+  if (data[5] != uint8_t(encoding)) {
+    reject("value encoding " + std::to_string(data[5]) + ", this replica expects " +
+           to_string(encoding));
+  }
+  const Layout l = layout_of(plan, k, encoding);
+  expect_field(data[6], l.index_bytes, "index width");
+  expect_field(data[7], 0, "reserved byte");
+  expect_field(get_u32(data + 8), plan.rows, "rows");
+  expect_field(get_u32(data + 12), plan.cols, "cols");
+  expect_field(get_u32(data + 16), plan.chunk_rows, "chunk rows");
+  expect_field(get_u32(data + 20), plan.chunk_cols, "chunk cols");
+  expect_field(get_u32(data + 24), l.k, "k");
+  expect_field(get_u32(data + 28), int64_t(l.body_bytes), "body size");
+  if (size != kWireHeaderBytes + l.body_bytes) {
+    reject(std::string(size < kWireHeaderBytes + l.body_bytes ? "truncated" : "oversized") +
+           ": " + std::to_string(size) + " bytes, expected " +
+           std::to_string(kWireHeaderBytes + l.body_bytes));
+  }
+  const uint8_t* body = data + kWireHeaderBytes;
+  if (checksum(body, l.body_bytes) != get_u32(data + 32)) reject("checksum mismatch");
+  const int64_t limit = plan.chunk_numel();
+  for (int64_t e = 0; e < l.entries; ++e) {
+    const int64_t index = read_index(body + e * l.index_bytes, l.index_bytes);
+    if (index >= limit) {
+      reject("index " + std::to_string(index) + " outside a chunk of " + std::to_string(limit) +
+             " coefficients");
+    }
+  }
+}
+
+void decode_mean(const std::vector<const uint8_t*>& payloads, size_t size,
+                 const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding, at::Tensor& out) {
+  if (out.scalar_type() != at::kFloat || !out.is_contiguous() || !out.is_cpu() ||
+      out.numel() != plan.padded_numel()) {
+    throw std::invalid_argument("decode_mean: out must be a contiguous float32 CPU tensor of " +
+                                std::to_string(plan.padded_numel()) + " elements");
+  }
+  for (const uint8_t* p : payloads) validate_payload(p, size, plan, k, encoding);
+  const Layout l = layout_of(plan, k, encoding);
+  out.zero_();
+  float* dst = out.data_ptr<float>();
+
+  at::parallel_for(0, l.chunks, 16, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> count(plan.chunk_numel(), 0);  // per coefficient of one chunk
+    for (int64_t c = begin; c < end; ++c) {
+      float* base = dst + plan.chunk_origin(c);
+      for (const uint8_t* payload : payloads) {  // rank order: the same sums on every replica
+        const uint8_t* body = payload + kWireHeaderBytes;
+        for (int64_t e = c * l.k; e < (c + 1) * l.k; ++e) {
+          const int64_t pos = read_index(body + e * l.index_bytes, l.index_bytes);
+          base[plan.offset_in_chunk(pos)] += read_value(body, l, encoding, e);
+          count[pos] += 1;
+        }
+      }
+      for (const uint8_t* payload : payloads) {  // divide once per coefficient, reset counts
+        const uint8_t* body = payload + kWireHeaderBytes;
+        for (int64_t e = c * l.k; e < (c + 1) * l.k; ++e) {
+          const int64_t pos = read_index(body + e * l.index_bytes, l.index_bytes);
+          if (count[pos] > 1) base[plan.offset_in_chunk(pos)] /= float(count[pos]);
+          count[pos] = 0;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace flexdemo::compress

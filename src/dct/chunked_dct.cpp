@@ -1,0 +1,146 @@
+// Chunk plans, the cached DCT basis and the separable chunked DCT over whole tensors.
+// Each transform is two GEMMs on the block layout (rows of chunks, then columns of chunks).
+#include "flexdemo/dct.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <tuple>
+
+namespace flexdemo::dct {
+
+std::string to_string(ChunkMode mode) { return mode == ChunkMode::Divisor ? "divisor" : "padded"; }
+
+ChunkMode parse_chunk_mode(const std::string& name) {
+  if (name == "divisor") return ChunkMode::Divisor;
+  if (name == "padded") return ChunkMode::Padded;
+  throw std::invalid_argument("unknown chunk mode '" + name + "'; accepted: divisor, padded");
+}
+
+namespace {
+
+int64_t largest_divisor_at_most(int64_t n, int64_t target) {
+  for (int64_t d = std::min(n, target); d > 1; --d) {
+    if (n % d == 0) return d;
+  }
+  return 1;
+}
+
+void plan_dimension(int64_t n, int64_t target, ChunkMode mode, int64_t& chunk, int64_t& padded) {
+  if (mode == ChunkMode::Divisor) {
+    chunk = largest_divisor_at_most(n, target);
+    padded = n;
+  } else {
+    chunk = std::min(n, target);
+    padded = (n + chunk - 1) / chunk * chunk;
+  }
+}
+
+}  // namespace
+
+ChunkPlan make_chunk_plan(at::IntArrayRef shape, int64_t target, ChunkMode mode) {
+  if (target <= 0) {
+    throw std::invalid_argument("chunk size must be > 0, got " + std::to_string(target));
+  }
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  if (numel <= 0) throw std::invalid_argument("cannot plan chunks for an empty tensor");
+
+  ChunkPlan plan;
+  if (shape.size() <= 1) {
+    plan.rows = 1;
+    plan.cols = numel;
+  } else {
+    plan.rows = shape[0];
+    plan.cols = numel / shape[0];
+  }
+  if (plan.rows == 1) {
+    plan.chunk_rows = plan.padded_rows = 1;
+  } else {
+    plan_dimension(plan.rows, target, mode, plan.chunk_rows, plan.padded_rows);
+  }
+  plan_dimension(plan.cols, target, mode, plan.chunk_cols, plan.padded_cols);
+  return plan;
+}
+
+at::Tensor dct_basis(int64_t n, at::ScalarType dtype, at::Device device) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int64_t, int, std::string>, at::Tensor> cache;
+  const auto key = std::make_tuple(n, int(dtype), device.str());
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+
+  at::Tensor basis = at::empty({n, n}, at::kDouble);
+  auto b = basis.accessor<double, 2>();
+  const double pi = std::acos(-1.0);
+  for (int64_t k = 0; k < n; ++k) {
+    const double scale = std::sqrt((k == 0 ? 1.0 : 2.0) / double(n));
+    for (int64_t i = 0; i < n; ++i) b[k][i] = scale * std::cos(pi * (2 * i + 1) * k / (2.0 * n));
+  }
+  at::Tensor converted = basis.to(device, dtype).contiguous();
+  cache.emplace(key, converted);
+  return converted;
+}
+
+void chunked_dct_accumulate(const at::Tensor& x, const ChunkPlan& plan, double beta, double alpha,
+                            at::Tensor& out) {
+  if (x.numel() != plan.numel()) {
+    throw std::invalid_argument("chunked_dct: tensor has " + std::to_string(x.numel()) +
+                                " elements, plan expects " + std::to_string(plan.numel()));
+  }
+  const int64_t h = plan.chunk_rows, w = plan.chunk_cols;
+  const int64_t R = plan.padded_rows, C = plan.padded_cols;
+  at::Tensor samples = x.reshape({plan.rows, plan.cols}).to(at::kFloat);
+  if (plan.is_padded()) {
+    samples = at::constant_pad_nd(samples, {0, C - plan.cols, 0, R - plan.rows});
+  }
+  const auto device = out.device();
+  // Along rows of each chunk: [R/h, h, C] <- B_h @ samples (batched over row chunks).
+  at::Tensor rows_done = samples.contiguous();
+  if (h > 1) {
+    rows_done = at::matmul(dct_basis(h, at::kFloat, device), samples.view({R / h, h, C}));
+  }
+  // Along columns of each chunk, fused with the accumulation: out = beta*out + alpha*(. @ B_w^T).
+  at::Tensor out2d = out.view({R * C / w, w});
+  at::Tensor bw_t = dct_basis(w, at::kFloat, device).t();
+  if (beta == 0.0) {
+    at::mm_out(out2d, rows_done.view({R * C / w, w}), bw_t);
+    if (alpha != 1.0) out.mul_(alpha);
+  } else {
+    out2d.addmm_(rows_done.view({R * C / w, w}), bw_t, beta, alpha);
+  }
+}
+
+at::Tensor chunked_dct(const at::Tensor& x, const ChunkPlan& plan) {
+  at::Tensor out = at::empty({plan.padded_rows, plan.padded_cols},
+                             x.options().dtype(at::kFloat));
+  chunked_dct_accumulate(x, plan, 0.0, 1.0, out);
+  return out;
+}
+
+at::Tensor chunked_idct(const at::Tensor& coeffs, const ChunkPlan& plan) {
+  const int64_t h = plan.chunk_rows, w = plan.chunk_cols;
+  const int64_t R = plan.padded_rows, C = plan.padded_cols;
+  if (coeffs.numel() != plan.padded_numel()) {
+    throw std::invalid_argument("chunked_idct: coefficients have " +
+                                std::to_string(coeffs.numel()) + " elements, plan expects " +
+                                std::to_string(plan.padded_numel()));
+  }
+  const auto device = coeffs.device();
+  at::Tensor c = coeffs.to(at::kFloat).contiguous();
+  // x = B_h^T C B_w per chunk: columns first (one GEMM), then rows (batched over row chunks).
+  at::Tensor cols_done = at::mm(c.view({R * C / w, w}), dct_basis(w, at::kFloat, device));
+  at::Tensor samples = cols_done.view({R, C});
+  if (h > 1) {
+    samples = at::matmul(dct_basis(h, at::kFloat, device).t(), cols_done.view({R / h, h, C}))
+                  .view({R, C});
+  }
+  if (plan.is_padded()) samples = samples.narrow(0, 0, plan.rows).narrow(1, 0, plan.cols);
+  return samples;
+}
+
+}  // namespace flexdemo::dct

@@ -1,0 +1,146 @@
+// The MPI communicator on real ranks: every collective's result against a closed form, the
+// byte accounting, sub-communicators, host staging, and MPI errors surfacing as CommError.
+#include "test_mpi.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+using flexdemo::comm::CommError;
+using flexdemo::comm::ReduceOp;
+
+TEST(Comm, AllGatherEqualSizes) {
+  auto world = test_world();
+  const int P = world->size(), r = world->rank();
+  at::Tensor in = at::arange(3, at::kFloat) + 10 * r;
+  at::Tensor out = at::empty({3 * P});
+  world->all_gather(in, out);
+  for (int q = 0; q < P; ++q)
+    EXPECT_TRUE(at::equal(out.narrow(0, 3 * q, 3), at::arange(3, at::kFloat) + 10 * q));
+}
+
+TEST(Comm, AllGatherVariableSizes) {
+  auto world = test_world();
+  const int P = world->size(), r = world->rank();
+  std::vector<int64_t> counts;
+  int64_t total = 0;
+  for (int q = 0; q < P; ++q) {
+    counts.push_back(q + 1);
+    total += q + 1;
+  }
+  at::Tensor in = at::full({r + 1}, double(r), at::kDouble);
+  at::Tensor out = at::empty({total}, at::kDouble);
+  world->all_gather_v(in, out, counts);
+  int64_t at_ = 0;
+  for (int q = 0; q < P; ++q) {
+    EXPECT_TRUE(at::all(out.narrow(0, at_, q + 1) == q).item<bool>());
+    at_ += q + 1;
+  }
+}
+
+TEST(Comm, AllReduceSumAndAverage) {
+  auto world = test_world();
+  const int P = world->size(), r = world->rank();
+  const double sum = P * (P + 1) / 2.0;
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kDouble}) {
+    at::Tensor t = at::full({5}, r + 1.0, at::TensorOptions().dtype(dtype));
+    world->all_reduce(t, ReduceOp::Sum);
+    EXPECT_TRUE(at::all(t == sum).item<bool>()) << dtype;
+    at::Tensor a = at::full({5}, r + 1.0, at::TensorOptions().dtype(dtype));
+    world->all_reduce(a, ReduceOp::Avg);
+    EXPECT_TRUE(at::allclose(a.to(at::kDouble), at::full({5}, sum / P, at::kDouble), 1e-2))
+        << dtype;
+  }
+  at::Tensor i = at::full({2}, int64_t(r), at::kLong);
+  world->all_reduce(i, ReduceOp::Sum);
+  EXPECT_EQ(i[0].item<int64_t>(), int64_t(P) * (P - 1) / 2);
+  EXPECT_THROW(world->all_reduce(i, ReduceOp::Avg), std::invalid_argument);
+}
+
+TEST(Comm, ReduceScatter) {
+  auto world = test_world();
+  const int P = world->size(), r = world->rank();
+  at::Tensor in = at::arange(2 * P, at::kFloat) * (r + 1);  // slice q holds 2q, 2q+1 times r+1
+  at::Tensor out = at::empty({2});
+  world->reduce_scatter(in, out, ReduceOp::Sum);
+  const double ranks = P * (P + 1) / 2.0;
+  EXPECT_EQ(out[0].item<float>(), float(2 * r * ranks));
+  EXPECT_EQ(out[1].item<float>(), float((2 * r + 1) * ranks));
+  world->reduce_scatter(in, out, ReduceOp::Avg);
+  EXPECT_FLOAT_EQ(out[1].item<float>(), float((2 * r + 1) * ranks / P));
+}
+
+TEST(Comm, BroadcastAndBarrier) {
+  auto world = test_world();
+  const int root = world->size() - 1;
+  at::Tensor t = at::full({4}, world->rank() == root ? 42.0 : -1.0);
+  world->broadcast(t, root);
+  EXPECT_TRUE(at::all(t == 42.0).item<bool>());
+  world->barrier();
+}
+
+TEST(Comm, NonBlockingHandlesCompleteOnWait) {
+  auto world = test_world();
+  const int P = world->size();
+  at::Tensor a = at::ones({1000});
+  at::Tensor in = at::full({2}, double(world->rank()));
+  at::Tensor out = at::empty({2 * P});
+  auto w1 = world->iall_reduce(a, ReduceOp::Sum);
+  auto w2 = world->iall_gather(in, out);
+  w2->wait();
+  w1->wait();
+  w1->wait();  // idempotent
+  EXPECT_TRUE(w1->is_completed());
+  EXPECT_TRUE(at::all(a == P).item<bool>());
+  EXPECT_EQ(out[2 * P - 1].item<float>(), float(P - 1));
+}
+
+TEST(Comm, StagesNonContiguousTensors) {
+  auto world = test_world();
+  at::Tensor base = at::ones({3, 4});
+  at::Tensor view = base.t();  // not contiguous: goes through a host copy and comes back
+  world->all_reduce(view, ReduceOp::Sum);
+  EXPECT_TRUE(at::all(base == world->size()).item<bool>());
+}
+
+TEST(Comm, SplitFormsSubgroups) {
+  auto world = test_world();
+  const int P = world->size(), r = world->rank();
+  auto sub = world->split(r % 2, r);
+  EXPECT_EQ(sub->size(), (P + 1 - r % 2) / 2);
+  EXPECT_EQ(sub->rank(), r / 2);
+  at::Tensor t = at::full({1}, 1.0);
+  sub->all_reduce(t, ReduceOp::Sum);
+  EXPECT_EQ(t.item<float>(), float(sub->size()));
+  EXPECT_EQ(world->split(0, -r)->rank(), P - 1 - r);  // key orders the new ranks
+}
+
+TEST(Comm, CountsRingBytes) {
+  auto world = test_world();
+  auto group = world->split(0, world->rank());  // fresh counters
+  const uint64_t P = group->size();
+  at::Tensor in = at::zeros({100}, at::kByte);
+  at::Tensor out = at::empty({int64_t(100 * P)}, at::kByte);
+  group->all_gather(in, out);
+  EXPECT_EQ(group->stats().bytes_sent, (P - 1) * 100);
+  EXPECT_EQ(group->stats().bytes_received, (P - 1) * 100);
+  at::Tensor f = at::zeros({64 * int64_t(P)});
+  group->all_reduce(f, ReduceOp::Sum);
+  EXPECT_EQ(group->stats().bytes_sent, (P - 1) * 100 + 2 * (P - 1) * 64 * 4);
+  EXPECT_EQ(group->stats().collectives, 2u);
+  EXPECT_GT(group->stats().seconds, 0.0);
+  group->reset_stats();
+  EXPECT_EQ(group->stats().bytes_sent, 0u);
+}
+
+TEST(Comm, MpiErrorsBecomeExceptions) {
+  auto world = test_world();
+  at::Tensor t = at::zeros({1});
+  try {
+    world->broadcast(t, world->size() + 3);  // no such root: MPI itself rejects it
+    ADD_FAILURE() << "an invalid root was accepted";
+  } catch (const CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("MPI_Ibcast"), std::string::npos) << e.what();
+  }
+  at::Tensor wrong = at::empty({1});
+  EXPECT_THROW(world->all_gather(t, wrong.expand({1})), std::invalid_argument);
+}

@@ -1,0 +1,241 @@
+// Top-k against a sort-based reference, the wire format's round trip and closed-form size,
+// rejection of malformed payloads, and decode-aggregate against a naive mean.
+#include "flexdemo/compress.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+using namespace flexdemo;
+using compress::ValueEncoding;
+
+namespace {
+
+const ValueEncoding kAllEncodings[] = {ValueEncoding::Fp32, ValueEncoding::Bf16,
+                                       ValueEncoding::Int8, ValueEncoding::Sign};
+
+// Sort-based reference: per chunk, positions by descending magnitude (ties: lower position).
+std::vector<std::vector<int64_t>> reference_topk(const at::Tensor& coeffs, const dct::ChunkPlan& p,
+                                                 int64_t k) {
+  auto c = coeffs.accessor<float, 2>();
+  std::vector<std::vector<int64_t>> result;
+  for (int64_t i0 = 0; i0 < p.padded_rows; i0 += p.chunk_rows) {
+    for (int64_t j0 = 0; j0 < p.padded_cols; j0 += p.chunk_cols) {
+      std::vector<std::pair<float, int64_t>> all;
+      for (int64_t u = 0; u < p.chunk_rows; ++u)
+        for (int64_t v = 0; v < p.chunk_cols; ++v)
+          all.push_back({std::fabs(c[i0 + u][j0 + v]), u * p.chunk_cols + v});
+      std::stable_sort(all.begin(), all.end(),
+                       [](const auto& a, const auto& b) { return a.first > b.first; });
+      std::vector<int64_t> kept;
+      for (int64_t j = 0; j < std::min<int64_t>(k, int64_t(all.size())); ++j)
+        kept.push_back(all[j].second);
+      std::sort(kept.begin(), kept.end());
+      result.push_back(kept);
+    }
+  }
+  return result;
+}
+
+std::vector<uint8_t> encode(const dct::ChunkPlan& plan, compress::TopK& topk, ValueEncoding e) {
+  std::vector<uint8_t> bytes(compress::wire_payload_bytes(plan, topk.k, e));
+  compress::encode_payload(plan, topk, e, bytes.data());
+  return bytes;
+}
+
+void put_u32(uint8_t* p, uint32_t v) {
+  for (int b = 0; b < 4; ++b) p[b] = uint8_t(v >> (8 * b));
+}
+
+void refresh_checksum(std::vector<uint8_t>& bytes) {
+  const uint8_t* body = bytes.data() + compress::kWireHeaderBytes;
+  put_u32(bytes.data() + 32,
+          uint32_t(crc32(0L, body, uInt(bytes.size() - compress::kWireHeaderBytes))));
+}
+
+}  // namespace
+
+TEST(TopK, MatchesSortBasedReference) {
+  at::manual_seed(10);
+  for (auto mode : {dct::ChunkMode::Divisor, dct::ChunkMode::Padded}) {
+    dct::ChunkPlan plan = dct::make_chunk_plan({24, 40}, 16, mode);
+    at::Tensor coeffs = at::randn({plan.padded_rows, plan.padded_cols});
+    for (int64_t k : {1, 5, 37}) {
+      compress::TopK t = compress::select_topk(coeffs, plan, k);
+      auto want = reference_topk(coeffs, plan, k);
+      ASSERT_EQ(t.indices.size(0), int64_t(want.size()));
+      for (size_t c = 0; c < want.size(); ++c) {
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t pos = t.indices[c][j].item<int64_t>();
+          EXPECT_EQ(pos, want[c][j]) << "chunk " << c << " k " << k;
+          const float expect = coeffs.view(-1)[plan.chunk_origin(c) + plan.offset_in_chunk(pos)]
+                                   .item<float>();
+          EXPECT_EQ(t.values[c][j].item<float>(), expect);
+        }
+      }
+    }
+  }
+}
+
+TEST(TopK, ClampsKAndBreaksTiesByLowerIndex) {
+  dct::ChunkPlan plan = dct::make_chunk_plan({8}, 8, dct::ChunkMode::Divisor);
+  EXPECT_EQ(compress::clamp_topk(100, plan), 8);
+  EXPECT_EQ(compress::clamp_topk(0, plan), 1);
+  at::Tensor ties = at::tensor({1.f, -1.f, 1.f, 0.5f, -1.f, 1.f, 0.f, 1.f}).view({1, 8});
+  compress::TopK t = compress::select_topk(ties, plan, 3);
+  EXPECT_TRUE(at::equal(t.indices, at::tensor({0L, 1L, 2L}).view({1, 3})));
+  compress::TopK all = compress::select_topk(ties, plan, 100);
+  EXPECT_EQ(all.k, 8);
+}
+
+TEST(WireFormat, IndexWidthIsNarrowestLossless) {
+  EXPECT_EQ(compress::index_bytes_for(256), 1);
+  EXPECT_EQ(compress::index_bytes_for(257), 2);
+  EXPECT_EQ(compress::index_bytes_for(65536), 2);
+  EXPECT_EQ(compress::index_bytes_for(65537), 4);
+}
+
+TEST(WireFormat, PayloadSizeIsClosedForm) {
+  // 128 x 128 in 64 x 64 chunks: 4 chunks of 4096 coefficients, k = 32 -> 128 entries of 2 bytes.
+  dct::ChunkPlan plan = dct::make_chunk_plan({128, 128}, 64, dct::ChunkMode::Divisor);
+  EXPECT_EQ(compress::wire_payload_bytes(plan, 32, ValueEncoding::Fp32), 36u + 256 + 512);
+  EXPECT_EQ(compress::wire_payload_bytes(plan, 32, ValueEncoding::Bf16), 36u + 256 + 256);
+  EXPECT_EQ(compress::wire_payload_bytes(plan, 32, ValueEncoding::Int8), 36u + 256 + 16 + 128);
+  EXPECT_EQ(compress::wire_payload_bytes(plan, 32, ValueEncoding::Sign), 36u + 256 + 16 + 16);
+  // A vector of 192 in chunks of 64: 3 chunks, 1-byte indices.
+  dct::ChunkPlan vec = dct::make_chunk_plan({192}, 64, dct::ChunkMode::Divisor);
+  EXPECT_EQ(compress::wire_payload_bytes(vec, 32, ValueEncoding::Bf16), 36u + 96 + 192);
+}
+
+TEST(WireFormat, RoundTripEveryEncoding) {
+  at::manual_seed(11);
+  dct::ChunkPlan plan = dct::make_chunk_plan({40, 72}, 16, dct::ChunkMode::Padded);
+  at::Tensor coeffs = at::randn({plan.padded_rows, plan.padded_cols});
+  for (ValueEncoding e : kAllEncodings) {
+    compress::TopK t = compress::select_topk(coeffs, plan, 7);
+    const at::Tensor original = t.values.clone();
+    std::vector<uint8_t> bytes = encode(plan, t, e);
+    at::Tensor out = at::empty({plan.padded_numel()});
+    compress::decode_mean({bytes.data()}, bytes.size(), plan, 7, e, out);
+
+    // The decoded tensor holds exactly the (quantised) values at the selected positions.
+    at::Tensor expected = at::zeros({plan.padded_numel()});
+    for (int64_t c = 0; c < plan.num_chunks(); ++c)
+      for (int64_t j = 0; j < t.k; ++j)
+        expected[plan.chunk_origin(c) + plan.offset_in_chunk(t.indices[c][j].item<int64_t>())] =
+            t.values[c][j];
+    EXPECT_TRUE(at::equal(out, expected)) << compress::to_string(e);
+
+    // Quantisation error within what the encoding promises.
+    const at::Tensor err = (t.values - original).abs();
+    switch (e) {
+      case ValueEncoding::Fp32: EXPECT_TRUE(at::equal(t.values, original)); break;
+      case ValueEncoding::Bf16:
+        EXPECT_TRUE(at::all(err <= original.abs() * (1.0 / 256)).item<bool>());
+        break;
+      case ValueEncoding::Int8: {
+        const at::Tensor scale = std::get<0>(original.abs().max(1, true)) / 127.0;
+        EXPECT_TRUE(at::all(err <= scale * 0.5001).item<bool>());
+        break;
+      }
+      case ValueEncoding::Sign: {
+        const at::Tensor mean_abs = original.abs().mean(1, true).expand_as(original);
+        EXPECT_TRUE(at::allclose(t.values.abs(), mean_abs, 1e-6, 1e-7));
+        EXPECT_TRUE(at::equal(t.values.sign(), original.sign()));
+        break;
+      }
+    }
+  }
+  EXPECT_THROW(compress::parse_value_encoding("fp16"), std::invalid_argument);
+}
+
+TEST(WireFormat, RejectsMalformedPayloads) {
+  at::manual_seed(12);
+  dct::ChunkPlan plan = dct::make_chunk_plan({32, 32}, 16, dct::ChunkMode::Divisor);
+  at::Tensor coeffs = at::randn({32, 32});
+  compress::TopK t = compress::select_topk(coeffs, plan, 4);
+  const std::vector<uint8_t> good = encode(plan, t, ValueEncoding::Bf16);
+  auto expect_reject = [&](const std::vector<uint8_t>& bytes, const std::string& why) {
+    try {
+      compress::validate_payload(bytes.data(), bytes.size(), plan, 4, ValueEncoding::Bf16);
+      ADD_FAILURE() << "accepted a payload with " << why;
+    } catch (const compress::WireFormatError& err) {
+      EXPECT_NE(std::string(err.what()).find(why), std::string::npos) << err.what();
+    }
+  };
+  compress::validate_payload(good.data(), good.size(), plan, 4, ValueEncoding::Bf16);
+
+  expect_reject(std::vector<uint8_t>(good.begin(), good.begin() + 20), "truncated");
+  expect_reject(std::vector<uint8_t>(good.begin(), good.end() - 1), "truncated");
+  std::vector<uint8_t> longer(good.begin(), good.end());
+  longer.push_back(0);
+  expect_reject(longer, "oversized");
+  std::vector<uint8_t> magic(good.begin(), good.end());
+  magic[0] ^= 0xff;
+  expect_reject(magic, "magic");
+  std::vector<uint8_t> version(good.begin(), good.end());
+  version[4] = 2;
+  expect_reject(version, "version 2");
+  std::vector<uint8_t> encoding(good.begin(), good.end());
+  encoding[5] = uint8_t(ValueEncoding::Fp32);
+  expect_reject(encoding, "value encoding");
+  std::vector<uint8_t> shape(good.begin(), good.end());
+  shape[8] = 31;  // rows 32 -> 31
+  expect_reject(shape, "rows");
+  std::vector<uint8_t> corrupt(good.begin(), good.end());
+  corrupt[corrupt.size() - 1] ^= 0x01;
+  expect_reject(corrupt, "checksum");
+  // Chunks of 1024 coefficients use 2-byte indices, so an index outside its chunk is expressible.
+  dct::ChunkPlan wide = dct::make_chunk_plan({32, 32}, 32, dct::ChunkMode::Divisor);
+  compress::TopK tw = compress::select_topk(at::randn({32, 32}), wide, 4);
+  std::vector<uint8_t> bad_index = encode(wide, tw, ValueEncoding::Fp32);
+  put_u32(bad_index.data() + compress::kWireHeaderBytes, 1024);  // 2-byte index 1024 >= 1024
+  refresh_checksum(bad_index);
+  try {
+    compress::validate_payload(bad_index.data(), bad_index.size(), wide, 4, ValueEncoding::Fp32);
+    ADD_FAILURE() << "accepted an out-of-range index";
+  } catch (const compress::WireFormatError& err) {
+    EXPECT_NE(std::string(err.what()).find("index 1024"), std::string::npos) << err.what();
+  }
+  at::Tensor out = at::empty({1024});
+  EXPECT_THROW(compress::decode_mean({bad_index.data()}, bad_index.size(), wide, 4,
+                                     ValueEncoding::Fp32, out),
+               compress::WireFormatError);
+}
+
+TEST(DecodeMean, AveragesOverReplicasThatSelectedEachCoefficient) {
+  at::manual_seed(13);
+  dct::ChunkPlan plan = dct::make_chunk_plan({16, 24}, 8, dct::ChunkMode::Divisor);
+  const int replicas = 3;
+  const int64_t k = 6;
+  std::vector<std::vector<uint8_t>> payloads;
+  std::map<int64_t, std::vector<double>> selected;  // block-layout offset -> values sent
+  for (int r = 0; r < replicas; ++r) {
+    at::Tensor coeffs = at::randn({16, 24});
+    coeffs.view(-1)[0] = 100.0f;  // every replica selects coefficient 0 of chunk 0
+    compress::TopK t = compress::select_topk(coeffs, plan, k);
+    payloads.push_back(encode(plan, t, ValueEncoding::Fp32));
+    for (int64_t c = 0; c < plan.num_chunks(); ++c)
+      for (int64_t j = 0; j < k; ++j)
+        selected[plan.chunk_origin(c) + plan.offset_in_chunk(t.indices[c][j].item<int64_t>())]
+            .push_back(t.values[c][j].item<float>());
+  }
+  std::vector<const uint8_t*> views;
+  for (auto& p : payloads) views.push_back(p.data());
+  at::Tensor out = at::full({plan.padded_numel()}, 7.0f);  // must be overwritten
+  compress::decode_mean(views, payloads[0].size(), plan, k, ValueEncoding::Fp32, out);
+
+  at::Tensor want = at::zeros({plan.padded_numel()}, at::kDouble);
+  for (auto& [offset, values] : selected) {
+    double sum = 0;
+    for (double v : values) sum += v;
+    want[offset] = sum / double(values.size());
+  }
+  EXPECT_EQ(selected[0].size(), size_t(replicas));
+  EXPECT_TRUE(at::allclose(out.to(at::kDouble), want, 1e-6, 1e-6));
+  EXPECT_EQ(at::count_nonzero(out).item<int64_t>(), int64_t(selected.size()));
+}

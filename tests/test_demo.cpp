@@ -1,0 +1,189 @@
+// DeMo with one replica against a naive float64 implementation of DESIGN.md §1 written here:
+// residual kept in the sample domain, DCT by the direct formula, top-k by sorting.
+#include "flexdemo/optim.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+
+using namespace flexdemo;
+
+namespace {
+
+// Direct orthonormal DCT-II matrix, float64.
+at::Tensor naive_basis(int64_t n) {
+  at::Tensor b = at::empty({n, n}, at::kDouble);
+  const double pi = std::acos(-1.0);
+  for (int64_t k = 0; k < n; ++k)
+    for (int64_t i = 0; i < n; ++i)
+      b[k][i] = std::sqrt((k == 0 ? 1.0 : 2.0) / n) * std::cos(pi * (2 * i + 1) * k / (2.0 * n));
+  return b;
+}
+
+// One parameter's naive DeMo state, on the padded grid of its chunk plan.
+struct NaiveDemo {
+  dct::ChunkPlan plan;
+  optim::DemoOptions o;
+  at::Tensor p;      // float64 [rows, cols]
+  at::Tensor delta;  // float64 [padded_rows, padded_cols]
+  at::Tensor bh, bw;
+
+  NaiveDemo(const at::Tensor& init, const optim::DemoOptions& options)
+      : plan(dct::make_chunk_plan(init.sizes(), options.chunk, options.chunk_mode)), o(options) {
+    p = init.to(at::kDouble).reshape({plan.rows, plan.cols}).clone();
+    delta = at::zeros({plan.padded_rows, plan.padded_cols}, at::kDouble);
+    bh = naive_basis(plan.chunk_rows);
+    bw = naive_basis(plan.chunk_cols);
+  }
+
+  at::Tensor chunk(const at::Tensor& x, int64_t i, int64_t j) {
+    return x.narrow(0, i * plan.chunk_rows, plan.chunk_rows)
+        .narrow(1, j * plan.chunk_cols, plan.chunk_cols);
+  }
+
+  void step(const at::Tensor& grad) {
+    p.mul_(1.0 - o.lr * o.weight_decay);
+    at::Tensor g = at::zeros_like(delta);
+    g.narrow(0, 0, plan.rows).narrow(1, 0, plan.cols).copy_(grad.reshape({plan.rows, plan.cols}));
+    delta = o.decay * delta + o.lr * g;
+    at::Tensor update = at::zeros_like(delta);
+    const int64_t k = std::min(o.topk, plan.chunk_numel());
+    for (int64_t i = 0; i < plan.row_chunks(); ++i) {
+      for (int64_t j = 0; j < plan.col_chunks(); ++j) {
+        at::Tensor coeff = at::mm(at::mm(bh, chunk(delta, i, j)), bw.t()).reshape(-1);
+        std::vector<int64_t> order(coeff.numel());
+        for (size_t q = 0; q < order.size(); ++q) order[q] = int64_t(q);
+        auto c = coeff.accessor<double, 1>();
+        std::stable_sort(order.begin(), order.end(),
+                         [&](int64_t a, int64_t b) { return std::fabs(c[a]) > std::fabs(c[b]); });
+        at::Tensor sent = at::zeros_like(coeff);
+        for (int64_t q = 0; q < k; ++q) sent[order[q]] = c[order[q]];
+        at::Tensor sent_samples =
+            at::mm(at::mm(bh.t(), sent.view({plan.chunk_rows, plan.chunk_cols})), bw);
+        chunk(delta, i, j).sub_(sent_samples);       // error feedback
+        chunk(update, i, j).copy_(sent_samples);     // one replica: the mean is its own values
+      }
+    }
+    at::Tensor u = update.narrow(0, 0, plan.rows).narrow(1, 0, plan.cols);
+    p.sub_(o.lr * (o.sign ? u.sign() : u));
+    last_update = u.clone();
+  }
+  at::Tensor last_update;
+};
+
+struct Case {
+  std::vector<int64_t> shape;
+  dct::ChunkMode mode;
+};
+
+const Case kCases[] = {
+    {{48, 40}, dct::ChunkMode::Divisor},  // 16 x 10 chunks
+    {{37}, dct::ChunkMode::Divisor},      // prime: chunk of 1, everything is sent
+    {{90}, dct::ChunkMode::Divisor},      // vector, chunk 15
+    {{6, 7, 3}, dct::ChunkMode::Divisor}, // [6, 21]
+    {{50, 21}, dct::ChunkMode::Padded},   // padded to 64 x 32
+};
+
+optim::DemoOptions test_options(dct::ChunkMode mode, bool sign) {
+  optim::DemoOptions o;
+  o.lr = 0.01;
+  o.decay = 0.9;
+  o.topk = 5;
+  o.chunk = 16;
+  o.chunk_mode = mode;
+  o.weight_decay = 0.1;
+  o.sign = sign;
+  return o;
+}
+
+}  // namespace
+
+TEST(Demo, MatchesNaiveFloat64WithoutSign) {
+  at::manual_seed(20);
+  for (const Case& c : kCases) {
+    optim::DemoOptions o = test_options(c.mode, false);
+    at::Tensor p = at::randn(c.shape).set_requires_grad(true);
+    NaiveDemo naive(p.detach(), o);
+    optim::DemoOptimizer demo({p}, o);
+    for (int step = 0; step < 6; ++step) {
+      at::Tensor g = at::randn(c.shape);
+      p.mutable_grad() = g;
+      demo.step();
+      naive.step(g.to(at::kDouble));
+      const at::Tensor got = p.detach().to(at::kDouble).reshape({naive.plan.rows, naive.plan.cols});
+      ASSERT_TRUE(at::allclose(got, naive.p, 1e-5, 1e-6))
+          << at::IntArrayRef(c.shape) << " step " << step << " max err "
+          << (got - naive.p).abs().max().item<double>();
+    }
+  }
+}
+
+TEST(Demo, MatchesNaiveFloat64WithSign) {
+  at::manual_seed(21);
+  for (const Case& c : kCases) {
+    optim::DemoOptions o = test_options(c.mode, true);
+    at::Tensor p = at::randn(c.shape).set_requires_grad(true);
+    NaiveDemo naive(p.detach(), o);
+    optim::DemoOptimizer demo({p}, o);
+    for (int step = 0; step < 6; ++step) {
+      at::Tensor g = at::randn(c.shape);
+      p.mutable_grad() = g;
+      demo.step();
+      naive.step(g.to(at::kDouble));
+      // sign() of an update within float32 rounding of zero may differ: those elements may be
+      // off by up to 2 lr per step so far; every other element must agree.
+      const at::Tensor got = p.detach().to(at::kDouble).reshape({naive.plan.rows, naive.plan.cols});
+      const at::Tensor err = (got - naive.p).abs();
+      const int64_t off = at::count_nonzero(err > 1e-6).item<int64_t>();
+      EXPECT_LE(off, 0) << at::IntArrayRef(c.shape) << " step " << step;
+    }
+  }
+}
+
+TEST(Demo, KeepsResidualOfWhatWasNotSent) {
+  // Error feedback: after one step from zero, residual + sent == lr * DCT(grad) exactly.
+  at::manual_seed(22);
+  optim::DemoOptions o = test_options(dct::ChunkMode::Divisor, true);
+  o.weight_decay = 0.0;
+  at::Tensor p = at::zeros({32, 32}).set_requires_grad(true);
+  at::Tensor g = at::randn({32, 32});
+  p.mutable_grad() = g;
+  optim::DemoOptimizer demo({p}, o);
+  demo.step();
+  const at::Tensor full = dct::chunked_dct(g, demo.chunk_plan(0)) * o.lr;
+  const at::Tensor residual = demo.residual(0);
+  const int64_t sent = at::count_nonzero(residual == 0).item<int64_t>();
+  EXPECT_EQ(sent, demo.chunk_plan(0).num_chunks() * o.topk);
+  EXPECT_TRUE(at::allclose(at::where(residual == 0, at::zeros_like(full), full), residual));
+}
+
+TEST(Demo, RejectsInvalidOptions) {
+  auto expect_error = [](optim::DemoOptions o, const std::string& what) {
+    try {
+      optim::DemoOptimizer demo({at::zeros({4}).set_requires_grad(true)}, o);
+      ADD_FAILURE() << "accepted bad " << what;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  optim::DemoOptions o;
+  o.topk = 0;
+  expect_error(o, "topk");
+  o = {};
+  o.chunk = -1;
+  expect_error(o, "chunk");
+  o = {};
+  o.decay = 1.0;
+  expect_error(o, "decay");
+  o = {};
+  o.decay = -0.1;
+  expect_error(o, "decay");
+  o = {};
+  o.lr = 0.0;
+  expect_error(o, "lr");
+  o = {};
+  o.weight_decay = -1.0;
+  expect_error(o, "weight_decay");
+}
