@@ -5,6 +5,7 @@
 
 #include "flexdemo/comm.h"
 #include "flexdemo/optim.h"
+#include "flexdemo/runtime.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,7 +31,7 @@ int run_bench_exchange(const ExchangeBenchArgs& args) {
   options.chunk = args.chunk;
   options.values = compress::parse_value_encoding(args.values);
   options.validate();
-  at::set_num_threads(1);
+  set_num_threads(1);
 
   at::manual_seed(1234);  // identical initial parameters on every replica
   const auto shapes = gpt2_parameter_shapes(gpt2_shape(args.scale));

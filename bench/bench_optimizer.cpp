@@ -3,6 +3,7 @@
 #include "bench/bench.h"
 
 #include "flexdemo/optim.h"
+#include "flexdemo/runtime.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -81,9 +82,6 @@ double median_step_ms(int steps, Step&& step) {
 }  // namespace
 
 int run_bench_optimizer(const OptimizerBenchArgs& args) {
-  if (args.threads < 1) {
-    throw std::invalid_argument("--threads must be >= 1, got " + std::to_string(args.threads));
-  }
   if (args.steps < 1) {
     throw std::invalid_argument("--steps must be >= 1, got " + std::to_string(args.steps));
   }
@@ -92,7 +90,7 @@ int run_bench_optimizer(const OptimizerBenchArgs& args) {
   options.chunk = args.chunk;
   options.values = compress::parse_value_encoding(args.values);
   options.validate();
-  at::set_num_threads(args.threads);
+  set_num_threads(args.threads);
   at::manual_seed(0);
 
   const auto shapes = gpt2_parameter_shapes(gpt2_shape(args.scale));

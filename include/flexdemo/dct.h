@@ -58,10 +58,16 @@ at::Tensor dct_basis(int64_t n, at::ScalarType dtype, at::Device device);
 
 // out = beta * out + alpha * DCT(x). x has plan.numel() elements (any floating dtype); out is a
 // float32 [padded_rows, padded_cols] contiguous tensor. beta = 0 overwrites out (even NaN).
+// scratch, if given, is a contiguous float32 tensor of >= plan.padded_numel() elements that
+// holds the intermediate (so that a hot loop allocates nothing); otherwise one is allocated.
 void chunked_dct_accumulate(const at::Tensor& x, const ChunkPlan& plan, double beta, double alpha,
-                            at::Tensor& out);
+                            const at::Tensor& out, at::Tensor* scratch = nullptr);
 at::Tensor chunked_dct(const at::Tensor& x, const ChunkPlan& plan);  // new coefficient tensor
 
+// Inverse into samples: a contiguous float32 [padded_rows, padded_cols] tensor (the padding
+// rows/cols hold what the inverse gives there). scratch as above.
+void chunked_idct_into(const at::Tensor& coeffs, const ChunkPlan& plan, const at::Tensor& samples,
+                       at::Tensor* scratch = nullptr);
 // Inverse: float32 [rows, cols] samples (padding cropped) from block-layout coefficients.
 at::Tensor chunked_idct(const at::Tensor& coeffs, const ChunkPlan& plan);
 

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <functional>
 #include <utility>
 
 namespace flexdemo::compress {
@@ -16,6 +18,15 @@ int64_t clamp_topk(int64_t k, const dct::ChunkPlan& plan) {
 }
 
 namespace {
+
+// Sort key of a coefficient: |value| in the high 32 bits (IEEE bits of a non-negative float
+// compare like the float), the complement of its position in the low 32 (ties: lower wins).
+inline uint64_t magnitude_key(float value, int64_t pos) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  return uint64_t(bits & 0x7fffffffu) << 32 | (0xffffffffu - uint32_t(pos));
+}
+inline uint64_t position_of(uint64_t key) { return 0xffffffffu - (key & 0xffffffffu); }
 
 void check_coeffs(const at::Tensor& coeffs, const dct::ChunkPlan& plan, const char* who) {
   if (coeffs.scalar_type() != at::kFloat || !coeffs.is_contiguous() || !coeffs.is_cpu() ||
@@ -42,34 +53,31 @@ TopK select_topk(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k
   const int64_t h = plan.chunk_rows, w = plan.chunk_cols, stride = plan.padded_cols;
 
   at::parallel_for(0, chunks, 16, [&](int64_t begin, int64_t end) {
-    // Heap of (magnitude, index) whose top is the weakest kept entry; "stronger" means a larger
-    // magnitude, or the same magnitude and a lower index.
-    std::vector<std::pair<float, int64_t>> heap(k);
-    auto weaker = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
-      return a.first > b.first || (a.first == b.first && a.second < b.second);
-    };
+    // A min-heap of keys whose top is the weakest kept coefficient. A key orders by magnitude
+    // (the bits of a non-negative float order like the float), then by lower position.
+    std::vector<uint64_t> heap(k);
+    const auto stronger = std::greater<uint64_t>();
     for (int64_t c = begin; c < end; ++c) {
       const float* base = src + plan.chunk_origin(c);
       int64_t filled = 0;
       for (int64_t u = 0; u < h; ++u) {
         const float* row = base + u * stride;
         for (int64_t v = 0; v < w; ++v) {
-          const float mag = std::fabs(row[v]);
-          const int64_t pos = u * w + v;
+          const uint64_t key = magnitude_key(row[v], u * w + v);
           if (filled < k) {
-            heap[filled++] = {mag, pos};
-            if (filled == k) std::make_heap(heap.begin(), heap.end(), weaker);
-          } else if (mag > heap.front().first) {  // equal magnitude: the kept lower index wins
-            std::pop_heap(heap.begin(), heap.end(), weaker);
-            heap.back() = {mag, pos};
-            std::push_heap(heap.begin(), heap.end(), weaker);
+            heap[filled++] = key;
+            if (filled == k) std::make_heap(heap.begin(), heap.end(), stronger);
+          } else if (key > heap.front()) {
+            std::pop_heap(heap.begin(), heap.end(), stronger);
+            heap.back() = key;
+            std::push_heap(heap.begin(), heap.end(), stronger);
           }
         }
       }
-      std::sort(heap.begin(), heap.end(),
-                [](const auto& a, const auto& b) { return a.second < b.second; });
+      for (int64_t j = 0; j < k; ++j) heap[j] = position_of(heap[j]);
+      std::sort(heap.begin(), heap.end());
       for (int64_t j = 0; j < k; ++j) {
-        const int64_t pos = heap[j].second;
+        const int64_t pos = int64_t(heap[j]);
         idx_out[c * k + j] = pos;
         val_out[c * k + j] = base[plan.offset_in_chunk(pos)];
       }
@@ -78,7 +86,7 @@ TopK select_topk(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k
   return out;
 }
 
-void add_selected(at::Tensor& coeffs, const dct::ChunkPlan& plan, const TopK& topk, float alpha) {
+void add_selected(const at::Tensor& coeffs, const dct::ChunkPlan& plan, const TopK& topk, float alpha) {
   check_coeffs(coeffs, plan, "add_selected");
   float* dst = coeffs.data_ptr<float>();
   const int64_t* idx = topk.indices.data_ptr<int64_t>();

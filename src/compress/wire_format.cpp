@@ -261,7 +261,7 @@ void validate_payload(const uint8_t* data, size_t size, const dct::ChunkPlan& pl
 }
 
 void decode_mean(const std::vector<const uint8_t*>& payloads, size_t size,
-                 const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding, at::Tensor& out) {
+                 const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding, const at::Tensor& out) {
   if (out.scalar_type() != at::kFloat || !out.is_contiguous() || !out.is_cpu() ||
       out.numel() != plan.padded_numel()) {
     throw std::invalid_argument("decode_mean: out must be a contiguous float32 CPU tensor of " +

@@ -86,25 +86,52 @@ at::Tensor dct_basis(int64_t n, at::ScalarType dtype, at::Device device) {
   return converted;
 }
 
+namespace {
+
+// Scratch may be larger than needed; every other buffer must have exactly `numel` elements.
+void check_floats(const at::Tensor& t, int64_t numel, const char* who, const char* what) {
+  const bool is_scratch = std::string(what) == "scratch";
+  if (t.scalar_type() != at::kFloat || !t.is_contiguous() ||
+      (is_scratch ? t.numel() < numel : t.numel() != numel)) {
+    throw std::invalid_argument(std::string(who) + ": " + what +
+                                " must be a contiguous float32 tensor of " +
+                                (is_scratch ? "at least " : "") + std::to_string(numel) +
+                                " elements");
+  }
+}
+
+at::Tensor scratch_for(const ChunkPlan& plan, at::Tensor* scratch, const at::Tensor& like,
+                       const char* who) {
+  if (scratch == nullptr) return at::empty({plan.padded_numel()}, like.options().dtype(at::kFloat));
+  check_floats(*scratch, plan.padded_numel(), who, "scratch");
+  return scratch->narrow(0, 0, plan.padded_numel());
+}
+
+}  // namespace
+
 void chunked_dct_accumulate(const at::Tensor& x, const ChunkPlan& plan, double beta, double alpha,
-                            at::Tensor& out) {
+                            const at::Tensor& out, at::Tensor* scratch) {
   if (x.numel() != plan.numel()) {
     throw std::invalid_argument("chunked_dct: tensor has " + std::to_string(x.numel()) +
                                 " elements, plan expects " + std::to_string(plan.numel()));
   }
+  check_floats(out, plan.padded_numel(), "chunked_dct", "out");
   const int64_t h = plan.chunk_rows, w = plan.chunk_cols;
   const int64_t R = plan.padded_rows, C = plan.padded_cols;
   at::Tensor samples = x.reshape({plan.rows, plan.cols}).to(at::kFloat);
   if (plan.is_padded()) {
     samples = at::constant_pad_nd(samples, {0, C - plan.cols, 0, R - plan.rows});
   }
+  samples = samples.contiguous();
   const auto device = out.device();
-  // Along rows of each chunk: [R/h, h, C] <- B_h @ samples (batched over row chunks).
-  at::Tensor rows_done = samples.contiguous();
+  // Along the rows of each chunk: B_h @ [h, C] block, batched over the R/h row chunks.
+  at::Tensor rows_done = samples;
   if (h > 1) {
-    rows_done = at::matmul(dct_basis(h, at::kFloat, device), samples.view({R / h, h, C}));
+    rows_done = scratch_for(plan, scratch, out, "chunked_dct").view({R / h, h, C});
+    at::bmm_out(rows_done, dct_basis(h, at::kFloat, device).expand({R / h, h, h}),
+                samples.view({R / h, h, C}));
   }
-  // Along columns of each chunk, fused with the accumulation: out = beta*out + alpha*(. @ B_w^T).
+  // Along the columns, fused with the accumulation: out = beta*out + alpha*(. @ B_w^T).
   at::Tensor out2d = out.view({R * C / w, w});
   at::Tensor bw_t = dct_basis(w, at::kFloat, device).t();
   if (beta == 0.0) {
@@ -122,24 +149,37 @@ at::Tensor chunked_dct(const at::Tensor& x, const ChunkPlan& plan) {
   return out;
 }
 
-at::Tensor chunked_idct(const at::Tensor& coeffs, const ChunkPlan& plan) {
+void chunked_idct_into(const at::Tensor& coeffs, const ChunkPlan& plan, const at::Tensor& samples,
+                       at::Tensor* scratch) {
+  check_floats(coeffs, plan.padded_numel(), "chunked_idct", "coefficients");
+  check_floats(samples, plan.padded_numel(), "chunked_idct", "samples");
   const int64_t h = plan.chunk_rows, w = plan.chunk_cols;
   const int64_t R = plan.padded_rows, C = plan.padded_cols;
+  const auto device = coeffs.device();
+  const at::Tensor bw = dct_basis(w, at::kFloat, device);
+  // x = B_h^T C B_w per chunk: columns first (one GEMM), then rows (batched over row chunks).
+  if (h == 1) {
+    at::Tensor out2d = samples.view({R * C / w, w});
+    at::mm_out(out2d, coeffs.view({R * C / w, w}), bw);
+    return;
+  }
+  at::Tensor cols_done = scratch_for(plan, scratch, coeffs, "chunked_idct").view({R * C / w, w});
+  at::mm_out(cols_done, coeffs.view({R * C / w, w}), bw);
+  at::Tensor out3d = samples.view({R / h, h, C});
+  at::bmm_out(out3d, dct_basis(h, at::kFloat, device).t().expand({R / h, h, h}),
+              cols_done.view({R / h, h, C}));
+}
+
+at::Tensor chunked_idct(const at::Tensor& coeffs, const ChunkPlan& plan) {
   if (coeffs.numel() != plan.padded_numel()) {
     throw std::invalid_argument("chunked_idct: coefficients have " +
                                 std::to_string(coeffs.numel()) + " elements, plan expects " +
                                 std::to_string(plan.padded_numel()));
   }
-  const auto device = coeffs.device();
   at::Tensor c = coeffs.to(at::kFloat).contiguous();
-  // x = B_h^T C B_w per chunk: columns first (one GEMM), then rows (batched over row chunks).
-  at::Tensor cols_done = at::mm(c.view({R * C / w, w}), dct_basis(w, at::kFloat, device));
-  at::Tensor samples = cols_done.view({R, C});
-  if (h > 1) {
-    samples = at::matmul(dct_basis(h, at::kFloat, device).t(), cols_done.view({R / h, h, C}))
-                  .view({R, C});
-  }
-  if (plan.is_padded()) samples = samples.narrow(0, 0, plan.rows).narrow(1, 0, plan.cols);
+  at::Tensor samples = at::empty({plan.padded_rows, plan.padded_cols}, c.options());
+  chunked_idct_into(c, plan, samples);
+  if (plan.is_padded()) return samples.narrow(0, 0, plan.rows).narrow(1, 0, plan.cols);
   return samples;
 }
 

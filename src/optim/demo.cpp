@@ -5,6 +5,7 @@
 #include "flexdemo/comm.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 
 #include <sstream>
@@ -41,10 +42,37 @@ struct DemoOptimizer::Impl {
 
   at::Tensor send_bucket;  // uint8 [bucket bytes]: this replica's payloads back to back
   at::Tensor recv_bucket;  // uint8 [replicas * bucket bytes], rank order
-  at::Tensor decoded;      // float32 scratch, the largest padded parameter
+  at::Tensor decoded;      // float32 scratch buffers, each as large as the largest padded
+  at::Tensor samples;      // parameter, so that a step allocates nothing big
+  at::Tensor scratch;
 
   int replicas() const { return replica_group ? replica_group->size() : 1; }
 };
+
+namespace {
+
+// p -= lr * sign(update) (or lr * update), update being the padded [R, C] inverse transform.
+void apply_update(at::Tensor& p, const at::Tensor& update, const dct::ChunkPlan& plan,
+                  const DemoOptions& o) {
+  if (p.scalar_type() == at::kFloat && p.is_contiguous() && !plan.is_padded()) {
+    float* dst = p.data_ptr<float>();
+    const float* u = update.data_ptr<float>();
+    const float lr = float(o.lr);
+    at::parallel_for(0, p.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
+      if (o.sign) {
+        for (int64_t i = begin; i < end; ++i) dst[i] -= lr * float((u[i] > 0.0f) - (u[i] < 0.0f));
+      } else {
+        for (int64_t i = begin; i < end; ++i) dst[i] -= lr * u[i];
+      }
+    });
+    return;
+  }
+  at::Tensor cropped =
+      update.view({plan.padded_rows, plan.padded_cols}).narrow(0, 0, plan.rows).narrow(1, 0, plan.cols);
+  p.sub_((o.sign ? cropped.sign() : cropped).reshape(p.sizes()), o.lr);
+}
+
+}  // namespace
 
 DemoOptimizer::DemoOptimizer(std::vector<at::Tensor> params, DemoOptions options,
                              std::shared_ptr<comm::Communicator> replica_group)
@@ -81,6 +109,8 @@ DemoOptimizer::DemoOptimizer(std::vector<at::Tensor> params, DemoOptions options
   s.send_bucket = at::empty({int64_t(offset)}, at::kByte);
   s.recv_bucket = at::empty({int64_t(offset) * s.replicas()}, at::kByte);
   s.decoded = at::empty({largest}, at::kFloat);
+  s.samples = at::empty({largest}, at::kFloat);
+  s.scratch = at::empty({largest}, at::kFloat);
 }
 
 DemoOptimizer::~DemoOptimizer() = default;
@@ -99,7 +129,7 @@ void DemoOptimizer::step() {
     if (o.weight_decay > 0.0) p.mul_(1.0 - o.lr * o.weight_decay);
     const at::Tensor& grad = p.grad();
     if (grad.defined()) {
-      dct::chunked_dct_accumulate(grad, plan, o.decay, o.lr, residual);
+      dct::chunked_dct_accumulate(grad, plan, o.decay, o.lr, residual, &s.scratch);
     } else {
       residual.mul_(o.decay);
     }
@@ -125,10 +155,9 @@ void DemoOptimizer::step() {
     }
     at::Tensor decoded = s.decoded.narrow(0, 0, plan.padded_numel());
     compress::decode_mean(payloads, s.payload_bytes[i], plan, o.topk, o.values, decoded);
-    at::Tensor update = dct::chunked_idct(decoded, plan);
-    if (o.sign) update.sign_();
-    at::Tensor& p = s.params[i];
-    p.sub_(update.reshape(p.sizes()), o.lr);
+    at::Tensor update = s.samples.narrow(0, 0, plan.padded_numel());
+    dct::chunked_idct_into(decoded, plan, update, &s.scratch);
+    apply_update(s.params[i], update, plan, o);
   }
 }
 
