@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <exception>
+#include <string>
 
 int main(int argc, char** argv) {
   CLI::App app{"flexdemo: FlexDeMo training — hybrid sharding inside nodes, DeMo between nodes"};
@@ -43,7 +44,26 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help
+    // Name what is accepted where a subcommand is missing: those of the deepest one given.
+    CLI::App* level = &app;
+    for (bool deeper = true; deeper;) {
+      deeper = false;
+      for (CLI::App* sub : level->get_subcommands({})) {
+        if (sub->parsed()) {
+          level = sub;
+          deeper = true;
+          break;
+        }
+      }
+    }
+    std::string accepted;
+    for (const CLI::App* sub : level->get_subcommands({})) {
+      accepted += (accepted.empty() ? "" : ", ") + sub->get_name();
+    }
+    std::fprintf(stderr, "flexdemo: error: %s%s (see --help)\n", e.what(),
+                 accepted.empty() ? "" : ("; accepted: " + accepted).c_str());
+    return 2;
   }
   try {
     if (optimizer->parsed()) return flexdemo::bench::run_bench_optimizer(opt);

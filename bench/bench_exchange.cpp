@@ -36,7 +36,8 @@ int run_bench_exchange(const ExchangeBenchArgs& args) {
   at::manual_seed(1234);  // identical initial parameters on every replica
   const auto shapes = gpt2_parameter_shapes(gpt2_shape(args.scale));
   std::vector<at::Tensor> params;
-  for (const auto& s : shapes) params.push_back((at::randn(s.shape) * 0.02).set_requires_grad(true));
+  for (const auto& s : shapes)
+    params.push_back((at::randn(s.shape) * 0.02).set_requires_grad(true));
   optim::DemoOptimizer demo(params, options, demo_group);
 
   const bool root = world->rank() == 0;
@@ -83,9 +84,10 @@ int run_bench_exchange(const ExchangeBenchArgs& args) {
     if (args.json) {
       fmt::print("{}\n", out.dump());
     } else {
-      fmt::print("bytes sent per rank over {} steps: DeMo {} B, dense all-reduce {} B "
-                 "({:.0f}x fewer)\n",
-                 args.steps, d.bytes_sent, a.bytes_sent, out["reduction"].get<double>());
+      fmt::print(
+          "bytes sent per rank over {} steps: DeMo {} B, dense all-reduce {} B "
+          "({:.0f}x fewer)\n",
+          args.steps, d.bytes_sent, a.bytes_sent, out["reduction"].get<double>());
       fmt::print("DeMo step {:.1f} ms per rank; replicas bit-identical: {}\n",
                  out["demo_step_ms"].get<double>(), bad.item<int64_t>() == 0 ? "yes" : "NO");
     }

@@ -8,8 +8,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <fmt/core.h>
-#include <nlohmann/json.hpp>
 #include <torch/optim/adamw.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -19,7 +19,7 @@ namespace flexdemo::bench {
 
 GptShape gpt2_shape(double scale) {
   if (!(scale > 0.0)) {
-    throw std::invalid_argument("--scale must be > 0, got " + std::to_string(scale));
+    throw std::invalid_argument(fmt::format("--scale must be > 0, got {}", scale));
   }
   auto round64 = [](double v) { return std::max<int64_t>(64, int64_t(v) / 64 * 64); };
   GptShape g;
@@ -72,8 +72,8 @@ double median_step_ms(int steps, Step&& step) {
   for (int i = 0; i < steps; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     step();
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-                     .count());
+    ms.push_back(
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
   std::sort(ms.begin(), ms.end());
   return ms[ms.size() / 2];

@@ -72,8 +72,8 @@ TEST(TopK, MatchesSortBasedReference) {
         for (int64_t j = 0; j < k; ++j) {
           const int64_t pos = t.indices[c][j].item<int64_t>();
           EXPECT_EQ(pos, want[c][j]) << "chunk " << c << " k " << k;
-          const float expect = coeffs.view(-1)[plan.chunk_origin(c) + plan.offset_in_chunk(pos)]
-                                   .item<float>();
+          const float expect =
+              coeffs.view(-1)[plan.chunk_origin(c) + plan.offset_in_chunk(pos)].item<float>();
           EXPECT_EQ(t.values[c][j].item<float>(), expect);
         }
       }
@@ -133,7 +133,9 @@ TEST(WireFormat, RoundTripEveryEncoding) {
     // Quantisation error within what the encoding promises.
     const at::Tensor err = (t.values - original).abs();
     switch (e) {
-      case ValueEncoding::Fp32: EXPECT_TRUE(at::equal(t.values, original)); break;
+      case ValueEncoding::Fp32:
+        EXPECT_TRUE(at::equal(t.values, original));
+        break;
       case ValueEncoding::Bf16:
         EXPECT_TRUE(at::all(err <= original.abs() * (1.0 / 256)).item<bool>());
         break;

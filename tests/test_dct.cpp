@@ -15,7 +15,8 @@ namespace {
 // Direct 2-D DCT-II of every chunk in float64, written into the block layout.
 at::Tensor reference_dct(const at::Tensor& x, const ChunkPlan& plan) {
   at::Tensor padded = at::zeros({plan.padded_rows, plan.padded_cols}, at::kDouble);
-  padded.narrow(0, 0, plan.rows).narrow(1, 0, plan.cols)
+  padded.narrow(0, 0, plan.rows)
+      .narrow(1, 0, plan.cols)
       .copy_(x.reshape({plan.rows, plan.cols}).to(at::kDouble));
   auto in = padded.accessor<double, 2>();
   at::Tensor out = at::zeros_like(padded);
@@ -102,9 +103,10 @@ TEST(Dct, MatchesDirectFormula) {
     int64_t target;
     ChunkMode mode;
   };
-  for (const Case& c : {Case{{12, 20}, 8, ChunkMode::Divisor}, Case{{30}, 16, ChunkMode::Divisor},
-                        Case{{13, 7}, 4, ChunkMode::Padded}, Case{{3, 4, 5}, 64, ChunkMode::Divisor},
-                        Case{{19}, 8, ChunkMode::Padded}}) {
+  for (const Case& c :
+       {Case{{12, 20}, 8, ChunkMode::Divisor}, Case{{30}, 16, ChunkMode::Divisor},
+        Case{{13, 7}, 4, ChunkMode::Padded}, Case{{3, 4, 5}, 64, ChunkMode::Divisor},
+        Case{{19}, 8, ChunkMode::Padded}}) {
     ChunkPlan plan = make_chunk_plan(c.shape, c.target, c.mode);
     at::Tensor x = at::randn(c.shape);
     at::Tensor got = flexdemo::dct::chunked_dct(x, plan);

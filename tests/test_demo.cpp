@@ -62,8 +62,8 @@ struct NaiveDemo {
         for (int64_t q = 0; q < k; ++q) sent[order[q]] = c[order[q]];
         at::Tensor sent_samples =
             at::mm(at::mm(bh.t(), sent.view({plan.chunk_rows, plan.chunk_cols})), bw);
-        chunk(delta, i, j).sub_(sent_samples);       // error feedback
-        chunk(update, i, j).copy_(sent_samples);     // one replica: the mean is its own values
+        chunk(delta, i, j).sub_(sent_samples);    // error feedback
+        chunk(update, i, j).copy_(sent_samples);  // one replica: the mean is its own values
       }
     }
     at::Tensor u = update.narrow(0, 0, plan.rows).narrow(1, 0, plan.cols);
@@ -79,11 +79,11 @@ struct Case {
 };
 
 const Case kCases[] = {
-    {{48, 40}, dct::ChunkMode::Divisor},  // 16 x 10 chunks
-    {{37}, dct::ChunkMode::Divisor},      // prime: chunk of 1, everything is sent
-    {{90}, dct::ChunkMode::Divisor},      // vector, chunk 15
-    {{6, 7, 3}, dct::ChunkMode::Divisor}, // [6, 21]
-    {{50, 21}, dct::ChunkMode::Padded},   // padded to 64 x 32
+    {{48, 40}, dct::ChunkMode::Divisor},   // 16 x 10 chunks
+    {{37}, dct::ChunkMode::Divisor},       // prime: chunk of 1, everything is sent
+    {{90}, dct::ChunkMode::Divisor},       // vector, chunk 15
+    {{6, 7, 3}, dct::ChunkMode::Divisor},  // [6, 21]
+    {{50, 21}, dct::ChunkMode::Padded},    // padded to 64 x 32
 };
 
 optim::DemoOptions test_options(dct::ChunkMode mode, bool sign) {

@@ -36,10 +36,17 @@ uint64_t closed_form_payload_bytes(const optim::DemoOptions& o) {
     const uint64_t index_bytes = n <= 256 ? 1 : n <= 65536 ? 2 : 4;
     uint64_t value_bytes = 0;
     switch (o.values) {
-      case compress::ValueEncoding::Fp32: value_bytes = 4 * entries; break;
-      case compress::ValueEncoding::Bf16: value_bytes = 2 * entries; break;
-      case compress::ValueEncoding::Int8: value_bytes = entries + 4 * plan.num_chunks(); break;
-      case compress::ValueEncoding::Sign: value_bytes = (entries + 7) / 8 + 4 * plan.num_chunks();
+      case compress::ValueEncoding::Fp32:
+        value_bytes = 4 * entries;
+        break;
+      case compress::ValueEncoding::Bf16:
+        value_bytes = 2 * entries;
+        break;
+      case compress::ValueEncoding::Int8:
+        value_bytes = entries + 4 * plan.num_chunks();
+        break;
+      case compress::ValueEncoding::Sign:
+        value_bytes = (entries + 7) / 8 + 4 * plan.num_chunks();
     }
     total += 36 + index_bytes * entries + value_bytes;
   }
@@ -56,8 +63,8 @@ TEST(DemoMpi, ReplicasStayBitIdenticalAndBytesMatchClosedForm) {
     o.lr = 0.01;
     o.topk = 8;
     o.chunk = 16;
-    o.chunk_mode = compress::ValueEncoding::Int8 == values ? dct::ChunkMode::Padded
-                                                           : dct::ChunkMode::Divisor;
+    o.chunk_mode =
+        compress::ValueEncoding::Int8 == values ? dct::ChunkMode::Padded : dct::ChunkMode::Divisor;
     o.values = values;
     auto group = world->split(0, world->rank());
     std::vector<at::Tensor> params = make_params();
@@ -116,8 +123,8 @@ TEST(DemoMpi, UpdateEqualsSingleProcessReplayOfAllReplicas) {
       count += (local.residual(0) == 0).to(at::kFloat);
     }
     at::Tensor mean = at::where(count > 0, sum / count.clamp_min(1), at::zeros_like(sum));
-    at::Tensor expected = make_params()[i].detach() -
-                          o.lr * dct::chunked_idct(mean, plan).reshape(kShapes[i]);
+    at::Tensor expected =
+        make_params()[i].detach() - o.lr * dct::chunked_idct(mean, plan).reshape(kShapes[i]);
     EXPECT_TRUE(at::allclose(params[i].detach(), expected, 1e-5, 1e-6)) << "parameter " << i;
   }
 }

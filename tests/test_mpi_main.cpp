@@ -27,7 +27,9 @@ class FailurePrinter : public ::testing::EmptyTestEventListener {
 
 }  // namespace
 
-std::shared_ptr<flexdemo::comm::Communicator> test_world() { return g_runtime->world(); }
+std::shared_ptr<flexdemo::comm::Communicator> test_world() {
+  return g_runtime->world();
+}
 
 int main(int argc, char** argv) {
   flexdemo::comm::MpiRuntime runtime(&argc, &argv);

@@ -26,7 +26,7 @@ enum class ValueEncoding : uint8_t {
   Int8 = 2,  // 1 byte per value + one fp32 scale per chunk (max |v| / 127)
   Sign = 3,  // 1 bit per value + one fp32 scale per chunk (mean |v|): decodes to +-scale
 };
-std::string to_string(ValueEncoding encoding);               // "fp32" "bf16" "int8" "1bit"
+std::string to_string(ValueEncoding encoding);                // "fp32" "bf16" "int8" "1bit"
 ValueEncoding parse_value_encoding(const std::string& name);  // inverse of to_string
 
 // ====== Top-k ======
@@ -40,7 +40,8 @@ int64_t clamp_topk(int64_t k, const dct::ChunkPlan& plan);  // into [1, chunk_nu
 // coeffs: float32 contiguous block layout (see dct.h). Ties go to the lower index.
 TopK select_topk(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k);
 // coeffs[selected] += alpha * values: with alpha = -1 this is DeMo's error feedback.
-void add_selected(const at::Tensor& coeffs, const dct::ChunkPlan& plan, const TopK& topk, float alpha);
+void add_selected(const at::Tensor& coeffs, const dct::ChunkPlan& plan, const TopK& topk,
+                  float alpha);
 
 // ====== Wire format ======
 // One payload per tensor: a 36-byte little-endian header, then the body:
@@ -70,6 +71,7 @@ void validate_payload(const uint8_t* data, size_t size, const dct::ChunkPlan& pl
 // replicas that selected it, 0 where none did. Summed in rank order, so the result is
 // bit-identical on every replica. Every payload is validated first.
 void decode_mean(const std::vector<const uint8_t*>& payloads, size_t size,
-                 const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding, const at::Tensor& out);
+                 const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding,
+                 const at::Tensor& out);
 
 }  // namespace flexdemo::compress

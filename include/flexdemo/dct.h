@@ -19,11 +19,11 @@ ChunkMode parse_chunk_mode(const std::string& name);  // "divisor" | "padded"
 
 // How one tensor is cut into chunks.
 struct ChunkPlan {
-  int64_t rows = 1;          // the tensor viewed as 2-D: rows x cols (a vector is 1 x n)
+  int64_t rows = 1;  // the tensor viewed as 2-D: rows x cols (a vector is 1 x n)
   int64_t cols = 1;
-  int64_t chunk_rows = 1;    // chunk edge along rows (1 for vectors)
-  int64_t chunk_cols = 1;    // chunk edge along cols
-  int64_t padded_rows = 1;   // rows rounded up to a multiple of chunk_rows (== rows: Divisor)
+  int64_t chunk_rows = 1;   // chunk edge along rows (1 for vectors)
+  int64_t chunk_cols = 1;   // chunk edge along cols
+  int64_t padded_rows = 1;  // rows rounded up to a multiple of chunk_rows (== rows: Divisor)
   int64_t padded_cols = 1;
 
   int64_t row_chunks() const { return padded_rows / chunk_rows; }

@@ -20,13 +20,13 @@ class Communicator;
 namespace flexdemo::optim {
 
 struct DemoOptions {
-  double lr = 1e-3;                  // learning rate (> 0); also folded into the residual
-  double decay = 0.999;              // residual decay, in [0, 1)
-  int64_t topk = 32;                 // coefficients kept per chunk (> 0; clamped to the chunk)
-  int64_t chunk = 64;                // target chunk edge (> 0)
+  double lr = 1e-3;      // learning rate (> 0); also folded into the residual
+  double decay = 0.999;  // residual decay, in [0, 1)
+  int64_t topk = 32;     // coefficients kept per chunk (> 0; clamped to the chunk)
+  int64_t chunk = 64;    // target chunk edge (> 0)
   dct::ChunkMode chunk_mode = dct::ChunkMode::Divisor;
-  double weight_decay = 0.0;         // decoupled, >= 0 and lr * weight_decay < 1
-  bool sign = true;                  // sign-SGD on the decoded update (off: plain SGD)
+  double weight_decay = 0.0;  // decoupled, >= 0 and lr * weight_decay < 1
+  bool sign = true;           // sign-SGD on the decoded update (off: plain SGD)
   compress::ValueEncoding values = compress::ValueEncoding::Fp32;  // wire value encoding
 
   void validate() const;  // throws std::invalid_argument naming the bad option
@@ -34,9 +34,9 @@ struct DemoOptions {
 
 // What one step puts on the wire and keeps (identical every step for a given parameter set).
 struct DemoTraffic {
-  uint64_t wire_bytes = 0;         // this replica's payload, all tensors, headers included
-  int64_t kept_coefficients = 0;   // sum over tensors of chunks * k
-  int64_t params = 0;              // parameter elements covered
+  uint64_t wire_bytes = 0;        // this replica's payload, all tensors, headers included
+  int64_t kept_coefficients = 0;  // sum over tensors of chunks * k
+  int64_t params = 0;             // parameter elements covered
 };
 
 class DemoOptimizer {

@@ -43,11 +43,16 @@ void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
 
 MPI_Datatype mpi_type(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: return MPI_FLOAT;
-    case at::kDouble: return MPI_DOUBLE;
-    case at::kInt: return MPI_INT32_T;
-    case at::kLong: return MPI_INT64_T;
-    case at::kBFloat16: return g_bf16_type;
+    case at::kFloat:
+      return MPI_FLOAT;
+    case at::kDouble:
+      return MPI_DOUBLE;
+    case at::kInt:
+      return MPI_INT32_T;
+    case at::kLong:
+      return MPI_INT64_T;
+    case at::kBFloat16:
+      return g_bf16_type;
     default:
       throw std::invalid_argument(std::string("all-reduce does not support dtype ") +
                                   c10::toString(t) +
@@ -95,7 +100,9 @@ using Clock = std::chrono::steady_clock;
 class MpiWork final : public Work {
  public:
   MpiWork(std::shared_ptr<SharedStats> stats, uint64_t bytes_sent, uint64_t bytes_received)
-      : stats_(std::move(stats)), sent_(bytes_sent), received_(bytes_received),
+      : stats_(std::move(stats)),
+        sent_(bytes_sent),
+        received_(bytes_received),
         start_(Clock::now()) {}
   ~MpiWork() override {
     if (!done_) {
@@ -117,10 +124,10 @@ class MpiWork final : public Work {
   }
 
   MPI_Request request_ = MPI_REQUEST_NULL;
-  std::vector<Staged> outputs_;          // copied back to the user's tensors at completion
-  std::vector<at::Tensor> keep_alive_;   // inputs MPI reads until completion
-  std::vector<int> counts_, displs_;     // argument arrays MPI reads until completion
-  double divide_by_ = 1.0;               // Avg: divide the outputs after the sum
+  std::vector<Staged> outputs_;         // copied back to the user's tensors at completion
+  std::vector<at::Tensor> keep_alive_;  // inputs MPI reads until completion
+  std::vector<int> counts_, displs_;    // argument arrays MPI reads until completion
+  double divide_by_ = 1.0;              // Avg: divide the outputs after the sum
 
  private:
   void finish() {
@@ -143,7 +150,9 @@ class MpiWork final : public Work {
   bool done_ = false;
 };
 
-uint64_t nbytes(const at::Tensor& t) { return uint64_t(t.numel()) * t.element_size(); }
+uint64_t nbytes(const at::Tensor& t) {
+  return uint64_t(t.numel()) * t.element_size();
+}
 
 class MpiCommunicator final : public Communicator {
  public:
@@ -201,8 +210,8 @@ class MpiCommunicator final : public Communicator {
     }
     Staged in = Staged::input(input), out = Staged::output(output, false);
     FLEXDEMO_MPI_CHECK(MPI_Iallgatherv(in.data(), work->counts_[rank_], MPI_BYTE, out.data(),
-                                       work->counts_.data(), work->displs_.data(), MPI_BYTE,
-                                       comm_, &work->request_));
+                                       work->counts_.data(), work->displs_.data(), MPI_BYTE, comm_,
+                                       &work->request_));
     work->keep_alive_.push_back(in.host);
     work->outputs_.push_back(out);
     return work;
@@ -251,8 +260,8 @@ class MpiCommunicator final : public Communicator {
     const uint64_t n = nbytes(tensor);
     auto work = make_work(rank_ == root ? n : 0, rank_ == root ? 0 : n);
     Staged io = Staged::output(tensor, rank_ == root);
-    FLEXDEMO_MPI_CHECK(MPI_Ibcast(io.data(), checked_count(int64_t(n), "broadcast"), MPI_BYTE,
-                                  root, comm_, &work->request_));
+    FLEXDEMO_MPI_CHECK(MPI_Ibcast(io.data(), checked_count(int64_t(n), "broadcast"), MPI_BYTE, root,
+                                  comm_, &work->request_));
     work->outputs_.push_back(io);
     return work;
   }

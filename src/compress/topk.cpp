@@ -26,7 +26,9 @@ inline uint64_t magnitude_key(float value, int64_t pos) {
   std::memcpy(&bits, &value, 4);
   return uint64_t(bits & 0x7fffffffu) << 32 | (0xffffffffu - uint32_t(pos));
 }
-inline uint64_t position_of(uint64_t key) { return 0xffffffffu - (key & 0xffffffffu); }
+inline uint64_t position_of(uint64_t key) {
+  return 0xffffffffu - (key & 0xffffffffu);
+}
 
 void check_coeffs(const at::Tensor& coeffs, const dct::ChunkPlan& plan, const char* who) {
   if (coeffs.scalar_type() != at::kFloat || !coeffs.is_contiguous() || !coeffs.is_cpu() ||
@@ -86,7 +88,8 @@ TopK select_topk(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k
   return out;
 }
 
-void add_selected(const at::Tensor& coeffs, const dct::ChunkPlan& plan, const TopK& topk, float alpha) {
+void add_selected(const at::Tensor& coeffs, const dct::ChunkPlan& plan, const TopK& topk,
+                  float alpha) {
   check_coeffs(coeffs, plan, "add_selected");
   float* dst = coeffs.data_ptr<float>();
   const int64_t* idx = topk.indices.data_ptr<int64_t>();

@@ -15,17 +15,21 @@ namespace flexdemo::compress {
 
 std::string to_string(ValueEncoding encoding) {
   switch (encoding) {
-    case ValueEncoding::Fp32: return "fp32";
-    case ValueEncoding::Bf16: return "bf16";
-    case ValueEncoding::Int8: return "int8";
-    case ValueEncoding::Sign: return "1bit";
+    case ValueEncoding::Fp32:
+      return "fp32";
+    case ValueEncoding::Bf16:
+      return "bf16";
+    case ValueEncoding::Int8:
+      return "int8";
+    case ValueEncoding::Sign:
+      return "1bit";
   }
   return "unknown";
 }
 
 ValueEncoding parse_value_encoding(const std::string& name) {
-  for (auto e : {ValueEncoding::Fp32, ValueEncoding::Bf16, ValueEncoding::Int8,
-                 ValueEncoding::Sign}) {
+  for (auto e :
+       {ValueEncoding::Fp32, ValueEncoding::Bf16, ValueEncoding::Int8, ValueEncoding::Sign}) {
     if (name == to_string(e)) return e;
   }
   throw std::invalid_argument("unknown value encoding '" + name +
@@ -68,7 +72,9 @@ struct Layout {
   size_t body_bytes = 0;
 };
 
-bool has_scales(ValueEncoding e) { return e == ValueEncoding::Int8 || e == ValueEncoding::Sign; }
+bool has_scales(ValueEncoding e) {
+  return e == ValueEncoding::Int8 || e == ValueEncoding::Sign;
+}
 
 Layout layout_of(const dct::ChunkPlan& plan, int64_t k_requested, ValueEncoding encoding) {
   Layout l;
@@ -80,10 +86,18 @@ Layout layout_of(const dct::ChunkPlan& plan, int64_t k_requested, ValueEncoding 
   l.values_at = l.scales_at + (has_scales(encoding) ? size_t(l.chunks) * 4 : 0);
   size_t value_bytes = 0;
   switch (encoding) {
-    case ValueEncoding::Fp32: value_bytes = size_t(l.entries) * 4; break;
-    case ValueEncoding::Bf16: value_bytes = size_t(l.entries) * 2; break;
-    case ValueEncoding::Int8: value_bytes = size_t(l.entries); break;
-    case ValueEncoding::Sign: value_bytes = (size_t(l.entries) + 7) / 8; break;
+    case ValueEncoding::Fp32:
+      value_bytes = size_t(l.entries) * 4;
+      break;
+    case ValueEncoding::Bf16:
+      value_bytes = size_t(l.entries) * 2;
+      break;
+    case ValueEncoding::Int8:
+      value_bytes = size_t(l.entries);
+      break;
+    case ValueEncoding::Sign:
+      value_bytes = (size_t(l.entries) + 7) / 8;
+      break;
   }
   l.body_bytes = l.values_at + value_bytes;
   return l;
@@ -103,9 +117,12 @@ uint32_t to_u32(int64_t v, const char* what) {
 
 int64_t read_index(const uint8_t* p, int width) {
   switch (width) {
-    case 1: return p[0];
-    case 2: return int64_t(p[0]) | int64_t(p[1]) << 8;
-    default: return int64_t(get_u32(p));
+    case 1:
+      return p[0];
+    case 2:
+      return int64_t(p[0]) | int64_t(p[1]) << 8;
+    default:
+      return int64_t(get_u32(p));
   }
 }
 
@@ -117,7 +134,8 @@ void write_index(uint8_t* p, int64_t v, int width) {
 inline float read_value(const uint8_t* body, const Layout& l, ValueEncoding e, int64_t entry) {
   const uint8_t* values = body + l.values_at;
   switch (e) {
-    case ValueEncoding::Fp32: return get_f32(values + 4 * entry);
+    case ValueEncoding::Fp32:
+      return get_f32(values + 4 * entry);
     case ValueEncoding::Bf16: {
       const uint16_t bits = uint16_t(values[2 * entry] | values[2 * entry + 1] << 8);
       return float(c10::BFloat16(bits, c10::BFloat16::from_bits()));
@@ -149,8 +167,7 @@ size_t wire_payload_bytes(const dct::ChunkPlan& plan, int64_t k, ValueEncoding e
   return kWireHeaderBytes + layout_of(plan, k, encoding).body_bytes;
 }
 
-void encode_payload(const dct::ChunkPlan& plan, TopK& topk, ValueEncoding encoding,
-                    uint8_t* dst) {
+void encode_payload(const dct::ChunkPlan& plan, TopK& topk, ValueEncoding encoding, uint8_t* dst) {
   const Layout l = layout_of(plan, topk.k, encoding);
   if (l.k != topk.k || topk.indices.numel() != l.entries || topk.values.numel() != l.entries) {
     throw std::invalid_argument("encode_payload: top-k does not match the chunk plan");
@@ -159,7 +176,8 @@ void encode_payload(const dct::ChunkPlan& plan, TopK& topk, ValueEncoding encodi
   const int64_t* idx = topk.indices.data_ptr<int64_t>();
   float* val = topk.values.data_ptr<float>();
 
-  for (int64_t e = 0; e < l.entries; ++e) write_index(body + e * l.index_bytes, idx[e], l.index_bytes);
+  for (int64_t e = 0; e < l.entries; ++e)
+    write_index(body + e * l.index_bytes, idx[e], l.index_bytes);
   uint8_t* values = body + l.values_at;
   switch (encoding) {
     case ValueEncoding::Fp32:
@@ -244,8 +262,8 @@ void validate_payload(const uint8_t* data, size_t size, const dct::ChunkPlan& pl
   expect_field(get_u32(data + 24), l.k, "k");
   expect_field(get_u32(data + 28), int64_t(l.body_bytes), "body size");
   if (size != kWireHeaderBytes + l.body_bytes) {
-    reject(std::string(size < kWireHeaderBytes + l.body_bytes ? "truncated" : "oversized") +
-           ": " + std::to_string(size) + " bytes, expected " +
+    reject(std::string(size < kWireHeaderBytes + l.body_bytes ? "truncated" : "oversized") + ": " +
+           std::to_string(size) + " bytes, expected " +
            std::to_string(kWireHeaderBytes + l.body_bytes));
   }
   const uint8_t* body = data + kWireHeaderBytes;
@@ -261,7 +279,8 @@ void validate_payload(const uint8_t* data, size_t size, const dct::ChunkPlan& pl
 }
 
 void decode_mean(const std::vector<const uint8_t*>& payloads, size_t size,
-                 const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding, const at::Tensor& out) {
+                 const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding,
+                 const at::Tensor& out) {
   if (out.scalar_type() != at::kFloat || !out.is_contiguous() || !out.is_cpu() ||
       out.numel() != plan.padded_numel()) {
     throw std::invalid_argument("decode_mean: out must be a contiguous float32 CPU tensor of " +

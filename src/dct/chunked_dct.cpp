@@ -12,7 +12,9 @@
 
 namespace flexdemo::dct {
 
-std::string to_string(ChunkMode mode) { return mode == ChunkMode::Divisor ? "divisor" : "padded"; }
+std::string to_string(ChunkMode mode) {
+  return mode == ChunkMode::Divisor ? "divisor" : "padded";
+}
 
 ChunkMode parse_chunk_mode(const std::string& name) {
   if (name == "divisor") return ChunkMode::Divisor;
@@ -93,10 +95,9 @@ void check_floats(const at::Tensor& t, int64_t numel, const char* who, const cha
   const bool is_scratch = std::string(what) == "scratch";
   if (t.scalar_type() != at::kFloat || !t.is_contiguous() ||
       (is_scratch ? t.numel() < numel : t.numel() != numel)) {
-    throw std::invalid_argument(std::string(who) + ": " + what +
-                                " must be a contiguous float32 tensor of " +
-                                (is_scratch ? "at least " : "") + std::to_string(numel) +
-                                " elements");
+    throw std::invalid_argument(
+        std::string(who) + ": " + what + " must be a contiguous float32 tensor of " +
+        (is_scratch ? "at least " : "") + std::to_string(numel) + " elements");
   }
 }
 
@@ -143,8 +144,7 @@ void chunked_dct_accumulate(const at::Tensor& x, const ChunkPlan& plan, double b
 }
 
 at::Tensor chunked_dct(const at::Tensor& x, const ChunkPlan& plan) {
-  at::Tensor out = at::empty({plan.padded_rows, plan.padded_cols},
-                             x.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({plan.padded_rows, plan.padded_cols}, x.options().dtype(at::kFloat));
   chunked_dct_accumulate(x, plan, 0.0, 1.0, out);
   return out;
 }

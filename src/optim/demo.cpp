@@ -34,10 +34,10 @@ struct DemoOptimizer::Impl {
   DemoOptions options;
   std::shared_ptr<comm::Communicator> replica_group;
 
-  std::vector<dct::ChunkPlan> plans;     // per parameter
-  std::vector<at::Tensor> residuals;     // per parameter: float32 block-layout DCT coefficients
-  std::vector<size_t> payload_offsets;   // per parameter: where its payload sits in the bucket
-  std::vector<size_t> payload_bytes;     // per parameter
+  std::vector<dct::ChunkPlan> plans;    // per parameter
+  std::vector<at::Tensor> residuals;    // per parameter: float32 block-layout DCT coefficients
+  std::vector<size_t> payload_offsets;  // per parameter: where its payload sits in the bucket
+  std::vector<size_t> payload_bytes;    // per parameter
   DemoTraffic traffic;
 
   at::Tensor send_bucket;  // uint8 [bucket bytes]: this replica's payloads back to back
@@ -67,8 +67,9 @@ void apply_update(at::Tensor& p, const at::Tensor& update, const dct::ChunkPlan&
     });
     return;
   }
-  at::Tensor cropped =
-      update.view({plan.padded_rows, plan.padded_cols}).narrow(0, 0, plan.rows).narrow(1, 0, plan.cols);
+  at::Tensor cropped = update.view({plan.padded_rows, plan.padded_cols})
+                           .narrow(0, 0, plan.rows)
+                           .narrow(1, 0, plan.cols);
   p.sub_((o.sign ? cropped.sign() : cropped).reshape(p.sizes()), o.lr);
 }
 
@@ -167,10 +168,20 @@ void DemoOptimizer::zero_grad() {
   }
 }
 
-const DemoOptions& DemoOptimizer::options() const { return impl_->options; }
-const std::vector<at::Tensor>& DemoOptimizer::params() const { return impl_->params; }
-DemoTraffic DemoOptimizer::traffic() const { return impl_->traffic; }
-const at::Tensor& DemoOptimizer::residual(size_t i) const { return impl_->residuals.at(i); }
-const dct::ChunkPlan& DemoOptimizer::chunk_plan(size_t i) const { return impl_->plans.at(i); }
+const DemoOptions& DemoOptimizer::options() const {
+  return impl_->options;
+}
+const std::vector<at::Tensor>& DemoOptimizer::params() const {
+  return impl_->params;
+}
+DemoTraffic DemoOptimizer::traffic() const {
+  return impl_->traffic;
+}
+const at::Tensor& DemoOptimizer::residual(size_t i) const {
+  return impl_->residuals.at(i);
+}
+const dct::ChunkPlan& DemoOptimizer::chunk_plan(size_t i) const {
+  return impl_->plans.at(i);
+}
 
 }  // namespace flexdemo::optim

@@ -16,7 +16,8 @@ void set_num_threads(int threads) {
   }
   at::set_num_threads(threads);
   using SetThreads = void (*)(int);
-  if (auto set_blas = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
+  if (auto set_blas =
+          reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
     set_blas(threads);
   }
 }
