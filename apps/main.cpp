@@ -8,6 +8,23 @@
 #include <exception>
 #include <string>
 
+namespace {
+
+void add_demo_bench_flags(CLI::App* cmd, flexdemo::bench::DemoBenchArgs& args) {
+  cmd->add_option("--scale", args.scale, "GPT-2-124M shapes scaled by S (0.25: 3.8M params)")
+      ->capture_default_str();
+  cmd->add_option("--topk", args.topk, "coefficients kept per chunk")->capture_default_str();
+  cmd->add_option("--chunk", args.chunk, "target chunk edge")->capture_default_str();
+  cmd->add_option("--values", args.values, "wire value encoding")
+      ->check(CLI::IsMember({"fp32", "bf16", "int8", "1bit"}))
+      ->capture_default_str();
+  cmd->add_option("--steps", args.steps, "optimizer steps (timed: the median is reported)")
+      ->capture_default_str();
+  cmd->add_flag("--json", args.json, "print one JSON object (rank 0)");
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   CLI::App app{"flexdemo: FlexDeMo training — hybrid sharding inside nodes, DeMo between nodes"};
   app.require_subcommand(1);
@@ -17,29 +34,13 @@ int main(int argc, char** argv) {
   flexdemo::bench::OptimizerBenchArgs opt;
   auto* optimizer = bench->add_subcommand(
       "optimizer", "time a DeMo step (one replica) against an AdamW step on GPT-2-shaped params");
-  optimizer->add_option("--scale", opt.scale, "GPT-2-124M shapes scaled by S (0.25: 3.8M params)")
-      ->capture_default_str();
-  optimizer->add_option("--topk", opt.topk, "coefficients kept per chunk")->capture_default_str();
-  optimizer->add_option("--chunk", opt.chunk, "target chunk edge")->capture_default_str();
-  optimizer->add_option("--values", opt.values, "wire value encoding")
-      ->check(CLI::IsMember({"fp32", "bf16", "int8", "1bit"}))
-      ->capture_default_str();
+  add_demo_bench_flags(optimizer, opt);
   optimizer->add_option("--threads", opt.threads, "intra-op threads")->capture_default_str();
-  optimizer->add_option("--steps", opt.steps, "timed steps (median reported)")
-      ->capture_default_str();
-  optimizer->add_flag("--json", opt.json, "print one JSON object");
 
   flexdemo::bench::ExchangeBenchArgs ex;
   auto* exchange = bench->add_subcommand(
       "exchange", "under mpirun: DeMo's bytes between replicas against a dense all-reduce");
-  exchange->add_option("--scale", ex.scale, "GPT-2-124M shapes scaled by S")->capture_default_str();
-  exchange->add_option("--topk", ex.topk, "coefficients kept per chunk")->capture_default_str();
-  exchange->add_option("--chunk", ex.chunk, "target chunk edge")->capture_default_str();
-  exchange->add_option("--values", ex.values, "wire value encoding")
-      ->check(CLI::IsMember({"fp32", "bf16", "int8", "1bit"}))
-      ->capture_default_str();
-  exchange->add_option("--steps", ex.steps, "optimizer steps")->capture_default_str();
-  exchange->add_flag("--json", ex.json, "print one JSON object (rank 0)");
+  add_demo_bench_flags(exchange, ex);
 
   try {
     app.parse(argc, argv);

@@ -21,24 +21,26 @@ struct NamedShape {
 };
 std::vector<NamedShape> gpt2_parameter_shapes(const GptShape& gpt);
 
-struct OptimizerBenchArgs {
-  double scale = 0.25;
-  int64_t topk = 32;
-  int64_t chunk = 64;
-  std::string values = "fp32";
+// What both benchmarks share: the parameter set and DeMo's compression settings.
+struct DemoBenchArgs {
+  double scale = 0.25;          // GPT-2-124M shapes scaled by this
+  int64_t topk = 32;            // coefficients kept per chunk
+  int64_t chunk = 64;           // target chunk edge
+  std::string values = "fp32";  // wire value encoding
+  int steps = 10;               // optimizer steps
+  bool json = false;            // one JSON object instead of text
+};
+
+struct OptimizerBenchArgs : DemoBenchArgs {
   int threads = 1;
-  int steps = 10;
-  bool json = false;
 };
 int run_bench_optimizer(const OptimizerBenchArgs& args);
 
-struct ExchangeBenchArgs {
-  double scale = 0.25;
-  int64_t topk = 32;
-  int64_t chunk = 64;
-  std::string values = "bf16";
-  int steps = 20;
-  bool json = false;
+struct ExchangeBenchArgs : DemoBenchArgs {
+  ExchangeBenchArgs() {
+    values = "bf16";
+    steps = 20;
+  }
 };
 // Collective: run under mpirun; every rank is one replica.
 int run_bench_exchange(const ExchangeBenchArgs& args);

@@ -100,10 +100,12 @@ optim::DemoOptions test_options(dct::ChunkMode mode, bool sign) {
 
 }  // namespace
 
-TEST(Demo, MatchesNaiveFloat64WithoutSign) {
-  at::manual_seed(20);
+// Runs every case for 6 steps through the optimizer and the naive reference and returns, per
+// case and step, the largest parameter difference.
+static std::vector<double> max_differences(bool sign) {
+  std::vector<double> diffs;
   for (const Case& c : kCases) {
-    optim::DemoOptions o = test_options(c.mode, false);
+    optim::DemoOptions o = test_options(c.mode, sign);
     at::Tensor p = at::randn(c.shape).set_requires_grad(true);
     NaiveDemo naive(p.detach(), o);
     optim::DemoOptimizer demo({p}, o);
@@ -113,32 +115,27 @@ TEST(Demo, MatchesNaiveFloat64WithoutSign) {
       demo.step();
       naive.step(g.to(at::kDouble));
       const at::Tensor got = p.detach().to(at::kDouble).reshape({naive.plan.rows, naive.plan.cols});
-      ASSERT_TRUE(at::allclose(got, naive.p, 1e-5, 1e-6))
-          << at::IntArrayRef(c.shape) << " step " << step << " max err "
-          << (got - naive.p).abs().max().item<double>();
+      diffs.push_back((got - naive.p).abs().max().item<double>());
     }
+  }
+  return diffs;
+}
+
+TEST(Demo, MatchesNaiveFloat64WithoutSign) {
+  at::manual_seed(20);
+  const std::vector<double> diffs = max_differences(false);
+  for (size_t i = 0; i < diffs.size(); ++i) {
+    EXPECT_LT(diffs[i], 1e-5) << "case " << i / 6 << " step " << i % 6;
   }
 }
 
 TEST(Demo, MatchesNaiveFloat64WithSign) {
+  // A sign-SGD step moves every element by exactly lr: an element whose update sign differed
+  // would be off by 2 lr = 0.02, so agreement to 1e-6 means every sign matched.
   at::manual_seed(21);
-  for (const Case& c : kCases) {
-    optim::DemoOptions o = test_options(c.mode, true);
-    at::Tensor p = at::randn(c.shape).set_requires_grad(true);
-    NaiveDemo naive(p.detach(), o);
-    optim::DemoOptimizer demo({p}, o);
-    for (int step = 0; step < 6; ++step) {
-      at::Tensor g = at::randn(c.shape);
-      p.mutable_grad() = g;
-      demo.step();
-      naive.step(g.to(at::kDouble));
-      // sign() of an update within float32 rounding of zero may differ: those elements may be
-      // off by up to 2 lr per step so far; every other element must agree.
-      const at::Tensor got = p.detach().to(at::kDouble).reshape({naive.plan.rows, naive.plan.cols});
-      const at::Tensor err = (got - naive.p).abs();
-      const int64_t off = at::count_nonzero(err > 1e-6).item<int64_t>();
-      EXPECT_LE(off, 0) << at::IntArrayRef(c.shape) << " step " << step;
-    }
+  const std::vector<double> diffs = max_differences(true);
+  for (size_t i = 0; i < diffs.size(); ++i) {
+    EXPECT_LT(diffs[i], 1e-6) << "case " << i / 6 << " step " << i % 6;
   }
 }
 
