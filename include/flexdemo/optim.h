@@ -1,7 +1,7 @@
-// flexdemo/optim.h — the DeMo optimizer (decoupled momentum) over LibTorch parameters.
-// Per step and tensor: decoupled weight decay, residual update in the DCT domain, per-chunk
-// top-k with error feedback, ONE bucketed all-gather of every tensor's payload over the
-// replica group, deterministic decode, then a sign-SGD (or plain SGD) step.
+// flexdemo/optim.h — the DeMo / FlexDeMo optimizer over LibTorch parameters or shards of them.
+// A step is: a replicator turns every tensor's gradient into an update direction that is
+// identical on every replica (DeMo's compressed exchange by default, all of a step's payloads in
+// one bucketed collective), then an inner optimizer (sign-SGD or AdamW) applies it.
 #pragma once
 
 #include "flexdemo/compress.h"
@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace flexdemo::comm {
@@ -19,48 +20,91 @@ class Communicator;
 
 namespace flexdemo::optim {
 
+// How replicas exchange what they learnt each step.
+enum class ReplicatorKind {
+  Demo,    // DeMo: residual momentum, chunked-DCT top-k, all-gather, decode (default)
+  Full,    // dense all-reduce average of the gradient: plain (HSDP) data parallelism
+  None,    // no exchange: independent local training
+  Random,  // a seeded random subset of rows (elements of vectors), dense-averaged, with residual
+};
+std::string to_string(ReplicatorKind kind);  // "demo" "full" "none" "random"
+ReplicatorKind parse_replicator_kind(const std::string& name);
+
+enum class InnerKind {
+  SignSgd,  // p -= lr * sign(direction)   (DeMo's)
+  AdamW,    // AdamW fed with sign(direction) or the direction (FlexDeMo's AdamW variant)
+};
+std::string to_string(InnerKind kind);  // "sgd" "adamw"
+InnerKind parse_inner_kind(const std::string& name);
+
 struct DemoOptions {
-  double lr = 1e-3;      // learning rate (> 0); also folded into the residual
+  // ====== Inner optimizer ======
+  double lr = 1e-3;           // learning rate (> 0); DeMo also folds it into the residual
+  double weight_decay = 0.0;  // decoupled, >= 0 and lr * weight_decay < 1
+  bool sign = true;           // apply sign(direction) instead of the direction
+  InnerKind inner = InnerKind::SignSgd;
+  double beta1 = 0.9;    // AdamW, in [0, 1)
+  double beta2 = 0.999;  // AdamW, in [0, 1)
+  double eps = 1e-8;     // AdamW, > 0
+  // ====== DeMo compression ======
   double decay = 0.999;  // residual decay, in [0, 1)
   int64_t topk = 32;     // coefficients kept per chunk (> 0; clamped to the chunk)
   int64_t chunk = 64;    // target chunk edge (> 0)
   dct::ChunkMode chunk_mode = dct::ChunkMode::Divisor;
-  double weight_decay = 0.0;  // decoupled, >= 0 and lr * weight_decay < 1
-  bool sign = true;           // sign-SGD on the decoded update (off: plain SGD)
   compress::ValueEncoding values = compress::ValueEncoding::Fp32;  // wire value encoding
+  // ====== Exchange ======
+  ReplicatorKind replicator = ReplicatorKind::Demo;
+  int64_t replicate_every = 1;        // exchange and update every N steps (>= 1); the steps in
+                                      // between only fold their gradients into the state
+  double random_fraction = 1.0 / 32;  // Random: fraction of rows exchanged, in (0, 1]
+  uint64_t seed = 0;                  // Random: selection seed, the same on every replica
 
   void validate() const;  // throws std::invalid_argument naming the bad option
 };
 
-// What one step puts on the wire and keeps (identical every step for a given parameter set).
+// A tensor the optimizer updates: the first plan.numel() elements of `leaf` (row-major), whose
+// gradient autograd leaves in leaf.grad(). For a whole parameter, leaf is the parameter and plan
+// its chunk plan; for a shard, leaf is the shard's storage and plan the shard's part of the
+// parameter's chunk grid (see shard.h).
+struct OptimParam {
+  at::Tensor leaf;
+  dct::ChunkPlan plan;
+};
+
+// What one exchange puts on the wire from this replica (the same every exchange).
 struct DemoTraffic {
-  uint64_t wire_bytes = 0;        // this replica's payload, all tensors, headers included
-  int64_t kept_coefficients = 0;  // sum over tensors of chunks * k
-  int64_t params = 0;             // parameter elements covered
+  uint64_t wire_bytes = 0;        // payload of one exchange: all tensors, headers included
+  int64_t kept_coefficients = 0;  // Demo: sum over tensors of chunks * k
+  int64_t params = 0;             // elements covered
 };
 
 class DemoOptimizer {
  public:
-  // params: leaf tensors (float32, float64 or bfloat16; CPU). replica_group: the ranks that hold
-  // the same parameters and exchange payloads; nullptr means a single replica (no exchange, but
-  // the payload is still encoded and decoded, so the numbers match a multi-replica run).
+  // Whole parameters (chunk plans from their shapes). replica_group: the ranks holding the same
+  // parameters; nullptr means one replica (nothing is sent, but DeMo's payload is still encoded
+  // and decoded, so the numbers match a multi-replica run).
   DemoOptimizer(std::vector<at::Tensor> params, DemoOptions options,
                 std::shared_ptr<comm::Communicator> replica_group = nullptr);
+  // Explicit plans, e.g. this rank's shards.
+  DemoOptimizer(std::vector<OptimParam> params, DemoOptions options,
+                std::shared_ptr<comm::Communicator> replica_group);
   ~DemoOptimizer();
   DemoOptimizer(const DemoOptimizer&) = delete;
   DemoOptimizer& operator=(const DemoOptimizer&) = delete;
 
-  // One step from the parameters' .grad() (a missing gradient counts as zero). Collective over
-  // the replica group: every replica must call it with the same parameter shapes.
+  // One step from the gradients (a missing gradient counts as zero). Collective over the
+  // replica group on exchange steps: every replica calls it with the same shapes and options.
   void step();
-  void zero_grad();  // resets the gradients to zero (keeps their storage)
+  void zero_grad();  // zeroes the gradients (keeps their storage)
 
   const DemoOptions& options() const;
-  const std::vector<at::Tensor>& params() const;
   DemoTraffic traffic() const;
-  // The residual momentum of parameter i in the DCT domain (block layout, see dct.h).
-  const at::Tensor& residual(size_t i) const;
+  int64_t steps() const;  // step() calls so far
+  // Bytes of optimizer state this rank holds: residuals, accumulators, AdamW moments.
+  int64_t state_bytes() const;
   const dct::ChunkPlan& chunk_plan(size_t i) const;
+  // Demo: parameter i's residual momentum in the DCT domain (block layout, see dct.h).
+  const at::Tensor& residual(size_t i) const;
 
  private:
   struct Impl;

@@ -1,11 +1,11 @@
-// The DeMo optimizer step (DESIGN.md §1) with the residual kept in the DCT domain and every
-// tensor's payload exchanged in one bucketed all-gather. Must not talk to MPI directly.
+// The optimizer driver: validates options, asks the replicator for each tensor's direction
+// (every replicate_every steps) and has the inner optimizer apply it. Never talks to MPI.
 #include "flexdemo/optim.h"
 
-#include "flexdemo/comm.h"
+#include "inner.h"
+#include "replicator.h"
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 
 #include <sstream>
@@ -13,6 +13,41 @@
 
 namespace flexdemo::optim {
 
+// ====== Names ======
+std::string to_string(ReplicatorKind kind) {
+  switch (kind) {
+    case ReplicatorKind::Demo:
+      return "demo";
+    case ReplicatorKind::Full:
+      return "full";
+    case ReplicatorKind::None:
+      return "none";
+    case ReplicatorKind::Random:
+      return "random";
+  }
+  return "unknown";
+}
+
+ReplicatorKind parse_replicator_kind(const std::string& name) {
+  for (auto k :
+       {ReplicatorKind::Demo, ReplicatorKind::Full, ReplicatorKind::None, ReplicatorKind::Random}) {
+    if (name == to_string(k)) return k;
+  }
+  throw std::invalid_argument("unknown replicator '" + name +
+                              "'; accepted: demo, full, none, random");
+}
+
+std::string to_string(InnerKind kind) {
+  return kind == InnerKind::SignSgd ? "sgd" : "adamw";
+}
+
+InnerKind parse_inner_kind(const std::string& name) {
+  if (name == "sgd") return InnerKind::SignSgd;
+  if (name == "adamw") return InnerKind::AdamW;
+  throw std::invalid_argument("unknown inner optimizer '" + name + "'; accepted: sgd, adamw");
+}
+
+// ====== Options ======
 void DemoOptions::validate() const {
   auto fail = [](const std::string& what) { throw std::invalid_argument("DeMo: " + what); };
   auto str = [](double v) {
@@ -21,167 +56,118 @@ void DemoOptions::validate() const {
     return s.str();
   };
   if (!(lr > 0.0)) fail("lr must be > 0, got " + str(lr));
-  if (!(decay >= 0.0 && decay < 1.0)) fail("decay must be in [0, 1), got " + str(decay));
-  if (topk <= 0) fail("topk must be > 0, got " + std::to_string(topk));
-  if (chunk <= 0) fail("chunk must be > 0, got " + std::to_string(chunk));
   if (!(weight_decay >= 0.0) || !(lr * weight_decay < 1.0)) {
     fail("weight_decay must be >= 0 with lr * weight_decay < 1, got " + str(weight_decay));
   }
+  if (!(beta1 >= 0.0 && beta1 < 1.0)) fail("beta1 must be in [0, 1), got " + str(beta1));
+  if (!(beta2 >= 0.0 && beta2 < 1.0)) fail("beta2 must be in [0, 1), got " + str(beta2));
+  if (!(eps > 0.0)) fail("eps must be > 0, got " + str(eps));
+  if (!(decay >= 0.0 && decay < 1.0)) fail("decay must be in [0, 1), got " + str(decay));
+  if (topk <= 0) fail("topk must be > 0, got " + std::to_string(topk));
+  if (chunk <= 0) fail("chunk must be > 0, got " + std::to_string(chunk));
+  if (replicate_every < 1) {
+    fail("replicate_every must be >= 1, got " + std::to_string(replicate_every));
+  }
+  if (!(random_fraction > 0.0 && random_fraction <= 1.0)) {
+    fail("random_fraction must be in (0, 1], got " + str(random_fraction));
+  }
 }
 
+// ====== The driver ======
 struct DemoOptimizer::Impl {
-  std::vector<at::Tensor> params;
+  std::vector<OptimParam> params;  // non-empty tensors only
+  std::vector<dct::ChunkPlan> plans;
   DemoOptions options;
-  std::shared_ptr<comm::Communicator> replica_group;
-
-  std::vector<dct::ChunkPlan> plans;    // per parameter
-  std::vector<at::Tensor> residuals;    // per parameter: float32 block-layout DCT coefficients
-  std::vector<size_t> payload_offsets;  // per parameter: where its payload sits in the bucket
-  std::vector<size_t> payload_bytes;    // per parameter
-  DemoTraffic traffic;
-
-  at::Tensor send_bucket;  // uint8 [bucket bytes]: this replica's payloads back to back
-  at::Tensor recv_bucket;  // uint8 [replicas * bucket bytes], rank order
-  at::Tensor decoded;      // float32 scratch buffers, each as large as the largest padded
-  at::Tensor samples;      // parameter, so that a step allocates nothing big
-  at::Tensor scratch;
-
-  int replicas() const { return replica_group ? replica_group->size() : 1; }
+  std::unique_ptr<Replicator> replicator;
+  std::unique_ptr<InnerOptimizer> inner;
+  int64_t steps = 0;
 };
 
 namespace {
 
-// p -= lr * sign(update) (or lr * update), update being the padded [R, C] inverse transform.
-void apply_update(at::Tensor& p, const at::Tensor& update, const dct::ChunkPlan& plan,
-                  const DemoOptions& o) {
-  if (p.scalar_type() == at::kFloat && p.is_contiguous() && !plan.is_padded()) {
-    float* dst = p.data_ptr<float>();
-    const float* u = update.data_ptr<float>();
-    const float lr = float(o.lr);
-    at::parallel_for(0, p.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
-      if (o.sign) {
-        for (int64_t i = begin; i < end; ++i) dst[i] -= lr * float((u[i] > 0.0f) - (u[i] < 0.0f));
-      } else {
-        for (int64_t i = begin; i < end; ++i) dst[i] -= lr * u[i];
-      }
-    });
-    return;
+std::vector<OptimParam> whole_parameters(std::vector<at::Tensor> params, const DemoOptions& o) {
+  o.validate();
+  std::vector<OptimParam> out;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!params[i].defined() || params[i].numel() == 0) {
+      throw std::invalid_argument("DeMo: parameter " + std::to_string(i) + " is empty");
+    }
+    out.push_back({params[i], dct::make_chunk_plan(params[i].sizes(), o.chunk, o.chunk_mode)});
   }
-  at::Tensor cropped = update.view({plan.padded_rows, plan.padded_cols})
-                           .narrow(0, 0, plan.rows)
-                           .narrow(1, 0, plan.cols);
-  p.sub_((o.sign ? cropped.sign() : cropped).reshape(p.sizes()), o.lr);
+  return out;
 }
 
 }  // namespace
 
 DemoOptimizer::DemoOptimizer(std::vector<at::Tensor> params, DemoOptions options,
                              std::shared_ptr<comm::Communicator> replica_group)
+    : DemoOptimizer(whole_parameters(std::move(params), options), options,
+                    std::move(replica_group)) {}
+
+DemoOptimizer::DemoOptimizer(std::vector<OptimParam> params, DemoOptions options,
+                             std::shared_ptr<comm::Communicator> replica_group)
     : impl_(std::make_unique<Impl>()) {
   options.validate();
   Impl& s = *impl_;
-  s.params = std::move(params);
   s.options = options;
-  s.replica_group = std::move(replica_group);
-
-  size_t offset = 0;
-  int64_t largest = 0;
-  for (size_t i = 0; i < s.params.size(); ++i) {
-    const at::Tensor& p = s.params[i];
-    if (!p.defined() || p.numel() == 0) {
-      throw std::invalid_argument("DeMo: parameter " + std::to_string(i) + " is empty");
-    }
-    if (!p.is_cpu() || !at::isFloatingType(p.scalar_type())) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    const OptimParam& p = params[i];
+    if (p.plan.numel() == 0) continue;  // an empty shard: nothing to update or send
+    if (!p.leaf.defined() || !p.leaf.is_cpu() || !at::isFloatingType(p.leaf.scalar_type()) ||
+        !p.leaf.is_contiguous() || p.leaf.numel() < p.plan.numel()) {
       throw std::invalid_argument("DeMo: parameter " + std::to_string(i) +
-                                  " must be a floating CPU tensor");
+                                  " must be a contiguous floating CPU tensor of at least " +
+                                  std::to_string(p.plan.numel()) + " elements");
     }
-    dct::ChunkPlan plan = dct::make_chunk_plan(p.sizes(), options.chunk, options.chunk_mode);
-    const size_t bytes = compress::wire_payload_bytes(plan, options.topk, options.values);
-    s.plans.push_back(plan);
-    s.residuals.push_back(at::zeros({plan.padded_rows, plan.padded_cols}, at::kFloat));
-    s.payload_offsets.push_back(offset);
-    s.payload_bytes.push_back(bytes);
-    offset += bytes;
-    largest = std::max(largest, plan.padded_numel());
-    s.traffic.kept_coefficients += plan.num_chunks() * compress::clamp_topk(options.topk, plan);
-    s.traffic.params += p.numel();
+    s.params.push_back(p);
+    s.plans.push_back(p.plan);
   }
-  s.traffic.wire_bytes = offset;
-  s.send_bucket = at::empty({int64_t(offset)}, at::kByte);
-  s.recv_bucket = at::empty({int64_t(offset) * s.replicas()}, at::kByte);
-  s.decoded = at::empty({largest}, at::kFloat);
-  s.samples = at::empty({largest}, at::kFloat);
-  s.scratch = at::empty({largest}, at::kFloat);
+  s.replicator = make_replicator(s.plans, options, std::move(replica_group));
+  s.inner = std::make_unique<InnerOptimizer>(s.params, options);
 }
 
 DemoOptimizer::~DemoOptimizer() = default;
 
 void DemoOptimizer::step() {
   Impl& s = *impl_;
-  const DemoOptions& o = s.options;
   at::NoGradGuard no_grad;
-  uint8_t* send = s.send_bucket.data_ptr<uint8_t>();
-
-  // Residual update and top-k extraction with error feedback, per tensor into the bucket.
-  for (size_t i = 0; i < s.params.size(); ++i) {
-    at::Tensor& p = s.params[i];
-    const dct::ChunkPlan& plan = s.plans[i];
-    at::Tensor& residual = s.residuals[i];
-    if (o.weight_decay > 0.0) p.mul_(1.0 - o.lr * o.weight_decay);
-    const at::Tensor& grad = p.grad();
-    if (grad.defined()) {
-      dct::chunked_dct_accumulate(grad, plan, o.decay, o.lr, residual, &s.scratch);
-    } else {
-      residual.mul_(o.decay);
-    }
-    compress::TopK topk = compress::select_topk(residual, plan, o.topk);
-    compress::encode_payload(plan, topk, o.values, send + s.payload_offsets[i]);
-    compress::add_selected(residual, plan, topk, -1.0f);  // what is sent leaves the residual
+  std::vector<at::Tensor> grads;
+  for (const OptimParam& p : s.params) {
+    const at::Tensor& g = p.leaf.grad();
+    grads.push_back(g.defined() ? g.reshape({-1}).narrow(0, 0, p.plan.numel()) : at::Tensor());
   }
-
-  // One all-gather for the whole step.
-  const size_t bucket = s.payload_offsets.empty() ? 0 : size_t(s.send_bucket.numel());
-  const uint8_t* gathered = send;
-  if (s.replicas() > 1) {
-    s.replica_group->all_gather(s.send_bucket, s.recv_bucket);
-    gathered = s.recv_bucket.data_ptr<uint8_t>();
+  ++s.steps;
+  if (s.steps % s.options.replicate_every != 0) {
+    s.replicator->accumulate(grads);
+    return;
   }
-
-  // Decode (the mean over replicas, bit-identical everywhere) and apply.
-  std::vector<const uint8_t*> payloads(s.replicas());
-  for (size_t i = 0; i < s.params.size(); ++i) {
-    const dct::ChunkPlan& plan = s.plans[i];
-    for (int r = 0; r < s.replicas(); ++r) {
-      payloads[r] = gathered + r * bucket + s.payload_offsets[i];
-    }
-    at::Tensor decoded = s.decoded.narrow(0, 0, plan.padded_numel());
-    compress::decode_mean(payloads, s.payload_bytes[i], plan, o.topk, o.values, decoded);
-    at::Tensor update = s.samples.narrow(0, 0, plan.padded_numel());
-    dct::chunked_idct_into(decoded, plan, update, &s.scratch);
-    apply_update(s.params[i], update, plan, o);
-  }
+  s.inner->begin_step();
+  s.replicator->exchange(grads, [&](size_t i, const at::Tensor& d) { s.inner->apply(i, d); });
 }
 
 void DemoOptimizer::zero_grad() {
-  for (at::Tensor& p : impl_->params) {
-    if (p.grad().defined()) p.mutable_grad().zero_();
+  for (OptimParam& p : impl_->params) {
+    if (p.leaf.grad().defined()) p.leaf.mutable_grad().zero_();
   }
 }
 
 const DemoOptions& DemoOptimizer::options() const {
   return impl_->options;
 }
-const std::vector<at::Tensor>& DemoOptimizer::params() const {
-  return impl_->params;
-}
 DemoTraffic DemoOptimizer::traffic() const {
-  return impl_->traffic;
+  return impl_->replicator->traffic();
 }
-const at::Tensor& DemoOptimizer::residual(size_t i) const {
-  return impl_->residuals.at(i);
+int64_t DemoOptimizer::steps() const {
+  return impl_->steps;
+}
+int64_t DemoOptimizer::state_bytes() const {
+  return impl_->replicator->state_bytes() + impl_->inner->state_bytes();
 }
 const dct::ChunkPlan& DemoOptimizer::chunk_plan(size_t i) const {
   return impl_->plans.at(i);
+}
+const at::Tensor& DemoOptimizer::residual(size_t i) const {
+  return impl_->replicator->residual(i);
 }
 
 }  // namespace flexdemo::optim

@@ -1,0 +1,76 @@
+// Sign-SGD and AdamW applied to one tensor at a time, in place on this rank's parameters.
+// AdamW follows torch.optim.AdamW's operation order, so it can be checked against it.
+#include "inner.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+namespace flexdemo::optim {
+
+InnerOptimizer::InnerOptimizer(const std::vector<OptimParam>& params, const DemoOptions& options)
+    : options_(options) {
+  for (const OptimParam& p : params) {
+    params_.push_back(
+        p.leaf.view(-1).narrow(0, 0, p.plan.numel()).view({p.plan.rows, p.plan.cols}));
+    if (options.inner == InnerKind::AdamW) {
+      exp_avg_.push_back(at::zeros({p.plan.rows, p.plan.cols}, at::kFloat));
+      exp_avg_sq_.push_back(at::zeros({p.plan.rows, p.plan.cols}, at::kFloat));
+    }
+  }
+}
+
+void InnerOptimizer::begin_step() {
+  ++step_;
+}
+
+namespace {
+
+// p -= lr * sign(d) (or lr * d) with one pass over memory where the layout allows it.
+void sgd_update(at::Tensor& p, const at::Tensor& d, float lr, bool sign) {
+  if (p.scalar_type() == at::kFloat && p.is_contiguous() && d.is_contiguous() &&
+      d.scalar_type() == at::kFloat) {
+    float* dst = p.data_ptr<float>();
+    const float* u = d.data_ptr<float>();
+    at::parallel_for(0, p.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
+      if (sign) {
+        for (int64_t i = begin; i < end; ++i) dst[i] -= lr * float((u[i] > 0.0f) - (u[i] < 0.0f));
+      } else {
+        for (int64_t i = begin; i < end; ++i) dst[i] -= lr * u[i];
+      }
+    });
+    return;
+  }
+  p.sub_(sign ? d.sign() : d, lr);
+}
+
+}  // namespace
+
+void InnerOptimizer::apply(size_t i, const at::Tensor& direction) {
+  at::Tensor& p = params_.at(i);
+  const DemoOptions& o = options_;
+  if (o.weight_decay != 0.0) p.mul_(1.0 - o.lr * o.weight_decay);
+  if (o.inner == InnerKind::SignSgd) {
+    sgd_update(p, direction, float(o.lr), o.sign);
+    return;
+  }
+  const at::Tensor grad = o.sign ? direction.sign() : direction;
+  at::Tensor& m = exp_avg_[i];
+  at::Tensor& v = exp_avg_sq_[i];
+  const double bias_correction1 = 1.0 - std::pow(o.beta1, double(step_));
+  const double bias_correction2 = 1.0 - std::pow(o.beta2, double(step_));
+  m.mul_(o.beta1).add_(grad, 1.0 - o.beta1);
+  v.mul_(o.beta2).addcmul_(grad, grad, 1.0 - o.beta2);
+  const at::Tensor denom = (v.sqrt() / std::sqrt(bias_correction2)).add_(o.eps);
+  p.addcdiv_(m, denom, -o.lr / bias_correction1);
+}
+
+int64_t InnerOptimizer::state_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& t : exp_avg_) bytes += t.numel() * t.element_size();
+  for (const auto& t : exp_avg_sq_) bytes += t.numel() * t.element_size();
+  return bytes;
+}
+
+}  // namespace flexdemo::optim

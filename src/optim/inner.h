@@ -1,0 +1,28 @@
+// Inner optimizers: apply a replicator's direction to this rank's tensors. Sign-SGD (DeMo's) or
+// AdamW (the same formula as torch.optim.AdamW), with decoupled weight decay.
+#pragma once
+
+#include "flexdemo/optim.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+namespace flexdemo::optim {
+
+class InnerOptimizer {
+ public:
+  InnerOptimizer(const std::vector<OptimParam>& params, const DemoOptions& options);
+  void begin_step();  // once per applied step, before the apply() calls
+  // Tensor i: p *= 1 - lr*wd, then the update from direction ([rows, cols] float32).
+  void apply(size_t i, const at::Tensor& direction);
+  int64_t state_bytes() const;
+
+ private:
+  std::vector<at::Tensor> params_;  // views [rows, cols] of the leaves
+  DemoOptions options_;
+  std::vector<at::Tensor> exp_avg_, exp_avg_sq_;  // AdamW moments (float32)
+  int64_t step_ = 0;
+};
+
+}  // namespace flexdemo::optim

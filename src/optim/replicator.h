@@ -1,0 +1,49 @@
+// Replicators: how replicas turn their gradients into one shared update direction. Internal to
+// the optimizer; every implementation sends all of a step's tensors in ONE collective.
+#pragma once
+
+#include "flexdemo/optim.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+namespace flexdemo::optim {
+
+// Receives tensor i's direction: float32, [plan.rows, plan.cols] (possibly a strided view).
+using DirectionSink = std::function<void(size_t i, const at::Tensor& direction)>;
+
+class Replicator {
+ public:
+  virtual ~Replicator() = default;
+  // Folds this step's gradients (plan.numel() elements each; undefined = zero) into the state
+  // without exchanging: the steps between two exchanges.
+  virtual void accumulate(const std::vector<at::Tensor>& grads) = 0;
+  // Folds them in, exchanges over the replica group, and hands each tensor's direction to sink.
+  // The directions are bit-identical on every replica.
+  virtual void exchange(const std::vector<at::Tensor>& grads, const DirectionSink& sink) = 0;
+  virtual DemoTraffic traffic() const = 0;
+  virtual int64_t state_bytes() const = 0;
+  virtual const at::Tensor& residual(size_t i) const;  // throws unless the kind keeps one
+};
+
+std::unique_ptr<Replicator> make_replicator(const std::vector<dct::ChunkPlan>& plans,
+                                            const DemoOptions& options,
+                                            std::shared_ptr<comm::Communicator> replica_group);
+
+// ====== The implementations (one file each) ======
+std::unique_ptr<Replicator> make_demo_replicator(const std::vector<dct::ChunkPlan>& plans,
+                                                 const DemoOptions& options,
+                                                 std::shared_ptr<comm::Communicator> group);
+// Full (exchange = true) and None (exchange = false): the mean gradient since the last exchange.
+std::unique_ptr<Replicator> make_dense_replicator(const std::vector<dct::ChunkPlan>& plans,
+                                                  const DemoOptions& options,
+                                                  std::shared_ptr<comm::Communicator> group,
+                                                  bool exchange);
+std::unique_ptr<Replicator> make_random_replicator(const std::vector<dct::ChunkPlan>& plans,
+                                                   const DemoOptions& options,
+                                                   std::shared_ptr<comm::Communicator> group);
+
+}  // namespace flexdemo::optim
