@@ -1,11 +1,13 @@
 // The `flexdemo` command: parses arguments (CLI11) and dispatches to the subcommands.
 // Any error becomes one line on stderr and a non-zero exit.
 #include "bench/bench.h"
+#include "flexdemo/comm.h"
 
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
 #include <exception>
+#include <memory>
 #include <string>
 
 namespace {
@@ -41,6 +43,20 @@ int main(int argc, char** argv) {
   auto* exchange = bench->add_subcommand(
       "exchange", "under mpirun: DeMo's bytes between replicas against a dense all-reduce");
   add_demo_bench_flags(exchange, ex);
+  exchange->add_option("--replicator", ex.replicator, "exchange between nodes")
+      ->check(CLI::IsMember({"demo", "full", "none", "random"}))
+      ->capture_default_str();
+  exchange->add_option("--inner", ex.inner, "inner optimizer")
+      ->check(CLI::IsMember({"sgd", "adamw"}))
+      ->capture_default_str();
+  exchange
+      ->add_option("--ranks-per-node", ex.ranks_per_node,
+                   "ranks per node (0: ranks sharing a host, from MPI)")
+      ->capture_default_str();
+  exchange
+      ->add_option("--shard-size", ex.shard_size,
+                   "ranks per shard group, dividing the node (0: the whole node)")
+      ->capture_default_str();
 
   try {
     app.parse(argc, argv);
@@ -66,9 +82,14 @@ int main(int argc, char** argv) {
                  accepted.empty() ? "" : ("; accepted: " + accepted).c_str());
     return 2;
   }
+  // MPI lives until after an error is printed: every rank reports before any of them exits.
+  std::unique_ptr<flexdemo::comm::MpiRuntime> mpi;
   try {
     if (optimizer->parsed()) return flexdemo::bench::run_bench_optimizer(opt);
-    if (exchange->parsed()) return flexdemo::bench::run_bench_exchange(ex);
+    if (exchange->parsed()) {
+      mpi = std::make_unique<flexdemo::comm::MpiRuntime>(&argc, &argv);
+      return flexdemo::bench::run_bench_exchange(ex, mpi->world());
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "flexdemo: error: %s\n", e.what());
     return 1;

@@ -3,8 +3,13 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
+
+namespace flexdemo::comm {
+class Communicator;
+}
 
 namespace flexdemo::bench {
 
@@ -41,8 +46,12 @@ struct ExchangeBenchArgs : DemoBenchArgs {
     values = "bf16";
     steps = 20;
   }
+  std::string replicator = "demo";  // compared against "full" (plain HSDP)
+  std::string inner = "sgd";
+  int ranks_per_node = 0;  // 0: from MPI
+  int shard_size = 0;      // 0: the whole node
 };
-// Collective: run under mpirun; every rank is one replica.
-int run_bench_exchange(const ExchangeBenchArgs& args);
+// Collective over world: FlexDeMo on a GPT-2-shaped model sharded inside nodes.
+int run_bench_exchange(const ExchangeBenchArgs& args, std::shared_ptr<comm::Communicator> world);
 
 }  // namespace flexdemo::bench

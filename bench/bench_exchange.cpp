@@ -1,14 +1,16 @@
-// `flexdemo bench exchange` (the demo until the trainer exists): every MPI rank is a replica of a
-// GPT-2-shaped parameter set with its own gradients; DeMo's bucketed all-gather is counted
-// against the dense fp32 all-reduce that plain data parallelism would send for the same step.
+// `flexdemo bench exchange` (the demo until the trainer exists): FlexDeMo on a GPT-2-shaped
+// parameter set, sharded inside (emulated) nodes, every rank feeding its own gradients through
+// the sharded forward/backward. Counts the bytes between nodes against `full` (plain HSDP), the
+// bytes inside nodes and the state per rank, and checks that replicas stay bit-identical.
 #include "bench/bench.h"
 
 #include "flexdemo/comm.h"
 #include "flexdemo/optim.h"
 #include "flexdemo/runtime.h"
+#include "flexdemo/shard.h"
+#include "flexdemo/topology.h"
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
@@ -16,83 +18,195 @@
 #include <stdexcept>
 
 namespace flexdemo::bench {
+namespace {
 
-int run_bench_exchange(const ExchangeBenchArgs& args) {
+// The unit a GPT-2 parameter belongs to: "embeddings", "h<l>" or "ln_f".
+std::string unit_of(const std::string& name) {
+  if (name == "wte" || name == "wpe") return "embeddings";
+  return name.substr(0, name.find('.'));
+}
+
+// A sharded GPT-2-shaped parameter set whose "loss" is sum_i <p_i, g_i>: its gradient is the
+// g_i each rank draws, so the backward exercises the real reduce-scatter path.
+struct ShardedParams {
+  std::vector<std::unique_ptr<shard::ShardedUnit>> units;
+  std::vector<std::vector<int64_t>> unit_members;  // per unit: parameter indices
+
+  ShardedParams(const std::vector<NamedShape>& shapes, const comm::Topology& topo,
+                const optim::DemoOptions& o) {
+    at::manual_seed(1234);  // the same initial parameters on every rank
+    shard::ShardOptions so;
+    so.chunk = o.chunk;
+    so.chunk_mode = o.chunk_mode;
+    std::vector<at::Tensor> pending;
+    std::string current;
+    auto flush = [&] {
+      if (!pending.empty()) {
+        units.push_back(
+            std::make_unique<shard::ShardedUnit>(current, pending, topo.shard_group, so));
+      }
+      pending.clear();
+    };
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      if (unit_of(shapes[i].name) != current) {
+        flush();
+        current = unit_of(shapes[i].name);
+        unit_members.emplace_back();
+      }
+      pending.push_back(at::randn(shapes[i].shape) * 0.02);
+      unit_members.back().push_back(int64_t(i));
+    }
+    flush();
+  }
+
+  void backward(const std::vector<at::Tensor>& grads) {
+    at::Tensor loss = at::zeros({});
+    for (size_t u = 0; u < units.size(); ++u) {
+      std::vector<at::Tensor> g;
+      for (int64_t i : unit_members[u]) g.push_back(grads[i]);
+      loss = loss + units[u]->forward(
+                        [](const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& in) {
+                          at::Tensor sum = at::zeros({});
+                          for (size_t i = 0; i < p.size(); ++i) sum = sum + (p[i] * in[i]).sum();
+                          return sum;
+                        },
+                        g);
+    }
+    loss.backward();
+  }
+
+  std::vector<optim::OptimParam> optim_params() const {
+    std::vector<optim::OptimParam> all;
+    for (const auto& u : units) {
+      for (auto& p : u->optim_params()) all.push_back(p);
+    }
+    return all;
+  }
+  int64_t param_bytes() const {
+    int64_t b = 0;
+    for (const auto& u : units) b += u->param_bytes();
+    return b;
+  }
+  int64_t grad_bytes() const {
+    int64_t b = 0;
+    for (const auto& u : units) b += u->grad_bytes();
+    return b;
+  }
+};
+
+struct RunResult {
+  comm::StepTraffic per_step;  // of the last step
+  double step_ms = 0.0;
+  int64_t params = 0, param_bytes = 0, grad_bytes = 0, state_bytes = 0;
+  bool identical = true;
+};
+
+RunResult run(const std::vector<NamedShape>& shapes, const comm::Topology& topo,
+              const optim::DemoOptions& o, int steps, bool progress) {
+  ShardedParams model(shapes, topo, o);
+  optim::DemoOptimizer optimizer(model.optim_params(), o, topo.replica_group);
+  comm::TrafficMeter meter(topo);
+  at::Generator gen = at::detail::createCPUGenerator(1000 + topo.world->rank());  // own grads
+  RunResult result;
+  double seconds = 0.0;
+  for (int step = 0; step < steps; ++step) {
+    std::vector<at::Tensor> grads;
+    for (const auto& s : shapes) grads.push_back(at::randn(s.shape, gen));
+    meter.lap();
+    const auto t0 = std::chrono::steady_clock::now();
+    optimizer.zero_grad();
+    model.backward(grads);
+    optimizer.step();
+    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    result.per_step = meter.lap();
+    if (progress && (step + 1) % 5 == 0) {
+      fmt::print("  step {:3d}/{}  between nodes {:>10} B  inside nodes {:>10} B\n", step + 1,
+                 steps, result.per_step.inter_sent, result.per_step.intra_sent);
+    }
+  }
+  result.step_ms = 1e3 * seconds / steps;
+  result.params = optimizer.traffic().params;
+  result.param_bytes = model.param_bytes();
+  result.grad_bytes = model.grad_bytes();
+  result.state_bytes = optimizer.state_bytes();
+  // Every replica must hold bit-identical shards: compare with the first replica.
+  int64_t mismatched = 0;
+  for (const auto& u : model.units) {
+    for (const at::Tensor& s : u->shards()) {
+      at::Tensor first = s.detach().clone();
+      topo.replica_group->broadcast(first, 0);
+      mismatched += at::equal(first, s.detach()) ? 0 : 1;
+    }
+  }
+  at::Tensor bad = at::full({1}, mismatched, at::kLong);
+  topo.world->all_reduce(bad, comm::ReduceOp::Sum);
+  result.identical = bad.item<int64_t>() == 0;
+  return result;
+}
+
+}  // namespace
+
+int run_bench_exchange(const ExchangeBenchArgs& args, std::shared_ptr<comm::Communicator> world) {
   if (args.steps < 1) {
     throw std::invalid_argument("--steps must be >= 1, got " + std::to_string(args.steps));
   }
-  comm::MpiRuntime mpi;
-  auto world = mpi.world();
-  auto demo_group = world->split(0, world->rank());   // DeMo's traffic only
-  auto dense_group = world->split(0, world->rank());  // the baseline's traffic only
-
   optim::DemoOptions options;
   options.topk = args.topk;
   options.chunk = args.chunk;
   options.values = compress::parse_value_encoding(args.values);
+  options.replicator = optim::parse_replicator_kind(args.replicator);
+  options.inner = optim::parse_inner_kind(args.inner);
   options.validate();
-  set_num_threads(1);
-
-  at::manual_seed(1234);  // identical initial parameters on every replica
   const auto shapes = gpt2_parameter_shapes(gpt2_shape(args.scale));
-  std::vector<at::Tensor> params;
-  for (const auto& s : shapes)
-    params.push_back((at::randn(s.shape) * 0.02).set_requires_grad(true));
-  optim::DemoOptimizer demo(params, options, demo_group);
 
-  const bool root = world->rank() == 0;
+  set_num_threads(1);
+  const comm::Topology topo =
+      comm::make_topology(std::move(world), {args.ranks_per_node, args.shard_size});
+  const bool root = topo.world->rank() == 0;
   if (root && !args.json) {
-    fmt::print("DeMo exchange: {} replicas, {} parameters, top-{} of {}x{} chunks, {} values\n",
-               world->size(), demo.traffic().params, options.topk, options.chunk, options.chunk,
-               args.values);
+    fmt::print(
+        "FlexDeMo exchange: {}; GPT-2 x{} shapes; {} + {}, top-{} of {}x{} chunks, {} "
+        "values\n",
+        topo.describe(), args.scale, args.replicator, args.inner, options.topk, options.chunk,
+        options.chunk, args.values);
   }
-  double demo_step_s = 0.0;
-  at::Generator gen = at::detail::createCPUGenerator(1000 + world->rank());  // own gradients
-  for (int step = 0; step < args.steps; ++step) {
-    for (auto& p : params) p.mutable_grad() = at::randn(p.sizes(), gen);
-    const auto t0 = std::chrono::steady_clock::now();
-    demo.step();
-    demo_step_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    for (auto& p : params) dense_group->all_reduce(p.grad(), comm::ReduceOp::Avg);
-    if (root && !args.json && (step + 1) % 5 == 0) {
-      fmt::print("  step {:3d}/{}  DeMo sent {:>10} B  dense all-reduce sent {:>12} B\n", step + 1,
-                 args.steps, demo_group->stats().bytes_sent, dense_group->stats().bytes_sent);
-    }
-  }
+  const RunResult main = run(shapes, topo, options, args.steps, root && !args.json);
+  optim::DemoOptions dense = options;
+  dense.replicator = optim::ReplicatorKind::Full;
+  const RunResult baseline = run(shapes, topo, dense, 2, false);  // bytes per step are fixed
 
-  // Replicas must hold bit-identical parameters: compare everyone against rank 0.
-  int64_t mismatched = 0;
-  for (auto& p : params) {
-    at::Tensor reference = p.detach().clone();
-    world->broadcast(reference, 0);
-    mismatched += at::equal(reference, p.detach()) ? 0 : 1;
-  }
-  at::Tensor bad = at::full({1}, mismatched, at::kLong);
-  world->all_reduce(bad, comm::ReduceOp::Sum);
-
-  const comm::CommStats d = demo_group->stats(), a = dense_group->stats();
+  const uint64_t inter = main.per_step.inter_sent, full = baseline.per_step.inter_sent;
+  const int64_t state = main.param_bytes + main.grad_bytes + main.state_bytes;
   nlohmann::ordered_json out;
-  out["replicas"] = world->size();
-  out["params"] = demo.traffic().params;
-  out["steps"] = args.steps;
-  out["demo_bytes_sent"] = d.bytes_sent;
-  out["dense_bytes_sent"] = a.bytes_sent;
-  out["reduction"] = double(a.bytes_sent) / double(std::max<uint64_t>(1, d.bytes_sent));
-  out["demo_step_ms"] = 1e3 * demo_step_s / args.steps;
-  out["replicas_identical"] = bad.item<int64_t>() == 0;
+  out["topology"] = topo.describe();
+  out["params"] = main.params;  // this rank's shard
+  out["replicator"] = args.replicator;
+  out["inter_node_bytes_per_step"] = inter;
+  out["full_inter_node_bytes_per_step"] = full;
+  out["reduction"] = inter > 0 ? double(full) / double(inter) : 0.0;
+  out["intra_node_bytes_per_step"] = main.per_step.intra_sent;
+  out["param_bytes"] = main.param_bytes;
+  out["grad_bytes"] = main.grad_bytes;
+  out["optimizer_state_bytes"] = main.state_bytes;
+  out["state_bytes"] = state;
+  out["step_ms"] = main.step_ms;
+  out["replicas_identical"] = main.identical && baseline.identical;
   if (root) {
     if (args.json) {
       fmt::print("{}\n", out.dump());
     } else {
+      fmt::print("between nodes per step, per rank: {} {} B, full {} B ({:.0f}x fewer)\n",
+                 args.replicator, inter, full, out["reduction"].get<double>());
+      fmt::print("inside nodes per step, per rank: {} B\n", main.per_step.intra_sent);
       fmt::print(
-          "bytes sent per rank over {} steps: DeMo {} B, dense all-reduce {} B "
-          "({:.0f}x fewer)\n",
-          args.steps, d.bytes_sent, a.bytes_sent, out["reduction"].get<double>());
-      fmt::print("DeMo step {:.1f} ms per rank; replicas bit-identical: {}\n",
-                 out["demo_step_ms"].get<double>(), bad.item<int64_t>() == 0 ? "yes" : "NO");
+          "state per rank: params {} + grads {} + optimizer {} = {} B "
+          "(shard of {} parameters)\n",
+          main.param_bytes, main.grad_bytes, main.state_bytes, state, main.params);
+      fmt::print("step {:.1f} ms; replicas bit-identical: {}\n", main.step_ms,
+                 out["replicas_identical"].get<bool>() ? "yes" : "NO");
     }
   }
-  return bad.item<int64_t>() == 0 ? 0 : 1;
+  return out["replicas_identical"].get<bool>() ? 0 : 1;
 }
 
 }  // namespace flexdemo::bench

@@ -1,5 +1,6 @@
-# ctest script: run COMMAND (a ;-list), require a non-zero exit and a one-line stderr matching
-# EXPECT -- how every bad input to the command must fail.
+# ctest script: run COMMAND (a ;-list), require a non-zero exit and a stderr matching EXPECT,
+# one line unless MANY_LINES is set (mpirun: one line per rank), and matching it COUNT times
+# when COUNT is given -- how bad input must fail.
 execute_process(COMMAND ${COMMAND} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 if(rc EQUAL 0)
   message(FATAL_ERROR "expected failure, but exited 0: ${COMMAND}")
@@ -7,7 +8,14 @@ endif()
 if(NOT err MATCHES "${EXPECT}")
   message(FATAL_ERROR "stderr does not match '${EXPECT}':\n${err}")
 endif()
+if(COUNT)
+  string(REGEX MATCHALL "${EXPECT}" matches "${err}")
+  list(LENGTH matches found)
+  if(NOT found EQUAL COUNT)
+    message(FATAL_ERROR "'${EXPECT}' appears ${found} times in stderr, expected ${COUNT}:\n${err}")
+  endif()
+endif()
 string(STRIP "${err}" stripped)
-if(stripped MATCHES "\n")
+if(NOT MANY_LINES AND stripped MATCHES "\n")
   message(FATAL_ERROR "stderr is more than one line:\n${err}")
 endif()

@@ -1,5 +1,6 @@
 // DeMo across real MPI ranks: replicas with different gradients stay bit-identical, the bytes
 // counted equal the closed-form payload size, and the update equals a single-process replay.
+#include "closed_form.h"
 #include "test_mpi.h"
 
 #include "flexdemo/optim.h"
@@ -25,32 +26,10 @@ void set_gradients(std::vector<at::Tensor>& params, int rank, int step) {
   for (auto& p : params) p.mutable_grad() = at::randn(p.sizes(), gen);
 }
 
-// The closed form of one replica's payload, written out here independently of the library.
-uint64_t closed_form_payload_bytes(const optim::DemoOptions& o) {
-  uint64_t total = 0;
-  for (const auto& s : kShapes) {
-    const auto plan = dct::make_chunk_plan(s, o.chunk, o.chunk_mode);
-    const uint64_t n = plan.chunk_numel();
-    const uint64_t k = std::min<uint64_t>(o.topk, n);
-    const uint64_t entries = plan.num_chunks() * k;
-    const uint64_t index_bytes = n <= 256 ? 1 : n <= 65536 ? 2 : 4;
-    uint64_t value_bytes = 0;
-    switch (o.values) {
-      case compress::ValueEncoding::Fp32:
-        value_bytes = 4 * entries;
-        break;
-      case compress::ValueEncoding::Bf16:
-        value_bytes = 2 * entries;
-        break;
-      case compress::ValueEncoding::Int8:
-        value_bytes = entries + 4 * plan.num_chunks();
-        break;
-      case compress::ValueEncoding::Sign:
-        value_bytes = (entries + 7) / 8 + 4 * plan.num_chunks();
-    }
-    total += 36 + index_bytes * entries + value_bytes;
-  }
-  return total;
+std::vector<dct::ChunkPlan> plans_of(const optim::DemoOptions& o) {
+  std::vector<dct::ChunkPlan> plans;
+  for (const auto& s : kShapes) plans.push_back(dct::make_chunk_plan(s, o.chunk, o.chunk_mode));
+  return plans;
 }
 
 }  // namespace
@@ -83,7 +62,7 @@ TEST(DemoMpi, ReplicasStayBitIdenticalAndBytesMatchClosedForm) {
       EXPECT_TRUE(at::equal(mine, root)) << "parameter " << i << " " << compress::to_string(values);
       EXPECT_FALSE(at::equal(mine, initial[i])) << "parameter " << i << " never moved";
     }
-    const uint64_t payload = closed_form_payload_bytes(o);
+    const uint64_t payload = closed_form_payload_bytes(plans_of(o), o);
     EXPECT_EQ(demo.traffic().wire_bytes, payload);
     EXPECT_EQ(group->stats().bytes_sent, steps * (world->size() - 1) * payload);
     EXPECT_EQ(group->stats().collectives, uint64_t(steps));  // one bucketed all-gather per step

@@ -83,6 +83,8 @@ class Communicator {
   // Collective over this communicator: ranks with the same color form a new communicator,
   // ordered by key (ties by rank in this one).
   virtual std::shared_ptr<Communicator> split(int color, int key) = 0;
+  // Collective: the ranks that share this rank's host (its shared-memory domain).
+  virtual std::shared_ptr<Communicator> split_by_host() = 0;
 
   // ====== Accounting ======
   virtual CommStats stats() const = 0;

@@ -278,6 +278,13 @@ class MpiCommunicator final : public Communicator {
     return std::make_shared<MpiCommunicator>(sub, true);
   }
 
+  std::shared_ptr<Communicator> split_by_host() override {
+    MPI_Comm sub = MPI_COMM_NULL;
+    FLEXDEMO_MPI_CHECK(
+        MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &sub));
+    return std::make_shared<MpiCommunicator>(sub, true);
+  }
+
   CommStats stats() const override {
     std::lock_guard<std::mutex> lock(stats_->mutex);
     return stats_->stats;

@@ -1,0 +1,80 @@
+// flexdemo/shard.h — FSDP-style sharding inside a shard group, without hooks.
+// Each parameter is cut along dim 0 in whole chunk-rows (a vector: in whole chunks), so every
+// DCT chunk lies in one shard and the optimizer's result does not depend on the shard size.
+// A unit's forward all-gathers its parameters; its backward reduce-scatters (averages) their
+// gradients into the shards as soon as that unit's backward is done.
+#pragma once
+
+#include "flexdemo/dct.h"
+#include "flexdemo/optim.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace flexdemo::comm {
+class Communicator;
+}
+
+namespace flexdemo::shard {
+
+// How one parameter is split among the S ranks of a shard group.
+struct ShardSpec {
+  std::vector<int64_t> shape;  // the full parameter
+  dct::ChunkPlan plan;         // the full parameter's chunk plan
+  int64_t unit_numel = 0;      // elements of one indivisible unit: a chunk-row, or a vector chunk
+  int64_t shard_numel = 0;     // storage per rank, the same on every rank (a tail is padding)
+  int64_t begin = 0;           // this rank's elements [begin, end) of the flattened parameter
+  int64_t end = 0;
+  dct::ChunkPlan shard_plan;  // this rank's part of the chunk grid; numel() == end - begin
+};
+ShardSpec make_shard_spec(at::IntArrayRef shape, int64_t chunk, dct::ChunkMode mode, int shard_rank,
+                          int shard_size);
+
+struct ShardOptions {
+  int64_t chunk = 64;  // chunk geometry: must match the optimizer's
+  dct::ChunkMode chunk_mode = dct::ChunkMode::Divisor;
+  // true: free the gathered parameters after forward and gather them again in backward,
+  // recomputing the unit (FSDP's FULL_SHARD with checkpointing); false: keep them until the
+  // backward (SHARD_GRAD_OP).
+  bool reshard_after_forward = true;
+};
+
+// fn(full parameters, inputs) -> output. Must be deterministic: it may run twice.
+using UnitFn = std::function<at::Tensor(const std::vector<at::Tensor>& params,
+                                        const std::vector<at::Tensor>& inputs)>;
+
+// A group of parameters that is gathered and reduce-scattered together (one collective each
+// way), e.g. a transformer block. Must outlive the backward of every forward it ran.
+class ShardedUnit {
+ public:
+  // full_params: float32, the same values on every rank of the shard group (the initial model).
+  ShardedUnit(std::string name, const std::vector<at::Tensor>& full_params,
+              std::shared_ptr<comm::Communicator> shard_group, ShardOptions options = {});
+  ~ShardedUnit();
+  ShardedUnit(const ShardedUnit&) = delete;
+  ShardedUnit& operator=(const ShardedUnit&) = delete;
+
+  const std::string& name() const;
+  // Runs fn on the gathered parameters. With grad mode on, gradients reach the shards' .grad()
+  // (averaged over the shard group); without, it is a plain gathered evaluation.
+  at::Tensor forward(const UnitFn& fn, const std::vector<at::Tensor>& inputs);
+  // The full parameters, detached (evaluation, checkpoints). Collective over the shard group.
+  std::vector<at::Tensor> gather() const;
+
+  const std::vector<at::Tensor>& shards() const;  // leaves: float32 [shard_numel], requires_grad
+  const std::vector<ShardSpec>& specs() const;
+  std::vector<optim::OptimParam> optim_params() const;  // for DemoOptimizer
+  int64_t param_bytes() const;                          // this rank's shards
+  int64_t grad_bytes() const;                           // this rank's shard gradients
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace flexdemo::shard

@@ -1,0 +1,39 @@
+// Closed forms the tests compare the library's counts against, written out independently.
+#pragma once
+
+#include "flexdemo/optim.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+// One replica's DeMo payload for these chunk plans: header + indices + scales + values.
+inline uint64_t closed_form_payload_bytes(const std::vector<flexdemo::dct::ChunkPlan>& plans,
+                                          const flexdemo::optim::DemoOptions& o) {
+  using flexdemo::compress::ValueEncoding;
+  uint64_t total = 0;
+  for (const auto& plan : plans) {
+    if (plan.numel() == 0) continue;
+    const uint64_t n = plan.chunk_numel();
+    const uint64_t k = std::min<uint64_t>(o.topk, n);
+    const uint64_t entries = plan.num_chunks() * k;
+    const uint64_t index_bytes = n <= 256 ? 1 : n <= 65536 ? 2 : 4;
+    uint64_t value_bytes = 0;
+    switch (o.values) {
+      case ValueEncoding::Fp32:
+        value_bytes = 4 * entries;
+        break;
+      case ValueEncoding::Bf16:
+        value_bytes = 2 * entries;
+        break;
+      case ValueEncoding::Int8:
+        value_bytes = entries + 4 * plan.num_chunks();
+        break;
+      case ValueEncoding::Sign:
+        value_bytes = (entries + 7) / 8 + 4 * plan.num_chunks();
+        break;
+    }
+    total += 36 + index_bytes * entries + value_bytes;
+  }
+  return total;
+}

@@ -1,0 +1,324 @@
+// FlexDeMo on 4 real ranks as 2 nodes x 2: topology checks, shard-size invariance, HSDP against a
+// single-process AdamW, bit-identical replicas, and state and traffic against closed forms.
+#include "closed_form.h"
+#include "test_mpi.h"
+
+#include "flexdemo/shard.h"
+#include "flexdemo/topology.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/optim/adamw.h>
+
+#include <cmath>
+#include <cstdio>
+
+using namespace flexdemo;
+
+namespace {
+
+constexpr int64_t kIn = 16, kHidden = 32, kWide = 64, kOut = 8, kBatch = 16;
+
+// A small residual MLP as four units. The sharded model and the single-process reference run
+// these same functions on full parameters.
+at::Tensor embed(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& in) {
+  return at::tanh(at::linear(in[0], p[0], p[1]));
+}
+at::Tensor block(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& in) {
+  return in[0] + at::linear(at::tanh(at::linear(in[0], p[0], p[1])), p[2], p[3]);
+}
+at::Tensor head(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& in) {
+  return at::linear(in[0], p[0], p[1]);
+}
+const std::vector<shard::UnitFn> kUnitFns = {embed, block, block, head};
+
+std::vector<std::vector<at::Tensor>> initial_params() {
+  at::manual_seed(5);
+  auto w = [](int64_t o, int64_t i) { return at::randn({o, i}) / std::sqrt(double(i)); };
+  auto b = [](int64_t o) { return at::randn({o}) * 0.1; };
+  return {{w(kHidden, kIn), b(kHidden)},
+          {w(kWide, kHidden), b(kWide), w(kHidden, kWide), b(kHidden)},
+          {w(kWide, kHidden), b(kWide), w(kHidden, kWide), b(kHidden)},
+          {w(kOut, kHidden), b(kOut)}};
+}
+
+// The global batch of a step: the same on every rank.
+std::pair<at::Tensor, at::Tensor> global_batch(int step) {
+  at::Generator gen = at::detail::createCPUGenerator(1000 + step);
+  at::Tensor x = at::randn({kBatch, kIn}, gen);
+  at::Tensor y = at::randn({kBatch, kOut}, gen);
+  return {x, y};
+}
+
+// This rank's rows: its replica's part of the global batch, then its shard rank's part of that.
+at::Tensor rank_rows(const at::Tensor& t, const comm::Topology& topo) {
+  const int64_t per_replica = t.size(0) / topo.replicas;
+  const int64_t per_rank = per_replica / topo.shard_size;
+  return t.narrow(0, topo.replica_rank * per_replica + topo.shard_rank * per_rank, per_rank);
+}
+
+struct ShardedMlp {
+  std::vector<std::unique_ptr<shard::ShardedUnit>> units;
+
+  ShardedMlp(const comm::Topology& topo, const optim::DemoOptions& o, bool reshard = true) {
+    shard::ShardOptions so;
+    so.chunk = o.chunk;
+    so.chunk_mode = o.chunk_mode;
+    so.reshard_after_forward = reshard;
+    const auto init = initial_params();
+    for (size_t u = 0; u < init.size(); ++u) {
+      units.push_back(std::make_unique<shard::ShardedUnit>("unit" + std::to_string(u), init[u],
+                                                           topo.shard_group, so));
+    }
+  }
+  at::Tensor loss(const at::Tensor& x, const at::Tensor& y) {
+    at::Tensor h = x;
+    for (size_t u = 0; u < units.size(); ++u) h = units[u]->forward(kUnitFns[u], {h});
+    return at::mse_loss(h, y);
+  }
+  std::vector<optim::OptimParam> optim_params() const {
+    std::vector<optim::OptimParam> all;
+    for (const auto& u : units) {
+      for (auto& p : u->optim_params()) all.push_back(p);
+    }
+    return all;
+  }
+  std::vector<at::Tensor> full_params() const {
+    std::vector<at::Tensor> all;
+    for (const auto& u : units) {
+      for (auto& p : u->gather()) all.push_back(p);
+    }
+    return all;
+  }
+  int64_t param_and_grad_bytes() const {
+    int64_t bytes = 0;
+    for (const auto& u : units) bytes += u->param_bytes() + u->grad_bytes();
+    return bytes;
+  }
+};
+
+// 2 nodes x 2 ranks, shard groups of 2.
+comm::Topology two_nodes_of_two() {
+  return comm::make_topology(test_world(), {2, 2});
+}
+// 2 nodes x 1 rank, shard groups of 1: ranks {0, 2} and {1, 3} each form such a world.
+comm::Topology two_nodes_of_one() {
+  auto world = test_world();
+  return comm::make_topology(world->split(world->rank() % 2, world->rank() / 2), {1, 1});
+}
+
+optim::DemoOptions demo_options() {
+  optim::DemoOptions o;
+  o.lr = 0.01;
+  o.decay = 0.9;
+  o.topk = 4;
+  o.chunk = 8;
+  return o;
+}
+
+// Trains for `steps` on the global batches; returns the model.
+std::unique_ptr<ShardedMlp> train(const comm::Topology& topo, const optim::DemoOptions& o,
+                                  int steps, optim::DemoOptimizer** optimizer_out = nullptr) {
+  auto model = std::make_unique<ShardedMlp>(topo, o);
+  static std::unique_ptr<optim::DemoOptimizer> optimizer;  // outlives the call for the caller
+  optimizer = std::make_unique<optim::DemoOptimizer>(model->optim_params(), o, topo.replica_group);
+  for (int step = 0; step < steps; ++step) {
+    auto [x, y] = global_batch(step);
+    optimizer->zero_grad();
+    model->loss(rank_rows(x, topo), rank_rows(y, topo)).backward();
+    optimizer->step();
+  }
+  if (optimizer_out) *optimizer_out = optimizer.get();
+  return model;
+}
+
+double max_relative_difference(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  double worst = 0.0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double scale = b[i].abs().max().item<double>();
+    worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>() / scale);
+  }
+  return worst;
+}
+
+void report(const char* what, double value) {
+  if (test_world()->rank() == 0) std::printf("  [measured] %s: %g\n", what, value);
+}
+
+}  // namespace
+
+TEST(Topology, BuildsShardAndReplicaGroups) {
+  comm::Topology t = two_nodes_of_two();
+  const int r = test_world()->rank();
+  EXPECT_EQ(t.nodes, 2);
+  EXPECT_EQ(t.shard_size, 2);
+  EXPECT_EQ(t.replicas, 2);
+  EXPECT_EQ(t.node, r / 2);
+  EXPECT_EQ(t.shard_rank, r % 2);
+  EXPECT_EQ(t.shard_group->size(), 2);
+  EXPECT_EQ(t.replica_group->size(), 2);
+  EXPECT_EQ(t.replica_group->rank(), r / 2);
+
+  comm::Topology groups = comm::make_topology(test_world(), {2, 1});  // 2 shard groups per node
+  EXPECT_EQ(groups.replicas, 4);
+  EXPECT_EQ(groups.replica_group->size(), 4);
+  EXPECT_EQ(groups.shard_group->size(), 1);
+
+  comm::Topology host = comm::make_topology(test_world(), {});  // MPI: one host here
+  EXPECT_EQ(host.nodes, 1);
+  EXPECT_EQ(host.shard_size, 4);
+  EXPECT_EQ(host.describe(), "1 node x 4 ranks, shard size 4, 1 replica");
+}
+
+TEST(Topology, BadTopologyFailsOnEveryRank) {
+  auto world = test_world();
+  auto expect_error = [&](comm::TopologyOptions o, const std::string& what) {
+    try {
+      comm::make_topology(world, o);
+      ADD_FAILURE() << "accepted a bad topology: " << what;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  expect_error({3, 0}, "does not divide into nodes of 3");
+  expect_error({2, 3}, "--shard-size 3 does not divide the 2 ranks per node");
+  expect_error({2, -1}, "--shard-size must be >= 1");
+  expect_error({0, world->rank() == 0 ? 1 : 2}, "ranks disagree on --shard-size");
+  world->barrier();  // every rank got here: nobody hung
+}
+
+TEST(ShardSpec, ShardsAreWholeChunkRowsCoveringTheTensor) {
+  for (int S : {1, 2, 3, 5}) {
+    int64_t covered = 0;
+    for (int r = 0; r < S; ++r) {
+      shard::ShardSpec s = shard::make_shard_spec({50, 12}, 8, dct::ChunkMode::Padded, r, S);
+      EXPECT_EQ(s.begin, covered);
+      if (s.begin < 50 * 12) {
+        EXPECT_EQ(s.begin % (8 * 12), 0);  // starts on a chunk-row
+      }
+      EXPECT_EQ(s.shard_plan.numel(), s.end - s.begin);
+      EXPECT_EQ(s.shard_plan.chunk_rows, 8);
+      covered = s.end;
+    }
+    EXPECT_EQ(covered, 50 * 12);
+  }
+}
+
+TEST(FlexDemo, ResultDoesNotDependOnShardSize) {
+  const optim::DemoOptions o = demo_options();
+  const auto sharded = train(two_nodes_of_two(), o, 10)->full_params();
+  const auto whole = train(two_nodes_of_one(), o, 10)->full_params();
+  const auto start = initial_params();
+  const double difference = max_relative_difference(sharded, whole);
+  report("S=2 against S=1 after 10 steps: max relative difference", difference);
+  EXPECT_LT(difference, 1e-5);
+  EXPECT_GT(max_relative_difference({sharded[0]}, {start[0][0]}), 1e-3);  // it did train
+}
+
+TEST(FlexDemo, FullWithAdamWEqualsSingleProcessAdamW) {
+  optim::DemoOptions o = demo_options();
+  o.replicator = optim::ReplicatorKind::Full;
+  o.inner = optim::InnerKind::AdamW;
+  o.sign = false;
+  o.weight_decay = 0.1;
+  const int steps = 5;
+  const auto sharded = train(two_nodes_of_two(), o, steps)->full_params();
+
+  // The reference: one process, the whole global batch, torch's AdamW.
+  std::vector<std::vector<at::Tensor>> params = initial_params();
+  std::vector<at::Tensor> flat;
+  for (auto& unit : params) {
+    for (auto& p : unit) flat.push_back(p.requires_grad_(true));
+  }
+  torch::optim::AdamW adamw(flat, torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay));
+  for (int step = 0; step < steps; ++step) {
+    auto [x, y] = global_batch(step);
+    adamw.zero_grad();
+    at::Tensor h = x;
+    for (size_t u = 0; u < params.size(); ++u) h = kUnitFns[u](params[u], {h});
+    at::mse_loss(h, y).backward();
+    adamw.step();
+  }
+  std::vector<at::Tensor> reference;
+  for (auto& p : flat) reference.push_back(p.detach());
+  const double difference = max_relative_difference(sharded, reference);
+  report("full+AdamW against single-process AdamW: max relative difference", difference);
+  EXPECT_LT(difference, 1e-5);
+}
+
+TEST(FlexDemo, ReplicasAreBitIdenticalAcrossNodes) {
+  for (auto kind :
+       {optim::ReplicatorKind::Demo, optim::ReplicatorKind::Full, optim::ReplicatorKind::Random}) {
+    optim::DemoOptions o = demo_options();
+    o.replicator = kind;
+    o.random_fraction = 0.25;
+    const comm::Topology topo = two_nodes_of_two();
+    auto model = train(topo, o, 20);
+    for (const auto& unit : model->units) {
+      for (const at::Tensor& shard : unit->shards()) {
+        at::Tensor mine = shard.detach().clone();
+        at::Tensor first = mine.clone();
+        topo.replica_group->broadcast(first, 0);
+        EXPECT_TRUE(at::equal(mine, first)) << optim::to_string(kind) << " " << unit->name();
+      }
+    }
+  }
+}
+
+TEST(FlexDemo, StateBytesScaleWithOneOverShardSize) {
+  optim::DemoOptions o = demo_options();
+  o.inner = optim::InnerKind::AdamW;
+  optim::DemoOptimizer* opt = nullptr;
+  auto sharded = train(two_nodes_of_two(), o, 1, &opt);
+  const double sharded_bytes = double(sharded->param_and_grad_bytes() + opt->state_bytes());
+  auto whole = train(two_nodes_of_one(), o, 1, &opt);
+  const double whole_bytes = double(whole->param_and_grad_bytes() + opt->state_bytes());
+  report("state bytes S=2 / S=1", sharded_bytes / whole_bytes);
+  EXPECT_NEAR(sharded_bytes / whole_bytes, 0.5, 0.05);
+}
+
+TEST(FlexDemo, BytesBetweenNodesMatchClosedForm) {
+  const comm::Topology topo = two_nodes_of_two();
+  for (auto kind : {optim::ReplicatorKind::Demo, optim::ReplicatorKind::Full}) {
+    optim::DemoOptions o = demo_options();
+    o.replicator = kind;
+    o.values = compress::ValueEncoding::Bf16;
+    ShardedMlp model(topo, o);
+    optim::DemoOptimizer optimizer(model.optim_params(), o, topo.replica_group);
+    std::vector<dct::ChunkPlan> plans;
+    int64_t shard_numel = 0;
+    for (const auto& p : model.optim_params()) {
+      plans.push_back(p.plan);
+      shard_numel += p.plan.numel();
+    }
+    const uint64_t R = topo.replicas;
+    const uint64_t expected = kind == optim::ReplicatorKind::Demo
+                                  ? (R - 1) * closed_form_payload_bytes(plans, o)
+                                  : 2 * (R - 1) * 4 * uint64_t(shard_numel) / R;
+    comm::TrafficMeter meter(topo);
+    for (int step = 0; step < 3; ++step) {
+      auto [x, y] = global_batch(step);
+      optimizer.zero_grad();
+      model.loss(rank_rows(x, topo), rank_rows(y, topo)).backward();
+      optimizer.step();
+      const comm::StepTraffic t = meter.lap();
+      EXPECT_EQ(t.inter_sent, expected) << optim::to_string(kind) << " step " << step;
+      EXPECT_GT(t.intra_sent, 0u);
+    }
+  }
+}
+
+TEST(FlexDemo, KeepingGatheredParametersGivesTheSameGradients) {
+  const comm::Topology topo = two_nodes_of_two();
+  const optim::DemoOptions o = demo_options();
+  ShardedMlp resharded(topo, o, true), kept(topo, o, false);
+  auto [x, y] = global_batch(0);
+  resharded.loss(rank_rows(x, topo), rank_rows(y, topo)).backward();
+  kept.loss(rank_rows(x, topo), rank_rows(y, topo)).backward();
+  for (size_t u = 0; u < kept.units.size(); ++u) {
+    for (size_t i = 0; i < kept.units[u]->shards().size(); ++i) {
+      EXPECT_TRUE(at::allclose(resharded.units[u]->shards()[i].grad(),
+                               kept.units[u]->shards()[i].grad(), 1e-6, 1e-7));
+    }
+  }
+}
