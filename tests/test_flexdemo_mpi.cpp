@@ -279,7 +279,8 @@ TEST(FlexDemo, StateBytesScaleWithOneOverShardSize) {
 
 TEST(FlexDemo, BytesBetweenNodesMatchClosedForm) {
   const comm::Topology topo = two_nodes_of_two();
-  for (auto kind : {optim::ReplicatorKind::Demo, optim::ReplicatorKind::Full}) {
+  for (auto kind :
+       {optim::ReplicatorKind::Demo, optim::ReplicatorKind::Full, optim::ReplicatorKind::None}) {
     optim::DemoOptions o = demo_options();
     o.replicator = kind;
     o.values = compress::ValueEncoding::Bf16;
@@ -292,18 +293,57 @@ TEST(FlexDemo, BytesBetweenNodesMatchClosedForm) {
       shard_numel += p.plan.numel();
     }
     const uint64_t R = topo.replicas;
-    const uint64_t expected = kind == optim::ReplicatorKind::Demo
-                                  ? (R - 1) * closed_form_payload_bytes(plans, o)
-                                  : 2 * (R - 1) * 4 * uint64_t(shard_numel) / R;
+    const uint64_t expected =
+        kind == optim::ReplicatorKind::Demo   ? (R - 1) * closed_form_payload_bytes(plans, o)
+        : kind == optim::ReplicatorKind::Full ? 2 * (R - 1) * 4 * uint64_t(shard_numel) / R
+                                              : 0;
     comm::TrafficMeter meter(topo);
     for (int step = 0; step < 3; ++step) {
       auto [x, y] = global_batch(step);
+      const uint64_t collectives = topo.replica_group->stats().collectives;
       optimizer.zero_grad();
       model.loss(rank_rows(x, topo), rank_rows(y, topo)).backward();
       optimizer.step();
       const comm::StepTraffic t = meter.lap();
       EXPECT_EQ(t.inter_sent, expected) << optim::to_string(kind) << " step " << step;
       EXPECT_GT(t.intra_sent, 0u);
+      const uint64_t bucketed = kind == optim::ReplicatorKind::None ? 0 : 1;  // one per step
+      EXPECT_EQ(topo.replica_group->stats().collectives - collectives, bucketed);
+    }
+  }
+}
+
+TEST(FlexDemo, ReplicateEveryExchangesOnlyEveryNthStep) {
+  const comm::Topology topo = two_nodes_of_two();
+  for (auto kind : {optim::ReplicatorKind::Demo, optim::ReplicatorKind::Full}) {
+    optim::DemoOptions o = demo_options();
+    o.replicator = kind;
+    o.replicate_every = 3;
+    ShardedMlp model(topo, o);
+    optim::DemoOptimizer optimizer(model.optim_params(), o, topo.replica_group);
+    const std::vector<at::Tensor> start = model.full_params();
+    comm::TrafficMeter meter(topo);
+    for (int step = 0; step < 6; ++step) {
+      auto [x, y] = global_batch(step);
+      optimizer.zero_grad();
+      model.loss(rank_rows(x, topo), rank_rows(y, topo)).backward();
+      optimizer.step();
+      const bool exchanged = (step + 1) % 3 == 0;
+      EXPECT_EQ(meter.lap().inter_sent > 0, exchanged) << optim::to_string(kind) << " " << step;
+      const std::vector<at::Tensor> now = model.full_params();
+      meter.lap();  // the gather above is not the optimizer's traffic
+      if (step == 1) {
+        EXPECT_EQ(max_relative_difference(now, start), 0.0);  // nothing applied yet
+      } else if (step == 2) {
+        EXPECT_GT(max_relative_difference(now, start), 0.0);
+      }
+    }
+    for (const auto& unit : model.units) {  // and the replicas still agree
+      for (const at::Tensor& shard : unit->shards()) {
+        at::Tensor first = shard.detach().clone();
+        topo.replica_group->broadcast(first, 0);
+        EXPECT_TRUE(at::equal(first, shard.detach()));
+      }
     }
   }
 }
