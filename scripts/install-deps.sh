@@ -14,6 +14,9 @@ packages=(
   nlohmann-json3-dev               # JSON output
   libfmt-dev libspdlog-dev         # formatting and logging
   zlib1g-dev                       # CRC-32 checksums of wire payloads
+  libsentencepiece-dev             # BPE tokenizer, trained on the corpus
+  gnuplot-nox                      # plots in `flexdemo report`
+  fortunes                         # the default corpus: English text, no download
 )
 
 missing=()
