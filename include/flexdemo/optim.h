@@ -98,6 +98,7 @@ class DemoOptimizer {
   void zero_grad();  // zeroes the gradients (keeps their storage)
 
   const DemoOptions& options() const;
+  void set_lr(double lr);  // the learning rate of this and later steps (a schedule)
   DemoTraffic traffic() const;
   int64_t steps() const;  // step() calls so far
   // Bytes of optimizer state this rank holds: residuals, accumulators, AdamW moments.

@@ -137,12 +137,13 @@ void DemoOptimizer::step() {
     grads.push_back(g.defined() ? g.reshape({-1}).narrow(0, 0, p.plan.numel()) : at::Tensor());
   }
   ++s.steps;
+  const double lr = s.options.lr;
   if (s.steps % s.options.replicate_every != 0) {
-    s.replicator->accumulate(grads);
+    s.replicator->accumulate(grads, lr);
     return;
   }
-  s.inner->begin_step();
-  s.replicator->exchange(grads, [&](size_t i, const at::Tensor& d) { s.inner->apply(i, d); });
+  s.inner->begin_step(lr);
+  s.replicator->exchange(grads, lr, [&](size_t i, const at::Tensor& d) { s.inner->apply(i, d); });
 }
 
 void DemoOptimizer::zero_grad() {
@@ -153,6 +154,10 @@ void DemoOptimizer::zero_grad() {
 
 const DemoOptions& DemoOptimizer::options() const {
   return impl_->options;
+}
+void DemoOptimizer::set_lr(double lr) {
+  if (!(lr > 0.0)) throw std::invalid_argument("DeMo: lr must be > 0, got " + std::to_string(lr));
+  impl_->options.lr = lr;
 }
 DemoTraffic DemoOptimizer::traffic() const {
   return impl_->replicator->traffic();

@@ -41,10 +41,10 @@ class DemoReplicator final : public Replicator {
     scratch_ = at::empty({largest}, at::kFloat);
   }
 
-  void accumulate(const std::vector<at::Tensor>& grads) override {
+  void accumulate(const std::vector<at::Tensor>& grads, double lr) override {
     for (size_t i = 0; i < plans_.size(); ++i) {
       if (grads[i].defined()) {
-        dct::chunked_dct_accumulate(grads[i], plans_[i], options_.decay, options_.lr, residuals_[i],
+        dct::chunked_dct_accumulate(grads[i], plans_[i], options_.decay, lr, residuals_[i],
                                     &scratch_);
       } else {
         residuals_[i].mul_(options_.decay);
@@ -52,8 +52,9 @@ class DemoReplicator final : public Replicator {
     }
   }
 
-  void exchange(const std::vector<at::Tensor>& grads, const DirectionSink& sink) override {
-    accumulate(grads);
+  void exchange(const std::vector<at::Tensor>& grads, double lr,
+                const DirectionSink& sink) override {
+    accumulate(grads, lr);
     // Top-k extraction with error feedback, every tensor into the one bucket.
     uint8_t* send = send_bucket_.data_ptr<uint8_t>();
     for (size_t i = 0; i < plans_.size(); ++i) {

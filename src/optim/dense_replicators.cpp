@@ -37,15 +37,16 @@ class DenseReplicator final : public Replicator {
     traffic_.wire_bytes = exchange_ ? uint64_t(total) * 4 : 0;
   }
 
-  void accumulate(const std::vector<at::Tensor>& grads) override {
+  void accumulate(const std::vector<at::Tensor>& grads, double) override {
     for (size_t i = 0; i < plans_.size(); ++i) {
       if (grads[i].defined()) slice(i).add_(grads[i].reshape({-1}));
     }
     ++pending_;
   }
 
-  void exchange(const std::vector<at::Tensor>& grads, const DirectionSink& sink) override {
-    accumulate(grads);
+  void exchange(const std::vector<at::Tensor>& grads, double lr,
+                const DirectionSink& sink) override {
+    accumulate(grads, lr);
     if (pending_ > 1) bucket_.div_(double(pending_));  // the mean gradient since the last one
     if (exchange_ && group_ && group_->size() > 1) {
       group_->all_reduce(bucket_, comm::ReduceOp::Avg);
@@ -119,15 +120,16 @@ class RandomReplicator final : public Replicator {
     traffic_.wire_bytes = uint64_t(total) * 4;
   }
 
-  void accumulate(const std::vector<at::Tensor>& grads) override {
+  void accumulate(const std::vector<at::Tensor>& grads, double lr) override {
     for (size_t i = 0; i < plans_.size(); ++i) {
       residuals_[i].mul_(options_.decay);
-      if (grads[i].defined()) residuals_[i].add_(grads[i].view(residuals_[i].sizes()), options_.lr);
+      if (grads[i].defined()) residuals_[i].add_(grads[i].view(residuals_[i].sizes()), lr);
     }
   }
 
-  void exchange(const std::vector<at::Tensor>& grads, const DirectionSink& sink) override {
-    accumulate(grads);
+  void exchange(const std::vector<at::Tensor>& grads, double lr,
+                const DirectionSink& sink) override {
+    accumulate(grads, lr);
     std::vector<at::Tensor> indices;
     int64_t offset = 0;
     for (size_t i = 0; i < plans_.size(); ++i) {  // pack the picked units; they leave the residual

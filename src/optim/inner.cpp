@@ -21,8 +21,9 @@ InnerOptimizer::InnerOptimizer(const std::vector<OptimParam>& params, const Demo
   }
 }
 
-void InnerOptimizer::begin_step() {
+void InnerOptimizer::begin_step(double lr) {
   ++step_;
+  lr_ = lr;
 }
 
 namespace {
@@ -50,9 +51,9 @@ void sgd_update(at::Tensor& p, const at::Tensor& d, float lr, bool sign) {
 void InnerOptimizer::apply(size_t i, const at::Tensor& direction) {
   at::Tensor& p = params_.at(i);
   const DemoOptions& o = options_;
-  if (o.weight_decay != 0.0) p.mul_(1.0 - o.lr * o.weight_decay);
+  if (o.weight_decay != 0.0) p.mul_(1.0 - lr_ * o.weight_decay);
   if (o.inner == InnerKind::SignSgd) {
-    sgd_update(p, direction, float(o.lr), o.sign);
+    sgd_update(p, direction, float(lr_), o.sign);
     return;
   }
   const at::Tensor grad = o.sign ? direction.sign() : direction;
@@ -63,7 +64,7 @@ void InnerOptimizer::apply(size_t i, const at::Tensor& direction) {
   m.mul_(o.beta1).add_(grad, 1.0 - o.beta1);
   v.mul_(o.beta2).addcmul_(grad, grad, 1.0 - o.beta2);
   const at::Tensor denom = (v.sqrt() / std::sqrt(bias_correction2)).add_(o.eps);
-  p.addcdiv_(m, denom, -o.lr / bias_correction1);
+  p.addcdiv_(m, denom, -lr_ / bias_correction1);
 }
 
 int64_t InnerOptimizer::state_bytes() const {

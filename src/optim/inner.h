@@ -13,7 +13,7 @@ namespace flexdemo::optim {
 class InnerOptimizer {
  public:
   InnerOptimizer(const std::vector<OptimParam>& params, const DemoOptions& options);
-  void begin_step();  // once per applied step, before the apply() calls
+  void begin_step(double lr);  // once per applied step, before the apply() calls
   // Tensor i: p *= 1 - lr*wd, then the update from direction ([rows, cols] float32).
   void apply(size_t i, const at::Tensor& direction);
   int64_t state_bytes() const;
@@ -23,6 +23,7 @@ class InnerOptimizer {
   DemoOptions options_;
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_;  // AdamW moments (float32)
   int64_t step_ = 0;
+  double lr_ = 0.0;  // this step's
 };
 
 }  // namespace flexdemo::optim

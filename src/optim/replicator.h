@@ -19,11 +19,12 @@ class Replicator {
  public:
   virtual ~Replicator() = default;
   // Folds this step's gradients (plan.numel() elements each; undefined = zero) into the state
-  // without exchanging: the steps between two exchanges.
-  virtual void accumulate(const std::vector<at::Tensor>& grads) = 0;
+  // without exchanging: the steps between two exchanges. lr: this step's learning rate.
+  virtual void accumulate(const std::vector<at::Tensor>& grads, double lr) = 0;
   // Folds them in, exchanges over the replica group, and hands each tensor's direction to sink.
   // The directions are bit-identical on every replica.
-  virtual void exchange(const std::vector<at::Tensor>& grads, const DirectionSink& sink) = 0;
+  virtual void exchange(const std::vector<at::Tensor>& grads, double lr,
+                        const DirectionSink& sink) = 0;
   virtual DemoTraffic traffic() const = 0;
   virtual int64_t state_bytes() const = 0;
   virtual const at::Tensor& residual(size_t i) const;  // throws unless the kind keeps one

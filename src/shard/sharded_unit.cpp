@@ -101,6 +101,8 @@ struct RecomputeUnit : public torch::autograd::Function<RecomputeUnit> {
     ctx->saved_data["unit"] = unit;
     ctx->saved_data["fn"] = fn_id;
     ctx->save_for_backward(inputs.vec());
+    // The recomputation must draw the same random numbers (dropout) as this forward.
+    ctx->saved_data["rng"] = at::detail::getDefaultCPUGenerator().get_state();
     return impl->pending.at(fn_id)(impl->all_gather(), inputs.vec());
   }
 
@@ -129,8 +131,12 @@ struct RecomputeUnit : public torch::autograd::Function<RecomputeUnit> {
     }
     at::Tensor out;
     {
+      at::Generator gen = at::detail::getDefaultCPUGenerator();
+      const at::Tensor now = gen.get_state();
+      gen.set_state(ctx->saved_data["rng"].toTensor());
       at::AutoGradMode enable(true);
       out = fn(full, inputs);
+      gen.set_state(now);
     }
     const variable_list grads =
         torch::autograd::grad({out}, wrt, {grad_out[0]}, /*retain_graph=*/false,

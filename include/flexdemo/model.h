@@ -1,0 +1,57 @@
+// flexdemo/model.h — language models built from sharded units (the blocks and the embeddings):
+// a GPT decoder (pre-norm, causal self-attention, GELU MLP, learned positions, tied embeddings).
+#pragma once
+
+#include "flexdemo/shard.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace flexdemo::comm {
+class Communicator;
+}
+
+namespace flexdemo::model {
+
+struct GptConfig {
+  int64_t vocab = 0;    // tokenizer's vocabulary
+  int64_t context = 0;  // longest sequence (learned positions)
+  int64_t width = 0;    // d_model
+  int64_t layers = 0;
+  int64_t heads = 0;      // divides width
+  double dropout = 0.0;   // on embeddings, attention weights and residual branches
+  void validate() const;  // throws std::invalid_argument naming the bad dimension
+};
+
+// Presets (vocabulary from the tokenizer): gpt-nano (width 128, 4 layers, 4 heads, context 128;
+// ~1M parameters with a 2048 vocabulary), gpt-micro (256, 4, 4, 256; ~4M with 4096),
+// gpt2-small (768, 12, 12, 1024; GPT-2's 124M with its 50257 vocabulary).
+GptConfig gpt_preset(const std::string& name, int64_t vocab);
+std::vector<std::string> model_presets();
+
+class LanguageModel {
+ public:
+  virtual ~LanguageModel() = default;
+  // Mean next-token cross-entropy of tokens int64 [B, T + 1] (inputs, targets shifted by one).
+  // Collective over the shard group (the units gather their parameters).
+  virtual at::Tensor loss(const at::Tensor& tokens) = 0;
+  // Logits of the last position, float32 [B, vocab], for tokens int64 [B, T] (generation).
+  virtual at::Tensor next_token_logits(const at::Tensor& tokens) = 0;
+  virtual const std::vector<std::unique_ptr<shard::ShardedUnit>>& units() const = 0;
+  // Per unit, the descriptive names of its parameters ("wte", "h0.attn.qkv.weight", ...).
+  virtual const std::vector<std::vector<std::string>>& param_names() const = 0;
+  virtual int64_t num_params() const = 0;
+  virtual int64_t context() const = 0;
+  virtual std::string describe() const = 0;
+};
+
+// The same initial parameters on every rank (drawn from `seed`), sharded over shard_group.
+std::unique_ptr<LanguageModel> make_gpt(const GptConfig& config,
+                                        std::shared_ptr<comm::Communicator> shard_group,
+                                        const shard::ShardOptions& options, uint64_t seed);
+
+}  // namespace flexdemo::model

@@ -1,0 +1,56 @@
+// flexdemo/text.h — text to tokens, without LibTorch: tokenizers (byte-level, or SentencePiece
+// BPE trained on the corpus and cached), corpora of documents, llm.c token shards, and the
+// train/validation split by document. Lives in libflexdemo_text, which the `flexdemo-tokenize`
+// helper links: Debian's SentencePiece bundles a protobuf that clashes with LibTorch's, so the
+// two never share a process.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace flexdemo::data {
+
+// ====== Tokenizers ======
+class Tokenizer {
+ public:
+  virtual ~Tokenizer() = default;
+  virtual std::vector<int32_t> encode(const std::string& text) const = 0;
+  virtual std::string decode(const std::vector<int32_t>& ids) const = 0;
+  virtual int32_t vocab_size() const = 0;  // every id is below this, the end-of-text id included
+  virtual int32_t eot() const = 0;         // separates documents
+  virtual std::string name() const = 0;    // "bytes" or "bpe-<vocab>"
+};
+
+// 256 byte values, then the end-of-text id 256.
+std::unique_ptr<Tokenizer> make_byte_tokenizer();
+
+// SentencePiece BPE of vocab_size pieces (its end-of-sentence piece is end-of-text): loaded from
+// cache_path if present, else trained on the documents and saved there (atomically).
+std::unique_ptr<Tokenizer> load_or_train_bpe(const std::vector<std::string>& documents,
+                                             int32_t vocab_size, const std::string& cache_path);
+// Where a corpus's tokens (and BPE model) are cached: beside the corpus when that folder is
+// writable, else under $XDG_CACHE_HOME (or ~/.cache)/flexdemo.
+std::string token_cache_dir(const std::string& corpus_path, const std::string& tokenizer,
+                            int32_t vocab_size);
+
+// ====== Corpora ======
+// A text file, or a folder of them (files that are not text are skipped). Documents are
+// separated by lines holding only "%" (the fortune format) where a file has them, else by
+// blank lines.
+std::vector<std::string> read_text_documents(const std::string& path);
+
+// llm.c token shards: a header of 256 int32 (magic 20240520, version 1, token count), then the
+// tokens as uint16.
+std::vector<int32_t> read_llmc_shard(const std::string& path);
+void write_llmc_shard(const std::string& path, const std::vector<int32_t>& tokens);
+
+struct TokenSplit {
+  std::vector<int32_t> train;  // documents joined, each followed by end-of-text
+  std::vector<int32_t> val;    // every val_every-th document, held out whole
+};
+TokenSplit tokenize_documents(const std::vector<std::string>& documents, const Tokenizer& tokenizer,
+                              int val_every = 20);
+
+}  // namespace flexdemo::data

@@ -1,0 +1,144 @@
+// Corpora (text documents, llm.c token shards) and the train/validation split by document.
+// No LibTorch here: the flexdemo-tokenize helper links this file too.
+#include "flexdemo/text.h"
+
+#include <unistd.h>
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <sstream>
+#include <stdexcept>
+
+namespace flexdemo::data {
+namespace {
+
+bool looks_like_text(const std::string& bytes) {
+  return bytes.find('\0') == std::string::npos;
+}
+
+std::string read_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot read " + path.string());
+  std::ostringstream out;
+  out << in.rdbuf();
+  return out.str();
+}
+
+// Splits at lines holding only "%" if there are any, else at blank lines.
+void split_documents(const std::string& text, std::vector<std::string>& out) {
+  const bool fortune = text.rfind("%\n", 0) == 0 || text.find("\n%\n") != std::string::npos;
+  std::string doc;
+  std::istringstream lines(text);
+  std::string line;
+  auto flush = [&] {
+    while (!doc.empty() && doc.back() == '\n') doc.pop_back();
+    if (!doc.empty()) out.push_back(doc);
+    doc.clear();
+  };
+  while (std::getline(lines, line)) {
+    const bool separator =
+        fortune ? line == "%" : line.find_first_not_of(" \t\r") == std::string::npos;
+    if (separator) {
+      flush();
+    } else {
+      doc += line;
+      doc += '\n';
+    }
+  }
+  flush();
+}
+
+}  // namespace
+
+std::string token_cache_dir(const std::string& corpus_path, const std::string& tokenizer,
+                            int32_t vocab_size) {
+  namespace fs = std::filesystem;
+  const fs::path corpus = fs::absolute(corpus_path).lexically_normal();
+  const std::string suffix =
+      ".flexdemo-" + (tokenizer == "bpe" ? "bpe-" + std::to_string(vocab_size) : tokenizer);
+  const fs::path beside = fs::is_directory(corpus) ? corpus : corpus.parent_path();
+  if (access(beside.c_str(), W_OK) == 0) {
+    return (fs::is_directory(corpus) ? beside / suffix
+                                     : beside / (corpus.filename().string() + suffix))
+        .string();
+  }
+  const char* xdg = std::getenv("XDG_CACHE_HOME");
+  const char* home = std::getenv("HOME");
+  const fs::path cache = xdg ? fs::path(xdg) : fs::path(home ? home : "/tmp") / ".cache";
+  const std::string key = std::to_string(std::hash<std::string>{}(corpus.string()));
+  return (cache / "flexdemo" / (corpus.filename().string() + "-" + key + suffix)).string();
+}
+
+std::vector<std::string> read_text_documents(const std::string& path) {
+  namespace fs = std::filesystem;
+  if (!fs::exists(path)) throw std::invalid_argument("--data: no such file or folder: " + path);
+  std::vector<fs::path> files;
+  if (fs::is_directory(path)) {
+    for (const auto& entry : fs::directory_iterator(path)) {
+      if (entry.is_regular_file() && !entry.is_symlink() &&
+          entry.path().filename().string()[0] != '.') {
+        files.push_back(entry.path());
+      }
+    }
+    std::sort(files.begin(), files.end());  // the same documents in the same order everywhere
+  } else {
+    files.push_back(path);
+  }
+  std::vector<std::string> documents;
+  for (const auto& f : files) {
+    const std::string text = read_file(f);
+    if (looks_like_text(text)) split_documents(text, documents);
+  }
+  if (documents.empty()) throw std::invalid_argument("--data: no text documents in " + path);
+  return documents;
+}
+
+// ====== llm.c shards ======
+constexpr int32_t kLlmcMagic = 20240520;
+
+std::vector<int32_t> read_llmc_shard(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::invalid_argument("cannot read token shard " + path);
+  int32_t header[256] = {};
+  in.read(reinterpret_cast<char*>(header), sizeof(header));
+  if (!in || header[0] != kLlmcMagic || header[1] != 1 || header[2] < 0) {
+    throw std::invalid_argument(path + " is not an llm.c token shard (magic 20240520, version 1)");
+  }
+  std::vector<uint16_t> raw(static_cast<size_t>(header[2]));
+  in.read(reinterpret_cast<char*>(raw.data()), std::streamsize(raw.size() * 2));
+  if (in.gcount() != std::streamsize(raw.size() * 2)) {
+    throw std::invalid_argument(path + " is truncated: its header promises " +
+                                std::to_string(header[2]) + " tokens");
+  }
+  return std::vector<int32_t>(raw.begin(), raw.end());
+}
+
+void write_llmc_shard(const std::string& path, const std::vector<int32_t>& tokens) {
+  int32_t header[256] = {kLlmcMagic, 1, int32_t(tokens.size())};
+  std::vector<uint16_t> raw;
+  for (int32_t t : tokens) {
+    if (t < 0 || t > 65535) throw std::invalid_argument("token " + std::to_string(t) + " > 65535");
+    raw.push_back(uint16_t(t));
+  }
+  std::ofstream out(path, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(header), sizeof(header));
+  out.write(reinterpret_cast<const char*>(raw.data()), std::streamsize(raw.size() * 2));
+  if (!out) throw std::runtime_error("cannot write " + path);
+}
+
+TokenSplit tokenize_documents(const std::vector<std::string>& documents, const Tokenizer& tokenizer,
+                              int val_every) {
+  TokenSplit split;
+  for (size_t d = 0; d < documents.size(); ++d) {
+    std::vector<int32_t>& stream =
+        (val_every > 0 && d % val_every == size_t(val_every - 1)) ? split.val : split.train;
+    const std::vector<int32_t> ids = tokenizer.encode(documents[d]);
+    stream.insert(stream.end(), ids.begin(), ids.end());
+    stream.push_back(tokenizer.eot());
+  }
+  return split;
+}
+
+}  // namespace flexdemo::data

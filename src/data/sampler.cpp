@@ -1,0 +1,124 @@
+// Token data for the trainer (tokenized once by the flexdemo-tokenize helper, cached as llm.c
+// shards) and the deterministic batch sampler.
+#include "flexdemo/data.h"
+
+#include "flexdemo/text.h"
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <sys/wait.h>
+#include <unistd.h>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <stdexcept>
+
+namespace flexdemo::data {
+
+std::string default_tokenize_helper() {
+  namespace fs = std::filesystem;
+  const fs::path self = fs::read_symlink("/proc/self/exe");
+  return (self.parent_path() / "flexdemo-tokenize").string();
+}
+
+namespace {
+
+std::string quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+}  // namespace
+
+TokenData load_token_data(const std::string& data, const std::string& tokenizer, int32_t vocab,
+                          const std::string& helper) {
+  namespace fs = std::filesystem;
+  if (!fs::exists(data)) throw std::invalid_argument("--data: no such file or folder: " + data);
+  TokenData out;
+  // An llm.c shard: tokens as they are.
+  if (fs::is_regular_file(data) && data.size() > 4 && data.substr(data.size() - 4) == ".bin") {
+    std::vector<int32_t> tokens = read_llmc_shard(data);
+    std::string val_path = data;
+    const size_t at = val_path.rfind("train");
+    if (at != std::string::npos) val_path.replace(at, 5, "val");
+    if (val_path != data && fs::exists(val_path)) {
+      out.train = std::move(tokens);
+      out.val = read_llmc_shard(val_path);
+    } else {
+      const size_t cut = tokens.size() - tokens.size() / 20;
+      out.val.assign(tokens.begin() + cut, tokens.end());
+      tokens.resize(cut);
+      out.train = std::move(tokens);
+    }
+    for (const auto* s : {&out.train, &out.val}) {
+      for (int32_t t : *s) out.vocab_size = std::max(out.vocab_size, t + 1);
+    }
+    return out;
+  }
+  if (tokenizer != "bytes" && tokenizer != "bpe") {
+    throw std::invalid_argument("unknown tokenizer '" + tokenizer + "'; accepted: bpe, bytes");
+  }
+  const std::string dir = token_cache_dir(data, tokenizer, vocab);
+  if (!fs::exists(fs::path(dir) / "meta.json")) {
+    const std::string cmd = quote(helper) + " --data " + quote(data) + " --tokenizer " + tokenizer +
+                            " --vocab " + std::to_string(vocab) + " --out-dir " + quote(dir);
+    const int status = std::system(cmd.c_str());
+    if (status != 0) {
+      throw std::runtime_error("tokenizing " + data + " failed (" + cmd + " exited with " +
+                               std::to_string(WEXITSTATUS(status)) + ")");
+    }
+  }
+  const nlohmann::json meta = nlohmann::json::parse(std::ifstream(fs::path(dir) / "meta.json"));
+  out.vocab_size = meta.at("vocab_size").get<int32_t>();
+  out.train = read_llmc_shard((fs::path(dir) / "train.bin").string());
+  out.val = read_llmc_shard((fs::path(dir) / "val.bin").string());
+  if (tokenizer == "bpe") out.tokenizer_model = (fs::path(dir) / "tokenizer.model").string();
+  return out;
+}
+
+// ====== Sampler ======
+BatchSampler::BatchSampler(std::vector<int32_t> tokens, int64_t seq_len, uint64_t seed)
+    : tokens_(std::move(tokens)), seq_len_(seq_len), seed_(seed) {
+  if (seq_len < 1)
+    throw std::invalid_argument("--seq must be >= 1, got " + std::to_string(seq_len));
+  if (int64_t(tokens_.size()) < seq_len + 1) {
+    throw std::invalid_argument("the data holds " + std::to_string(tokens_.size()) +
+                                " tokens, fewer than one sequence of --seq " +
+                                std::to_string(seq_len) + " + 1");
+  }
+}
+
+at::Tensor BatchSampler::rows(int64_t step, int64_t first, int64_t count) const {
+  at::Tensor out = at::empty({count, seq_len_ + 1}, at::kLong);
+  auto o = out.accessor<int64_t, 2>();
+  const uint64_t starts = tokens_.size() - uint64_t(seq_len_);  // valid start positions
+  for (int64_t r = 0; r < count; ++r) {
+    const uint64_t row = uint64_t(first + r);
+    std::seed_seq seq{uint32_t(seed_), uint32_t(seed_ >> 32),
+                      uint32_t(step),  uint32_t(uint64_t(step) >> 32),
+                      uint32_t(row),   uint32_t(row >> 32)};
+    std::mt19937_64 rng(seq);
+    const uint64_t start = rng() % starts;
+    for (int64_t t = 0; t <= seq_len_; ++t) o[r][t] = tokens_[start + t];
+  }
+  return out;
+}
+
+int64_t BatchSampler::num_windows() const {
+  return (int64_t(tokens_.size()) - 1) / seq_len_;
+}
+
+at::Tensor BatchSampler::windows(int64_t first, int64_t count) const {
+  at::Tensor out = at::empty({count, seq_len_ + 1}, at::kLong);
+  auto o = out.accessor<int64_t, 2>();
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t start = ((first + r) % num_windows()) * seq_len_;
+    for (int64_t t = 0; t <= seq_len_; ++t) o[r][t] = tokens_[start + t];
+  }
+  return out;
+}
+
+}  // namespace flexdemo::data

@@ -1,0 +1,80 @@
+// `flexdemo-tokenize`: tokenizes a text corpus into llm.c shards (train.bin, val.bin), with the
+// byte tokenizer or a SentencePiece BPE trained on it, and decodes ids back to text. A process
+// of its own: Debian's SentencePiece bundles a protobuf that clashes with LibTorch's.
+#include "flexdemo/text.h"
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <unistd.h>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+
+namespace fs = std::filesystem;
+
+int main(int argc, char** argv) {
+  CLI::App app{"flexdemo-tokenize: text corpus -> llm.c token shards (train.bin, val.bin)"};
+  std::string data, tokenizer = "bpe", out_dir, model;
+  int32_t vocab = 4096;
+  int val_every = 20;
+  app.add_option("--data", data, "text file or folder of text files");
+  app.add_option("--tokenizer", tokenizer, "bpe or bytes")
+      ->check(CLI::IsMember({"bpe", "bytes"}))
+      ->capture_default_str();
+  app.add_option("--vocab", vocab, "BPE vocabulary size")->capture_default_str();
+  app.add_option("--val-every", val_every, "every N-th document is validation")
+      ->capture_default_str();
+  app.add_option("--out-dir", out_dir, "where train.bin, val.bin, meta.json (and the model) go");
+  auto* decode = app.add_subcommand("decode", "token ids on stdin -> text on stdout");
+  decode->add_option("--model", model, "the BPE model (none: bytes)");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    if (decode->parsed()) {
+      std::unique_ptr<flexdemo::data::Tokenizer> tok =
+          model.empty() ? flexdemo::data::make_byte_tokenizer()
+                        : flexdemo::data::load_or_train_bpe({}, 4096, model);
+      std::vector<int32_t> ids;
+      for (int32_t id; std::cin >> id;) ids.push_back(id);
+      std::cout << tok->decode(ids);
+      return 0;
+    }
+    if (data.empty() || out_dir.empty())
+      throw std::invalid_argument("--data and --out-dir are required");
+    const std::vector<std::string> documents = flexdemo::data::read_text_documents(data);
+    const std::string tmp = out_dir + ".tmp" + std::to_string(getpid());
+    fs::create_directories(tmp);
+    std::unique_ptr<flexdemo::data::Tokenizer> tok;
+    if (tokenizer == "bytes") {
+      tok = flexdemo::data::make_byte_tokenizer();
+    } else {
+      std::fprintf(stderr, "flexdemo-tokenize: training a %d-piece BPE on %zu documents...\n",
+                   vocab, documents.size());
+      tok = flexdemo::data::load_or_train_bpe(documents, vocab, tmp + "/tokenizer.model");
+    }
+    const flexdemo::data::TokenSplit split =
+        flexdemo::data::tokenize_documents(documents, *tok, val_every);
+    flexdemo::data::write_llmc_shard(tmp + "/train.bin", split.train);
+    flexdemo::data::write_llmc_shard(tmp + "/val.bin", split.val);
+    nlohmann::ordered_json meta = {{"data", data},
+                                   {"tokenizer", tok->name()},
+                                   {"vocab_size", tok->vocab_size()},
+                                   {"documents", documents.size()},
+                                   {"train_tokens", split.train.size()},
+                                   {"val_tokens", split.val.size()}};
+    std::ofstream(tmp + "/meta.json") << meta.dump(2) << "\n";
+    fs::remove_all(out_dir);
+    fs::rename(tmp, out_dir);  // all or nothing
+    std::fprintf(stderr, "flexdemo-tokenize: %zu train and %zu validation tokens in %s\n",
+                 split.train.size(), split.val.size(), out_dir.c_str());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "flexdemo-tokenize: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
