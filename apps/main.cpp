@@ -2,6 +2,7 @@
 // Any error becomes one line on stderr and a non-zero exit.
 #include "bench/bench.h"
 #include "flexdemo/comm.h"
+#include "flexdemo/train.h"
 
 #include <CLI/CLI.hpp>
 
@@ -58,6 +59,85 @@ int main(int argc, char** argv) {
                    "ranks per shard group, dividing the node (0: the whole node)")
       ->capture_default_str();
 
+  flexdemo::train::TrainConfig tc;
+  auto* train = app.add_subcommand(
+      "train", "train a GPT with FlexDeMo (or a dense baseline); run under mpirun");
+  train->set_config("--config", "", "read options from a TOML/INI file (key = value)");
+  train->add_option("--model", tc.model, "preset: gpt-nano, gpt-micro, gpt2-small")
+      ->check(CLI::IsMember({"gpt-nano", "gpt-micro", "gpt2-small"}))
+      ->capture_default_str();
+  train->add_option("--width", tc.width, "d_model (0: the preset's)")->capture_default_str();
+  train->add_option("--layers", tc.layers, "blocks (0: the preset's)")->capture_default_str();
+  train->add_option("--heads", tc.heads, "attention heads (0: the preset's)")
+      ->capture_default_str();
+  train->add_option("--context", tc.context, "longest sequence (0: the preset's)")
+      ->capture_default_str();
+  train->add_option("--dropout", tc.dropout, "dropout probability")->capture_default_str();
+  train->add_option("--data", tc.data, "text file or folder, or an llm.c token shard (.bin)")
+      ->capture_default_str();
+  train->add_option("--tokenizer", tc.tokenizer, "bpe (SentencePiece, trained on --data) or bytes")
+      ->check(CLI::IsMember({"bpe", "bytes"}))
+      ->capture_default_str();
+  train->add_option("--vocab", tc.vocab, "BPE vocabulary size")->capture_default_str();
+  train->add_option("--steps", tc.steps, "optimizer steps")->capture_default_str();
+  train->add_option("--batch", tc.batch, "global batch in sequences, divided across ranks")
+      ->capture_default_str();
+  train
+      ->add_option("--micro-batch", tc.micro_batch,
+                   "sequences per forward on a rank; accumulates (0: the rank's share)")
+      ->capture_default_str();
+  train->add_option("--seq", tc.seq, "tokens per sequence")->capture_default_str();
+  train->add_option("--lr", tc.lr, "peak learning rate")->capture_default_str();
+  train->add_option("--warmup", tc.warmup, "linear warmup steps, then cosine decay")
+      ->capture_default_str();
+  train->add_option("--min-lr-ratio", tc.min_lr_ratio, "final lr as a fraction of --lr")
+      ->capture_default_str();
+  train->add_option("--clip", tc.clip, "gradient clipping by global norm (0: off)")
+      ->capture_default_str();
+  train->add_option("--weight-decay", tc.weight_decay, "decoupled weight decay")
+      ->capture_default_str();
+  train
+      ->add_option("--optimizer", tc.optimizer,
+                   "flexdemo (DeMo between nodes + sign-SGD), flexdemo-adamw (+ AdamW), "
+                   "adamw or sgd (dense, full exchange)")
+      ->check(CLI::IsMember({"flexdemo", "flexdemo-adamw", "adamw", "sgd"}))
+      ->capture_default_str();
+  train
+      ->add_option("--replicator", tc.replicator,
+                   "exchange between nodes: demo, full, none, random (default: the optimizer's)")
+      ->check(CLI::IsMember({"demo", "full", "none", "random"}));
+  train->add_flag_callback(
+      "--sign", [&tc] { tc.sign = 1; },
+      "apply sign(update) (default: on for flexdemo, off otherwise)");
+  train->add_flag_callback(
+      "--no-sign", [&tc] { tc.sign = 0; }, "apply the update itself");
+  train->add_option("--topk", tc.topk, "DCT coefficients kept per chunk")->capture_default_str();
+  train->add_option("--chunk", tc.chunk, "DCT chunk edge")->capture_default_str();
+  train->add_option("--decay", tc.decay, "DeMo residual decay")->capture_default_str();
+  train->add_option("--values", tc.values, "wire value encoding: fp32, bf16, int8, 1bit")
+      ->check(CLI::IsMember({"fp32", "bf16", "int8", "1bit"}))
+      ->capture_default_str();
+  train->add_option("--replicate-every", tc.replicate_every, "exchange every N steps")
+      ->capture_default_str();
+  train->add_option("--ranks-per-node", tc.ranks_per_node, "ranks per node (0: from MPI)")
+      ->capture_default_str();
+  train->add_option("--shard-size", tc.shard_size, "ranks per shard group (0: the node)")
+      ->capture_default_str();
+  train
+      ->add_flag("--reshard,!--no-reshard", tc.reshard,
+                 "free gathered parameters after forward and recompute in backward")
+      ->capture_default_str();
+  train->add_option("--eval-every", tc.eval_every, "evaluate every N steps (0: only at the end)")
+      ->capture_default_str();
+  train->add_option("--eval-seqs", tc.eval_seqs, "validation sequences per evaluation")
+      ->capture_default_str();
+  train->add_option("--log-every", tc.log_every, "log line every N steps (not a terminal)")
+      ->capture_default_str();
+  train->add_option("--out", tc.out, "output folder")->capture_default_str();
+  train->add_option("--seed", tc.seed, "seed of data order and initialisation")
+      ->capture_default_str();
+  train->add_option("--threads", tc.threads, "intra-op threads per rank")->capture_default_str();
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -86,6 +166,10 @@ int main(int argc, char** argv) {
   std::unique_ptr<flexdemo::comm::MpiRuntime> mpi;
   try {
     if (optimizer->parsed()) return flexdemo::bench::run_bench_optimizer(opt);
+    if (train->parsed()) {
+      mpi = std::make_unique<flexdemo::comm::MpiRuntime>(&argc, &argv);
+      return flexdemo::train::run_training(tc, mpi->world());
+    }
     if (exchange->parsed()) {
       mpi = std::make_unique<flexdemo::comm::MpiRuntime>(&argc, &argv);
       return flexdemo::bench::run_bench_exchange(ex, mpi->world());

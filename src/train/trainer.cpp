@@ -1,0 +1,310 @@
+// The training loop: each step's global batch is split across replicas, then across the ranks
+// of a shard group; micro-batches accumulate; the gradient is clipped by its global norm across
+// the shards; the optimizer exchanges between replicas; metrics are summed over ranks.
+#include "flexdemo/train.h"
+
+#include "flexdemo/comm.h"
+#include "flexdemo/data.h"
+#include "flexdemo/model.h"
+#include "flexdemo/optim.h"
+#include "flexdemo/runtime.h"
+#include "flexdemo/topology.h"
+
+#include <ATen/ATen.h>
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sys/resource.h>
+#include <unistd.h>
+
+namespace flexdemo::train {
+
+void TrainConfig::validate() const {
+  auto fail = [](const std::string& what) { throw std::invalid_argument(what); };
+  if (steps < 1) fail("--steps must be >= 1, got " + std::to_string(steps));
+  if (batch < 1) fail("--batch must be >= 1, got " + std::to_string(batch));
+  if (micro_batch < 0) fail("--micro-batch must be >= 0, got " + std::to_string(micro_batch));
+  if (seq < 1) fail("--seq must be >= 1, got " + std::to_string(seq));
+  if (!(lr > 0)) fail("--lr must be > 0, got " + std::to_string(lr));
+  if (warmup < 0) fail("--warmup must be >= 0, got " + std::to_string(warmup));
+  if (!(min_lr_ratio >= 0 && min_lr_ratio <= 1)) {
+    fail("--min-lr-ratio must be in [0, 1], got " + std::to_string(min_lr_ratio));
+  }
+  if (!(clip >= 0)) fail("--clip must be >= 0, got " + std::to_string(clip));
+  if (optimizer != "flexdemo" && optimizer != "flexdemo-adamw" && optimizer != "adamw" &&
+      optimizer != "sgd") {
+    fail("unknown --optimizer '" + optimizer + "'; accepted: flexdemo, flexdemo-adamw, adamw, sgd");
+  }
+  if (eval_every < 0) fail("--eval-every must be >= 0, got " + std::to_string(eval_every));
+  if (eval_seqs < 1) fail("--eval-seqs must be >= 1, got " + std::to_string(eval_seqs));
+  if (log_every < 1) fail("--log-every must be >= 1, got " + std::to_string(log_every));
+  if (threads < 1) fail("--threads must be >= 1, got " + std::to_string(threads));
+  if (out.empty()) fail("--out must not be empty");
+}
+
+namespace {
+
+nlohmann::ordered_json to_json(const TrainConfig& c) {
+  return {{"model", c.model},       {"width", c.width},
+          {"layers", c.layers},     {"heads", c.heads},
+          {"context", c.context},   {"dropout", c.dropout},
+          {"data", c.data},         {"tokenizer", c.tokenizer},
+          {"vocab", c.vocab},       {"steps", c.steps},
+          {"batch", c.batch},       {"micro_batch", c.micro_batch},
+          {"seq", c.seq},           {"lr", c.lr},
+          {"warmup", c.warmup},     {"min_lr_ratio", c.min_lr_ratio},
+          {"clip", c.clip},         {"weight_decay", c.weight_decay},
+          {"optimizer", c.optimizer}, {"replicator", c.replicator},
+          {"sign", c.sign == 1},    {"topk", c.topk},
+          {"chunk", c.chunk},       {"decay", c.decay},
+          {"values", c.values},     {"replicate_every", c.replicate_every},
+          {"ranks_per_node", c.ranks_per_node}, {"shard_size", c.shard_size},
+          {"reshard", c.reshard},   {"eval_every", c.eval_every},
+          {"eval_seqs", c.eval_seqs}, {"log_every", c.log_every},
+          {"out", c.out},           {"seed", c.seed},
+          {"threads", c.threads}};
+}
+
+// The optimizer a --optimizer name stands for; --replicator and --sign override.
+optim::DemoOptions optimizer_options(TrainConfig& c) {
+  optim::DemoOptions o;
+  const bool demo = c.optimizer == "flexdemo" || c.optimizer == "flexdemo-adamw";
+  o.inner = c.optimizer == "flexdemo" || c.optimizer == "sgd" ? optim::InnerKind::SignSgd
+                                                               : optim::InnerKind::AdamW;
+  if (c.replicator.empty()) c.replicator = demo ? "demo" : "full";
+  o.replicator = optim::parse_replicator_kind(c.replicator);
+  if (c.sign < 0) c.sign = c.optimizer == "flexdemo" ? 1 : 0;
+  o.sign = c.sign == 1;
+  o.lr = c.lr;
+  o.weight_decay = c.weight_decay;
+  o.topk = c.topk;
+  o.chunk = c.chunk;
+  o.decay = c.decay;
+  o.values = compress::parse_value_encoding(c.values);
+  o.replicate_every = c.replicate_every;
+  o.seed = c.seed;
+  o.validate();
+  return o;
+}
+
+double scheduled_lr(const TrainConfig& c, int64_t step) {
+  if (step < c.warmup) return c.lr * double(step + 1) / double(c.warmup);
+  const double span = std::max<int64_t>(1, c.steps - c.warmup);
+  const double progress = std::min(1.0, double(step - c.warmup) / span);
+  const double cosine = 0.5 * (1.0 + std::cos(M_PI * progress));
+  return c.lr * (c.min_lr_ratio + (1.0 - c.min_lr_ratio) * cosine);
+}
+
+double peak_rss_mb() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return double(usage.ru_maxrss) / 1024.0;
+}
+
+std::string human_bytes(double b) {
+  const char* units[] = {"B", "kB", "MB", "GB"};
+  int u = 0;
+  while (b >= 1000.0 && u < 3) b /= 1000.0, ++u;
+  return fmt::format("{:.1f} {}", b, units[u]);
+}
+
+std::string human_seconds(double s) {
+  const int64_t t = int64_t(s);
+  return t >= 3600 ? fmt::format("{}h{:02}m", t / 3600, t / 60 % 60)
+                   : fmt::format("{}m{:02}s", t / 60, t % 60);
+}
+
+}  // namespace
+
+int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> world) {
+  namespace fs = std::filesystem;
+  TrainConfig cfg = config;
+  cfg.validate();
+  set_num_threads(cfg.threads);
+  const optim::DemoOptions options = optimizer_options(cfg);
+  const comm::Topology topo = comm::make_topology(world, {cfg.ranks_per_node, cfg.shard_size});
+  const int P = world->size();
+  const bool root = world->rank() == 0;
+  if (cfg.batch % P != 0) {
+    throw std::invalid_argument("--batch " + std::to_string(cfg.batch) +
+                                " does not divide across the " + std::to_string(P) + " ranks");
+  }
+  const int64_t per_rank = cfg.batch / P;
+  const int64_t micro = cfg.micro_batch > 0 ? cfg.micro_batch : per_rank;
+  if (per_rank % micro != 0) {
+    throw std::invalid_argument("--micro-batch " + std::to_string(micro) +
+                                " does not divide the " + std::to_string(per_rank) +
+                                " sequences of each rank");
+  }
+
+  // Data: rank 0 tokenizes (once per corpus, cached), the others read its cache.
+  const std::string helper = data::default_tokenize_helper();
+  data::TokenData tokens;
+  if (root) tokens = data::load_token_data(cfg.data, cfg.tokenizer, cfg.vocab, helper);
+  world->barrier();
+  if (!root) tokens = data::load_token_data(cfg.data, cfg.tokenizer, cfg.vocab, helper);
+  const data::BatchSampler train_data(std::move(tokens.train), cfg.seq, cfg.seed);
+  const data::BatchSampler val_data(std::move(tokens.val), cfg.seq, cfg.seed);
+
+  model::GptConfig mc = model::gpt_preset(cfg.model, tokens.vocab_size);
+  if (cfg.width > 0) mc.width = cfg.width;
+  if (cfg.layers > 0) mc.layers = cfg.layers;
+  if (cfg.heads > 0) mc.heads = cfg.heads;
+  if (cfg.context > 0) mc.context = cfg.context;
+  mc.dropout = cfg.dropout;
+  if (cfg.seq > mc.context) {
+    throw std::invalid_argument("--seq " + std::to_string(cfg.seq) + " exceeds the model's context " +
+                                std::to_string(mc.context) + " (set --context)");
+  }
+  shard::ShardOptions so;
+  so.chunk = cfg.chunk;
+  so.reshard_after_forward = cfg.reshard;
+  auto lm = model::make_gpt(mc, topo.shard_group, so, cfg.seed);
+  std::vector<optim::OptimParam> params;
+  for (const auto& unit : lm->units()) {
+    for (const auto& p : unit->optim_params()) params.push_back(p);
+  }
+  optim::DemoOptimizer optimizer(params, options, topo.replica_group);
+
+  // Outputs (rank 0).
+  std::ofstream metrics;
+  if (root) {
+    fs::create_directories(cfg.out);
+    nlohmann::ordered_json resolved = to_json(cfg);
+    resolved["topology"] = topo.describe();
+    resolved["model_description"] = lm->describe();
+    resolved["vocab_size"] = tokens.vocab_size;
+    std::ofstream(fs::path(cfg.out) / "config.json") << resolved.dump(2) << "\n";
+    metrics.open(fs::path(cfg.out) / "metrics.jsonl");
+    fmt::print("flexdemo train: {}; {}; {} + {} replicator; global batch {} x {} tokens\n",
+               topo.describe(), lm->describe(), cfg.optimizer, cfg.replicator, cfg.batch,
+               cfg.seq);
+    std::fflush(stdout);
+  }
+
+  // Validation loss: eval_seqs windows shared by all ranks, averaged over the world.
+  auto evaluate = [&]() {
+    at::NoGradGuard no_grad;
+    const int64_t mine = std::max<int64_t>(1, cfg.eval_seqs / P);
+    double sum = 0.0;
+    for (int64_t done = 0; done < mine; done += micro) {
+      const int64_t n = std::min(micro, mine - done);
+      sum += lm->loss(val_data.windows(world->rank() * mine + done, n)).item<double>() * n;
+    }
+    at::Tensor mean = at::full({1}, sum / double(mine), at::kDouble);
+    world->all_reduce(mean, comm::ReduceOp::Avg);
+    return mean.item<double>();
+  };
+
+  comm::TrafficMeter meter(topo);
+  const bool terminal = root && isatty(STDOUT_FILENO);
+  const int64_t first_row = topo.replica_rank * (cfg.batch / topo.replicas) +
+                            topo.shard_rank * per_rank;
+  double val_loss = NAN, inter_bytes_total = 0.0, seconds_total = 0.0;
+  const auto started = std::chrono::steady_clock::now();
+  for (int64_t step = 0; step < cfg.steps; ++step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const double lr = scheduled_lr(cfg, step);
+    optimizer.set_lr(lr);
+    optimizer.zero_grad();
+    double loss_sum = 0.0;
+    for (int64_t a = 0; a < per_rank; a += micro) {
+      const at::Tensor batch = train_data.rows(step, first_row + a, micro);
+      const at::Tensor loss = lm->loss(batch) * (double(micro) / double(per_rank));
+      loss.backward();
+      loss_sum += loss.item<double>();
+    }
+    if (cfg.clip > 0) {  // the replica's full gradient norm, from the shards of its group
+      at::Tensor sq = at::zeros({1}, at::kDouble);
+      for (const auto& p : params) {
+        if (p.leaf.grad().defined()) sq += p.leaf.grad().to(at::kDouble).pow(2).sum();
+      }
+      topo.shard_group->all_reduce(sq, comm::ReduceOp::Sum);
+      const double norm = std::sqrt(sq.item<double>());
+      if (norm > cfg.clip) {
+        for (auto& p : params) {
+          if (p.leaf.grad().defined()) p.leaf.mutable_grad().mul_(cfg.clip / norm);
+        }
+      }
+    }
+    optimizer.step();
+    const comm::StepTraffic traffic = meter.lap();
+    const double step_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+    // Summed over ranks: bytes; averaged: loss and times.
+    at::Tensor sums = at::tensor({double(traffic.intra_sent), double(traffic.intra_received),
+                                  double(traffic.inter_sent), double(traffic.inter_received)},
+                                 at::kDouble);
+    world->all_reduce(sums, comm::ReduceOp::Sum);
+    at::Tensor means = at::tensor(
+        {loss_sum, step_s, traffic.intra_seconds + traffic.inter_seconds}, at::kDouble);
+    world->all_reduce(means, comm::ReduceOp::Avg);
+    const bool eval_now = (cfg.eval_every > 0 && (step + 1) % cfg.eval_every == 0) ||
+                          step + 1 == cfg.steps;
+    if (eval_now) val_loss = evaluate();
+    seconds_total += means[1].item<double>();
+    inter_bytes_total += sums[2].item<double>();
+
+    if (root) {
+      nlohmann::ordered_json m;
+      m["step"] = step + 1;
+      m["loss"] = means[0].item<double>();
+      m["lr"] = lr;
+      m["tokens"] = (step + 1) * cfg.batch * cfg.seq;
+      m["step_ms"] = 1e3 * means[1].item<double>();
+      m["compute_ms"] = 1e3 * (means[1].item<double>() - means[2].item<double>());
+      m["comm_ms"] = 1e3 * means[2].item<double>();
+      m["intra_bytes_sent"] = int64_t(sums[0].item<double>());
+      m["intra_bytes_recv"] = int64_t(sums[1].item<double>());
+      m["inter_bytes_sent"] = int64_t(sums[2].item<double>());
+      m["inter_bytes_recv"] = int64_t(sums[3].item<double>());
+      m["elapsed_s"] =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+      if (eval_now) m["val_loss"] = val_loss;
+      metrics << m.dump() << "\n" << std::flush;
+
+      const double elapsed = m["elapsed_s"].get<double>();
+      const double eta = elapsed / double(step + 1) * double(cfg.steps - step - 1);
+      const double tokens_per_s = double((step + 1) * cfg.batch * cfg.seq) / elapsed;
+      const std::string line = fmt::format(
+          "step {}/{}  loss {:.4f}{}  {:.0f} tok/s  {} between nodes/step  ETA {}", step + 1,
+          cfg.steps, m["loss"].get<double>(),
+          eval_now ? fmt::format("  val {:.4f}", val_loss) : std::string(), tokens_per_s,
+          human_bytes(sums[2].item<double>()), human_seconds(eta));
+      if (terminal) {
+        fmt::print("\r{:<100}", line);
+        if (eval_now || step + 1 == cfg.steps) fmt::print("\n");
+      } else if ((step + 1) % cfg.log_every == 0 || eval_now || step == 0) {
+        fmt::print("{}\n", line);
+      }
+      std::fflush(stdout);
+    }
+  }
+
+  at::Tensor rss = at::full({1}, peak_rss_mb(), at::kDouble);
+  at::Tensor all_rss = at::empty({P}, at::kDouble);
+  world->all_gather(rss, all_rss);  // the largest rank's peak
+  if (root) {
+    nlohmann::ordered_json summary;
+    summary["final_val_loss"] = val_loss;
+    summary["tokens_per_s"] = double(cfg.steps * cfg.batch * cfg.seq) / seconds_total;
+    summary["inter_bytes_per_step"] = inter_bytes_total / double(cfg.steps);
+    summary["peak_rss_mb"] = all_rss.max().item<double>();
+    summary["steps"] = cfg.steps;
+    summary["optimizer"] = cfg.optimizer;
+    summary["replicator"] = cfg.replicator;
+    std::ofstream(fs::path(cfg.out) / "summary.json") << summary.dump(2) << "\n";
+    fmt::print("final validation loss {:.4f}; {:.0f} tokens/s; {} between nodes per step; "
+               "outputs in {}\n",
+               val_loss, summary["tokens_per_s"].get<double>(),
+               human_bytes(summary["inter_bytes_per_step"].get<double>()), cfg.out);
+  }
+  return 0;
+}
+
+}  // namespace flexdemo::train
