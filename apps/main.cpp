@@ -2,6 +2,7 @@
 // Any error becomes one line on stderr and a non-zero exit.
 #include "bench/bench.h"
 #include "flexdemo/comm.h"
+#include "flexdemo/report.h"
 #include "flexdemo/train.h"
 
 #include <CLI/CLI.hpp>
@@ -138,6 +139,18 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   train->add_option("--threads", tc.threads, "intra-op threads per rank")->capture_default_str();
 
+  std::vector<std::string> report_runs;
+  std::string report_out = "report";
+  auto* report = app.add_subcommand("report", "compare run folders: Markdown table and PNG plots");
+  report
+      ->add_option("runs", report_runs,
+                   "run folders (each with config.json, metrics.jsonl, "
+                   "summary.json)")
+      ->required()
+      ->check(CLI::ExistingDirectory);
+  report->add_option("--out", report_out, "where report.md and the plots go")
+      ->capture_default_str();
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -166,6 +179,11 @@ int main(int argc, char** argv) {
   std::unique_ptr<flexdemo::comm::MpiRuntime> mpi;
   try {
     if (optimizer->parsed()) return flexdemo::bench::run_bench_optimizer(opt);
+    if (report->parsed()) {
+      std::printf("%s", flexdemo::train::write_report(report_runs, report_out).c_str());
+      std::printf("report and plots in %s\n", report_out.c_str());
+      return 0;
+    }
     if (train->parsed()) {
       mpi = std::make_unique<flexdemo::comm::MpiRuntime>(&argc, &argv);
       return flexdemo::train::run_training(tc, mpi->world());

@@ -19,17 +19,17 @@ struct TrainConfig {
   double dropout = 0.0;
   // ====== Data ======
   std::string data = "/usr/share/games/fortunes";  // text file or folder, or an llm.c shard
-  std::string tokenizer = "bpe";                    // bpe | bytes
-  int32_t vocab = 4096;                             // BPE vocabulary
+  std::string tokenizer = "bpe";                   // bpe | bytes
+  int32_t vocab = 4096;                            // BPE vocabulary
   // ====== Schedule ======
   int64_t steps = 200;
-  int64_t batch = 16;        // global batch in sequences, divided across all ranks
-  int64_t micro_batch = 0;   // sequences per forward on a rank (0: the rank's whole share)
-  int64_t seq = 64;          // tokens per sequence
+  int64_t batch = 16;       // global batch in sequences, divided across all ranks
+  int64_t micro_batch = 0;  // sequences per forward on a rank (0: the rank's whole share)
+  int64_t seq = 64;         // tokens per sequence
   double lr = 1e-3;
-  int64_t warmup = 20;       // linear warmup steps, then cosine decay
-  double min_lr_ratio = 0.1; // the cosine ends at lr * this
-  double clip = 1.0;         // clip each replica's gradient to this global norm (0: off)
+  int64_t warmup = 20;        // linear warmup steps, then cosine decay
+  double min_lr_ratio = 0.1;  // the cosine ends at lr * this
+  double clip = 1.0;          // clip each replica's gradient to this global norm (0: off)
   double weight_decay = 0.0;
   // ====== Optimizer ======
   std::string optimizer = "flexdemo";  // flexdemo | flexdemo-adamw | adamw | sgd
@@ -44,12 +44,12 @@ struct TrainConfig {
   int shard_size = 0;      // 0: the whole node
   bool reshard = true;     // free gathered parameters after forward (recompute in backward)
   // ====== Run ======
-  int64_t eval_every = 0;   // 0: only at the end
-  int64_t eval_seqs = 64;   // validation sequences per evaluation
-  int64_t log_every = 10;   // plain log lines when stdout is not a terminal
+  int64_t eval_every = 0;  // 0: only at the end
+  int64_t eval_seqs = 64;  // validation sequences per evaluation
+  int64_t log_every = 10;  // plain log lines when stdout is not a terminal
   std::string out = "runs/latest";
   uint64_t seed = 1337;
-  int threads = 1;          // intra-op threads per rank
+  int threads = 1;  // intra-op threads per rank
 
   void validate() const;  // throws std::invalid_argument naming the bad option
 };

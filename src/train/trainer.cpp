@@ -14,12 +14,12 @@
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
+#include <sys/resource.h>
+#include <unistd.h>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
-#include <sys/resource.h>
-#include <unistd.h>
 
 namespace flexdemo::train {
 
@@ -49,23 +49,40 @@ void TrainConfig::validate() const {
 namespace {
 
 nlohmann::ordered_json to_json(const TrainConfig& c) {
-  return {{"model", c.model},       {"width", c.width},
-          {"layers", c.layers},     {"heads", c.heads},
-          {"context", c.context},   {"dropout", c.dropout},
-          {"data", c.data},         {"tokenizer", c.tokenizer},
-          {"vocab", c.vocab},       {"steps", c.steps},
-          {"batch", c.batch},       {"micro_batch", c.micro_batch},
-          {"seq", c.seq},           {"lr", c.lr},
-          {"warmup", c.warmup},     {"min_lr_ratio", c.min_lr_ratio},
-          {"clip", c.clip},         {"weight_decay", c.weight_decay},
-          {"optimizer", c.optimizer}, {"replicator", c.replicator},
-          {"sign", c.sign == 1},    {"topk", c.topk},
-          {"chunk", c.chunk},       {"decay", c.decay},
-          {"values", c.values},     {"replicate_every", c.replicate_every},
-          {"ranks_per_node", c.ranks_per_node}, {"shard_size", c.shard_size},
-          {"reshard", c.reshard},   {"eval_every", c.eval_every},
-          {"eval_seqs", c.eval_seqs}, {"log_every", c.log_every},
-          {"out", c.out},           {"seed", c.seed},
+  return {{"model", c.model},
+          {"width", c.width},
+          {"layers", c.layers},
+          {"heads", c.heads},
+          {"context", c.context},
+          {"dropout", c.dropout},
+          {"data", c.data},
+          {"tokenizer", c.tokenizer},
+          {"vocab", c.vocab},
+          {"steps", c.steps},
+          {"batch", c.batch},
+          {"micro_batch", c.micro_batch},
+          {"seq", c.seq},
+          {"lr", c.lr},
+          {"warmup", c.warmup},
+          {"min_lr_ratio", c.min_lr_ratio},
+          {"clip", c.clip},
+          {"weight_decay", c.weight_decay},
+          {"optimizer", c.optimizer},
+          {"replicator", c.replicator},
+          {"sign", c.sign == 1},
+          {"topk", c.topk},
+          {"chunk", c.chunk},
+          {"decay", c.decay},
+          {"values", c.values},
+          {"replicate_every", c.replicate_every},
+          {"ranks_per_node", c.ranks_per_node},
+          {"shard_size", c.shard_size},
+          {"reshard", c.reshard},
+          {"eval_every", c.eval_every},
+          {"eval_seqs", c.eval_seqs},
+          {"log_every", c.log_every},
+          {"out", c.out},
+          {"seed", c.seed},
           {"threads", c.threads}};
 }
 
@@ -74,7 +91,7 @@ optim::DemoOptions optimizer_options(TrainConfig& c) {
   optim::DemoOptions o;
   const bool demo = c.optimizer == "flexdemo" || c.optimizer == "flexdemo-adamw";
   o.inner = c.optimizer == "flexdemo" || c.optimizer == "sgd" ? optim::InnerKind::SignSgd
-                                                               : optim::InnerKind::AdamW;
+                                                              : optim::InnerKind::AdamW;
   if (c.replicator.empty()) c.replicator = demo ? "demo" : "full";
   o.replicator = optim::parse_replicator_kind(c.replicator);
   if (c.sign < 0) c.sign = c.optimizer == "flexdemo" ? 1 : 0;
@@ -136,9 +153,8 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
   const int64_t per_rank = cfg.batch / P;
   const int64_t micro = cfg.micro_batch > 0 ? cfg.micro_batch : per_rank;
   if (per_rank % micro != 0) {
-    throw std::invalid_argument("--micro-batch " + std::to_string(micro) +
-                                " does not divide the " + std::to_string(per_rank) +
-                                " sequences of each rank");
+    throw std::invalid_argument("--micro-batch " + std::to_string(micro) + " does not divide the " +
+                                std::to_string(per_rank) + " sequences of each rank");
   }
 
   // Data: rank 0 tokenizes (once per corpus, cached), the others read its cache.
@@ -157,8 +173,9 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
   if (cfg.context > 0) mc.context = cfg.context;
   mc.dropout = cfg.dropout;
   if (cfg.seq > mc.context) {
-    throw std::invalid_argument("--seq " + std::to_string(cfg.seq) + " exceeds the model's context " +
-                                std::to_string(mc.context) + " (set --context)");
+    throw std::invalid_argument("--seq " + std::to_string(cfg.seq) +
+                                " exceeds the model's context " + std::to_string(mc.context) +
+                                " (set --context)");
   }
   shard::ShardOptions so;
   so.chunk = cfg.chunk;
@@ -181,8 +198,7 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
     std::ofstream(fs::path(cfg.out) / "config.json") << resolved.dump(2) << "\n";
     metrics.open(fs::path(cfg.out) / "metrics.jsonl");
     fmt::print("flexdemo train: {}; {}; {} + {} replicator; global batch {} x {} tokens\n",
-               topo.describe(), lm->describe(), cfg.optimizer, cfg.replicator, cfg.batch,
-               cfg.seq);
+               topo.describe(), lm->describe(), cfg.optimizer, cfg.replicator, cfg.batch, cfg.seq);
     std::fflush(stdout);
   }
 
@@ -202,8 +218,8 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
 
   comm::TrafficMeter meter(topo);
   const bool terminal = root && isatty(STDOUT_FILENO);
-  const int64_t first_row = topo.replica_rank * (cfg.batch / topo.replicas) +
-                            topo.shard_rank * per_rank;
+  const int64_t first_row =
+      topo.replica_rank * (cfg.batch / topo.replicas) + topo.shard_rank * per_rank;
   double val_loss = NAN, inter_bytes_total = 0.0, seconds_total = 0.0;
   const auto started = std::chrono::steady_clock::now();
   for (int64_t step = 0; step < cfg.steps; ++step) {
@@ -241,11 +257,11 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
                                   double(traffic.inter_sent), double(traffic.inter_received)},
                                  at::kDouble);
     world->all_reduce(sums, comm::ReduceOp::Sum);
-    at::Tensor means = at::tensor(
-        {loss_sum, step_s, traffic.intra_seconds + traffic.inter_seconds}, at::kDouble);
+    at::Tensor means =
+        at::tensor({loss_sum, step_s, traffic.intra_seconds + traffic.inter_seconds}, at::kDouble);
     world->all_reduce(means, comm::ReduceOp::Avg);
-    const bool eval_now = (cfg.eval_every > 0 && (step + 1) % cfg.eval_every == 0) ||
-                          step + 1 == cfg.steps;
+    const bool eval_now =
+        (cfg.eval_every > 0 && (step + 1) % cfg.eval_every == 0) || step + 1 == cfg.steps;
     if (eval_now) val_loss = evaluate();
     seconds_total += means[1].item<double>();
     inter_bytes_total += sums[2].item<double>();
@@ -271,11 +287,11 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
       const double elapsed = m["elapsed_s"].get<double>();
       const double eta = elapsed / double(step + 1) * double(cfg.steps - step - 1);
       const double tokens_per_s = double((step + 1) * cfg.batch * cfg.seq) / elapsed;
-      const std::string line = fmt::format(
-          "step {}/{}  loss {:.4f}{}  {:.0f} tok/s  {} between nodes/step  ETA {}", step + 1,
-          cfg.steps, m["loss"].get<double>(),
-          eval_now ? fmt::format("  val {:.4f}", val_loss) : std::string(), tokens_per_s,
-          human_bytes(sums[2].item<double>()), human_seconds(eta));
+      const std::string line =
+          fmt::format("step {}/{}  loss {:.4f}{}  {:.0f} tok/s  {} between nodes/step  ETA {}",
+                      step + 1, cfg.steps, m["loss"].get<double>(),
+                      eval_now ? fmt::format("  val {:.4f}", val_loss) : std::string(),
+                      tokens_per_s, human_bytes(sums[2].item<double>()), human_seconds(eta));
       if (terminal) {
         fmt::print("\r{:<100}", line);
         if (eval_now || step + 1 == cfg.steps) fmt::print("\n");
@@ -299,10 +315,11 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
     summary["optimizer"] = cfg.optimizer;
     summary["replicator"] = cfg.replicator;
     std::ofstream(fs::path(cfg.out) / "summary.json") << summary.dump(2) << "\n";
-    fmt::print("final validation loss {:.4f}; {:.0f} tokens/s; {} between nodes per step; "
-               "outputs in {}\n",
-               val_loss, summary["tokens_per_s"].get<double>(),
-               human_bytes(summary["inter_bytes_per_step"].get<double>()), cfg.out);
+    fmt::print(
+        "final validation loss {:.4f}; {:.0f} tokens/s; {} between nodes per step; "
+        "outputs in {}\n",
+        val_loss, summary["tokens_per_s"].get<double>(),
+        human_bytes(summary["inter_bytes_per_step"].get<double>()), cfg.out);
   }
   return 0;
 }
