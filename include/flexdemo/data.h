@@ -24,7 +24,7 @@ struct TokenData {
 };
 TokenData load_token_data(const std::string& data, const std::string& tokenizer, int32_t vocab,
                           const std::string& helper);
-// The helper beside the running executable.
+// The helper: $FLEXDEMO_TOKENIZE if set, else flexdemo-tokenize beside the running executable.
 std::string default_tokenize_helper();
 
 // ====== Batches ======

@@ -19,6 +19,7 @@ namespace flexdemo::data {
 
 std::string default_tokenize_helper() {
   namespace fs = std::filesystem;
+  if (const char* env = std::getenv("FLEXDEMO_TOKENIZE")) return env;
   const fs::path self = fs::read_symlink("/proc/self/exe");
   return (self.parent_path() / "flexdemo-tokenize").string();
 }

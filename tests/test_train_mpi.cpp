@@ -1,0 +1,175 @@
+// The trainer's pieces on real ranks: GPT shapes and gradients (finite differences), learning a
+// batch by heart, the sampler's determinism and independence of the rank count, and a whole
+// `run_training` whose outputs follow the documented schema.
+#include "test_mpi.h"
+
+#include "flexdemo/data.h"
+#include "flexdemo/model.h"
+#include "flexdemo/optim.h"
+#include "flexdemo/text.h"
+#include "flexdemo/train.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+
+using namespace flexdemo;
+namespace fs = std::filesystem;
+
+namespace {
+
+// A communicator of this rank alone: the model is not sharded.
+std::shared_ptr<comm::Communicator> alone() {
+  auto world = test_world();
+  return world->split(world->rank(), 0);
+}
+
+model::GptConfig tiny() {
+  model::GptConfig c;
+  c.vocab = 11, c.context = 6, c.width = 8, c.layers = 2, c.heads = 2;
+  return c;
+}
+
+}  // namespace
+
+TEST(Gpt, ParameterCountIsClosedForm) {
+  auto lm = model::make_gpt(model::gpt_preset("gpt-nano", 2048), alone(), {}, 1);
+  const int64_t d = 128, L = 4, V = 2048, T = 128;
+  const int64_t block =
+      2 * d + 3 * d * d + 3 * d + d * d + d + 2 * d + 4 * d * d + 4 * d + 4 * d * d + d;
+  EXPECT_EQ(lm->num_params(), V * d + T * d + L * block + 2 * d);
+  EXPECT_EQ(lm->units().size(), size_t(L + 2));
+  EXPECT_EQ(lm->param_names()[1][2], "h0.attn.qkv.weight");
+  EXPECT_THROW(model::gpt_preset("gpt-huge", 10), std::invalid_argument);
+  model::GptConfig bad = tiny();
+  bad.heads = 3;
+  EXPECT_THROW(model::make_gpt(bad, alone(), {}, 1), std::invalid_argument);
+}
+
+TEST(Gpt, GradientsMatchFiniteDifferences) {
+  auto lm = model::make_gpt(tiny(), alone(), {}, 3);
+  at::manual_seed(4);
+  const at::Tensor tokens = at::randint(11, {3, 6}, at::kLong);
+  lm->loss(tokens).backward();
+  for (const auto& unit : lm->units()) {
+    for (const at::Tensor& shard : unit->shards()) {
+      const at::Tensor grad = shard.grad().clone();
+      for (int64_t i : {int64_t(0), shard.numel() / 2, shard.numel() - 1}) {
+        const float eps = 1e-3f;
+        at::NoGradGuard no_grad;
+        const float orig = shard[i].item<float>();
+        shard[i] = orig + eps;
+        const double up = lm->loss(tokens).item<double>();
+        shard[i] = orig - eps;
+        const double down = lm->loss(tokens).item<double>();
+        shard[i] = orig;
+        const double numeric = (up - down) / (2 * eps);
+        EXPECT_NEAR(grad[i].item<double>(), numeric, 2e-3 + 2e-2 * std::abs(numeric))
+            << unit->name() << " element " << i;
+      }
+    }
+  }
+}
+
+TEST(Gpt, LossFallsWhenOverfittingOneBatch) {
+  auto lm = model::make_gpt(tiny(), alone(), {}, 5);
+  std::vector<optim::OptimParam> params;
+  for (const auto& u : lm->units()) {
+    for (auto& p : u->optim_params()) params.push_back(p);
+  }
+  optim::DemoOptions o;
+  o.replicator = optim::ReplicatorKind::Full;
+  o.inner = optim::InnerKind::AdamW;
+  o.sign = false;
+  o.lr = 1e-2;
+  o.chunk = 4;
+  optim::DemoOptimizer opt(params, o, alone());
+  at::manual_seed(6);
+  const at::Tensor tokens = at::randint(11, {4, 7}, at::kLong);
+  double first = 0, last = 0;
+  for (int step = 0; step < 60; ++step) {
+    opt.zero_grad();
+    at::Tensor loss = lm->loss(tokens);
+    loss.backward();
+    opt.step();
+    (step == 0 ? first : last) = loss.item<double>();
+  }
+  EXPECT_LT(last, 0.5 * first);
+}
+
+TEST(Sampler, DeterministicAndIndependentOfRankCount) {
+  std::vector<int32_t> tokens(1000);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = int32_t(i % 97);
+  const data::BatchSampler a(tokens, 16, 42), b(tokens, 16, 42), other(tokens, 16, 43);
+  const at::Tensor whole = a.rows(7, 0, 8);
+  EXPECT_TRUE(at::equal(whole, b.rows(7, 0, 8)));       // the same seed: the same batch
+  EXPECT_FALSE(at::equal(whole, other.rows(7, 0, 8)));  // another seed: another batch
+  EXPECT_FALSE(at::equal(whole, a.rows(8, 0, 8)));      // another step: another batch
+  for (int ranks : {1, 2, 4, 8}) {                      // any split gives the same rows
+    for (int r = 0; r < ranks; ++r) {
+      const int64_t n = 8 / ranks;
+      EXPECT_TRUE(at::equal(a.rows(7, r * n, n), whole.narrow(0, r * n, n)));
+    }
+  }
+  // A resumed run at step 7 draws exactly the batch the uninterrupted run drew.
+  const data::BatchSampler resumed(tokens, 16, 42);
+  EXPECT_TRUE(at::equal(resumed.rows(7, 0, 8), whole));
+  // Each row is a contiguous window: targets are the inputs shifted by one.
+  const at::Tensor row = whole[0];
+  EXPECT_EQ(
+      (row.narrow(0, 1, 16) - row.narrow(0, 0, 16)).remainder(97).eq(1).sum().item<int64_t>() +
+          (row.narrow(0, 1, 16) == 0).sum().item<int64_t>(),
+      16);
+}
+
+TEST(Trainer, WritesDocumentedOutputs) {
+  auto world = test_world();
+  const fs::path dir = fs::temp_directory_path() / "flexdemo-train-test";
+  if (world->rank() == 0) {
+    fs::remove_all(dir);
+    fs::create_directories(dir / "corpus");
+    std::ofstream text(dir / "corpus" / "text");
+    for (int d = 0; d < 200; ++d) text << "document number " << d << " says hello to all.\n%\n";
+  }
+  world->barrier();
+  train::TrainConfig c;
+  c.model = "gpt-nano";
+  c.width = 16, c.layers = 1, c.heads = 2, c.context = 16;
+  c.data = (dir / "corpus").string();
+  c.tokenizer = "bytes";
+  c.steps = 3;
+  c.batch = 4;
+  c.seq = 16;
+  c.eval_seqs = 4;
+  c.chunk = 8;
+  c.out = (dir / "run").string();
+  EXPECT_EQ(train::run_training(c, world), 0);
+  world->barrier();
+  std::ifstream metrics(dir / "run" / "metrics.jsonl");
+  std::vector<nlohmann::json> lines;
+  for (std::string l; std::getline(metrics, l);) lines.push_back(nlohmann::json::parse(l));
+  ASSERT_EQ(lines.size(), 3u);
+  for (const char* key :
+       {"step", "loss", "lr", "tokens", "step_ms", "compute_ms", "comm_ms", "intra_bytes_sent",
+        "intra_bytes_recv", "inter_bytes_sent", "inter_bytes_recv"}) {
+    EXPECT_TRUE(lines[0].contains(key)) << key;
+  }
+  EXPECT_FALSE(lines[0].contains("val_loss"));
+  EXPECT_TRUE(lines[2].contains("val_loss"));  // evaluated at the end
+  EXPECT_EQ(lines[2]["tokens"].get<int64_t>(), 3 * 4 * 16);
+  const auto summary = nlohmann::json::parse(std::ifstream(dir / "run" / "summary.json"));
+  for (const char* key :
+       {"final_val_loss", "tokens_per_s", "inter_bytes_per_step", "peak_rss_mb"}) {
+    EXPECT_TRUE(summary.contains(key)) << key;
+  }
+  EXPECT_TRUE(fs::exists(dir / "run" / "config.json"));
+
+  c.batch = 3;  // does not divide across the ranks (2 or 4)
+  EXPECT_THROW(train::run_training(c, world), std::invalid_argument);
+  c.batch = 4;
+  c.seq = 17;  // longer than the context
+  EXPECT_THROW(train::run_training(c, world), std::invalid_argument);
+}
