@@ -135,6 +135,12 @@ int main(int argc, char** argv) {
   train->add_option("--log-every", tc.log_every, "log line every N steps (not a terminal)")
       ->capture_default_str();
   train->add_option("--out", tc.out, "output folder")->capture_default_str();
+  train
+      ->add_option("--checkpoint-every", tc.checkpoint_every,
+                   "also checkpoint every N steps (0: only at the end)")
+      ->capture_default_str();
+  train->add_option("--resume", tc.resume,
+                    "continue from a run folder's checkpoint (same topology and options)");
   train->add_option("--seed", tc.seed, "seed of data order and initialisation")
       ->capture_default_str();
   train->add_option("--threads", tc.threads, "intra-op threads per rank")->capture_default_str();

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Installs what is missing, builds, and runs the main job on built-in defaults: FlexDeMo on a
-# GPT-2-shaped parameter set (3.8M parameters) over 4 MPI ranks emulating 2 nodes x 2 ranks,
-# sharded inside each node, DeMo between them. It prints the bytes between nodes against plain
-# HSDP (a dense all-reduce), the bytes inside nodes, the state per rank, and checks that the
-# replicas stay bit-identical. Extra arguments go to `flexdemo bench exchange`.
+# Installs what is missing, builds, and runs the main job on built-in defaults: gpt-micro (~4M
+# parameters) trained on the fortunes corpus by 4 MPI ranks emulating 2 nodes x 2 ranks, once
+# with FlexDeMo (sharded inside nodes, DeMo between them) and once with AdamW-HSDP (the same
+# sharding, a dense all-reduce between nodes); then `flexdemo report` compares them: final
+# validation loss, tokens/s, bytes between nodes per step, and plots in runs/demo/report.
+# STEPS=N overrides the 500 steps; extra arguments go to both `flexdemo train` runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
@@ -11,4 +12,11 @@ bash scripts/build.sh
 export OMP_NUM_THREADS=1
 root_flag=""
 if [ "$(id -u)" -eq 0 ]; then root_flag="--allow-run-as-root"; fi
-exec mpirun $root_flag --oversubscribe -np 4 build/flexdemo bench exchange --ranks-per-node 2 "$@"
+steps="${STEPS:-500}"
+train() {
+  mpirun $root_flag --oversubscribe -np 4 build/flexdemo train --model gpt-micro \
+    --ranks-per-node 2 --steps "$steps" --eval-every 50 --log-every 50 "$@"
+}
+train --optimizer flexdemo --out runs/demo/flexdemo "${@}"
+train --optimizer adamw --out runs/demo/adamw-hsdp "${@}"
+build/flexdemo report runs/demo/flexdemo runs/demo/adamw-hsdp --out runs/demo/report

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace flexdemo::comm {
@@ -101,8 +102,12 @@ class DemoOptimizer {
   void set_lr(double lr);  // the learning rate of this and later steps (a schedule)
   DemoTraffic traffic() const;
   int64_t steps() const;  // step() calls so far
-  // Bytes of optimizer state this rank holds: residuals, accumulators, AdamW moments.
-  int64_t state_bytes() const;
+  // This rank's optimizer state (residuals, accumulators, AdamW moments) by name; the tensors
+  // share storage with the optimizer, so a checkpoint loads by copying into them, then calls
+  // restore_steps with the number of steps taken.
+  std::vector<std::pair<std::string, at::Tensor>> state_tensors() const;
+  void restore_steps(int64_t steps);
+  int64_t state_bytes() const;  // of state_tensors()
   const dct::ChunkPlan& chunk_plan(size_t i) const;
   // Demo: parameter i's residual momentum in the DCT domain (block layout, see dct.h).
   const at::Tensor& residual(size_t i) const;

@@ -64,6 +64,8 @@ class ShardedUnit {
   at::Tensor forward(const UnitFn& fn, const std::vector<at::Tensor>& inputs);
   // The full parameters, detached (evaluation, checkpoints). Collective over the shard group.
   std::vector<at::Tensor> gather() const;
+  // Sets this rank's shards from full parameters (a checkpoint); shapes must match.
+  void load(const std::vector<at::Tensor>& full_params);
 
   const std::vector<at::Tensor>& shards() const;  // leaves: float32 [shard_numel], requires_grad
   const std::vector<ShardSpec>& specs() const;

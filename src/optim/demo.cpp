@@ -165,9 +165,26 @@ DemoTraffic DemoOptimizer::traffic() const {
 int64_t DemoOptimizer::steps() const {
   return impl_->steps;
 }
-int64_t DemoOptimizer::state_bytes() const {
-  return impl_->replicator->state_bytes() + impl_->inner->state_bytes();
+std::vector<std::pair<std::string, at::Tensor>> DemoOptimizer::state_tensors() const {
+  auto state = impl_->replicator->state_tensors();
+  for (auto& t : impl_->inner->state_tensors()) state.push_back(t);
+  return state;
 }
+
+int64_t DemoOptimizer::state_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& [name, t] : state_tensors()) bytes += t.numel() * t.element_size();
+  return bytes;
+}
+
+void DemoOptimizer::restore_steps(int64_t steps) {
+  Impl& s = *impl_;
+  s.steps = steps;
+  const int64_t every = s.options.replicate_every;
+  s.inner->restore_step(steps / every);
+  s.replicator->restore_counters(steps / every, steps % every);
+}
+
 const dct::ChunkPlan& DemoOptimizer::chunk_plan(size_t i) const {
   return impl_->plans.at(i);
 }

@@ -87,10 +87,12 @@ class DemoReplicator final : public Replicator {
   }
 
   DemoTraffic traffic() const override { return traffic_; }
-  int64_t state_bytes() const override {
-    int64_t bytes = 0;
-    for (const auto& r : residuals_) bytes += r.numel() * r.element_size();
-    return bytes;
+  NamedTensors state_tensors() const override {
+    NamedTensors state;
+    for (size_t i = 0; i < residuals_.size(); ++i) {
+      state.push_back({"residual." + std::to_string(i), residuals_[i]});
+    }
+    return state;
   }
   const at::Tensor& residual(size_t i) const override { return residuals_.at(i); }
 

@@ -60,9 +60,11 @@ class DenseReplicator final : public Replicator {
 
   DemoTraffic traffic() const override { return traffic_; }
   // The bucket carries gradients from one step to the next only when exchanges are spaced out.
-  int64_t state_bytes() const override {
-    return options_.replicate_every > 1 ? bucket_.numel() * 4 : 0;
+  NamedTensors state_tensors() const override {
+    if (options_.replicate_every == 1) return {};
+    return {{"gradient_sum", bucket_}};
   }
+  void restore_counters(int64_t, int64_t pending) override { pending_ = pending; }
 
  private:
   at::Tensor slice(size_t i) { return bucket_.narrow(0, offsets_[i], plans_[i].numel()); }
@@ -159,11 +161,14 @@ class RandomReplicator final : public Replicator {
   }
 
   DemoTraffic traffic() const override { return traffic_; }
-  int64_t state_bytes() const override {
-    int64_t bytes = 0;
-    for (const auto& r : residuals_) bytes += r.numel() * 4;
-    return bytes;
+  NamedTensors state_tensors() const override {
+    NamedTensors state;
+    for (size_t i = 0; i < residuals_.size(); ++i) {
+      state.push_back({"residual." + std::to_string(i), residuals_[i]});
+    }
+    return state;
   }
+  void restore_counters(int64_t exchanges, int64_t) override { exchanges_ = uint64_t(exchanges); }
   const at::Tensor& residual(size_t i) const override { return residuals_.at(i); }
 
  private:

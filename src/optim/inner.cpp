@@ -67,11 +67,13 @@ void InnerOptimizer::apply(size_t i, const at::Tensor& direction) {
   p.addcdiv_(m, denom, -lr_ / bias_correction1);
 }
 
-int64_t InnerOptimizer::state_bytes() const {
-  int64_t bytes = 0;
-  for (const auto& t : exp_avg_) bytes += t.numel() * t.element_size();
-  for (const auto& t : exp_avg_sq_) bytes += t.numel() * t.element_size();
-  return bytes;
+std::vector<std::pair<std::string, at::Tensor>> InnerOptimizer::state_tensors() const {
+  std::vector<std::pair<std::string, at::Tensor>> state;
+  for (size_t i = 0; i < exp_avg_.size(); ++i) {
+    state.push_back({"exp_avg." + std::to_string(i), exp_avg_[i]});
+    state.push_back({"exp_avg_sq." + std::to_string(i), exp_avg_sq_[i]});
+  }
+  return state;
 }
 
 }  // namespace flexdemo::optim

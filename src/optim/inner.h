@@ -6,6 +6,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace flexdemo::optim {
@@ -16,7 +18,9 @@ class InnerOptimizer {
   void begin_step(double lr);  // once per applied step, before the apply() calls
   // Tensor i: p *= 1 - lr*wd, then the update from direction ([rows, cols] float32).
   void apply(size_t i, const at::Tensor& direction);
-  int64_t state_bytes() const;
+  // AdamW's moments, named for files (handles: loading copies into them).
+  std::vector<std::pair<std::string, at::Tensor>> state_tensors() const;
+  void restore_step(int64_t applied_steps) { step_ = applied_steps; }
 
  private:
   std::vector<at::Tensor> params_;  // views [rows, cols] of the leaves

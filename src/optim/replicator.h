@@ -8,9 +8,13 @@
 
 #include <functional>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace flexdemo::optim {
+
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 // Receives tensor i's direction: float32, [plan.rows, plan.cols] (possibly a strided view).
 using DirectionSink = std::function<void(size_t i, const at::Tensor& direction)>;
@@ -26,7 +30,13 @@ class Replicator {
   virtual void exchange(const std::vector<at::Tensor>& grads, double lr,
                         const DirectionSink& sink) = 0;
   virtual DemoTraffic traffic() const = 0;
-  virtual int64_t state_bytes() const = 0;
+  // The state carried from step to step (handles: loading copies into them), named for files.
+  virtual NamedTensors state_tensors() const = 0;
+  // After loading state: the exchanges done so far and the steps folded in since the last one.
+  virtual void restore_counters(int64_t exchanges, int64_t pending) {
+    (void)exchanges;
+    (void)pending;
+  }
   virtual const at::Tensor& residual(size_t i) const;  // throws unless the kind keeps one
 };
 

@@ -199,6 +199,26 @@ at::Tensor ShardedUnit::forward(const UnitFn& fn, const std::vector<at::Tensor>&
 std::vector<at::Tensor> ShardedUnit::gather() const {
   return impl_->all_gather();
 }
+
+void ShardedUnit::load(const std::vector<at::Tensor>& full_params) {
+  Impl& s = *impl_;
+  if (full_params.size() != s.specs.size()) {
+    throw std::invalid_argument("unit " + s.name + ": " + std::to_string(full_params.size()) +
+                                " tensors given, it has " + std::to_string(s.specs.size()));
+  }
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < s.specs.size(); ++i) {
+    const ShardSpec& spec = s.specs[i];
+    if (full_params[i].sizes() != at::IntArrayRef(spec.shape)) {
+      throw std::invalid_argument("unit " + s.name + ": tensor " + std::to_string(i) +
+                                  " has the wrong shape");
+    }
+    s.shards[i].zero_();
+    s.shards[i]
+        .narrow(0, 0, spec.end - spec.begin)
+        .copy_(full_params[i].reshape({-1}).narrow(0, spec.begin, spec.end - spec.begin));
+  }
+}
 const std::vector<at::Tensor>& ShardedUnit::shards() const {
   return impl_->shards;
 }

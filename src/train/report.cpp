@@ -68,9 +68,9 @@ std::string write_report(const std::vector<std::string>& run_dirs, const std::st
     if (is_hsdp_adamw(r)) baseline = &r;
   }
   std::ostringstream md;
-  md << "| run | optimizer | replicator | steps | final val loss | tokens/s | MB between nodes "
-        "per step | fewer bytes than AdamW-HSDP |\n"
-     << "|---|---|---|---|---|---|---|---|\n";
+  md << "| run | optimizer | replicator | steps | final val loss | val loss vs AdamW-HSDP | "
+        "tokens/s | MB between nodes per step | fewer bytes than AdamW-HSDP |\n"
+     << "|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& r : runs) {
     const double bytes = r.summary.value("inter_bytes_per_step", 0.0);
     std::string compression = "-";

@@ -3,6 +3,7 @@
 // the shards; the optimizer exchanges between replicas; metrics are summed over ranks.
 #include "flexdemo/train.h"
 
+#include "flexdemo/checkpoint.h"
 #include "flexdemo/comm.h"
 #include "flexdemo/data.h"
 #include "flexdemo/model.h"
@@ -20,6 +21,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 namespace flexdemo::train {
 
@@ -43,6 +45,9 @@ void TrainConfig::validate() const {
   if (eval_seqs < 1) fail("--eval-seqs must be >= 1, got " + std::to_string(eval_seqs));
   if (log_every < 1) fail("--log-every must be >= 1, got " + std::to_string(log_every));
   if (threads < 1) fail("--threads must be >= 1, got " + std::to_string(threads));
+  if (checkpoint_every < 0) {
+    fail("--checkpoint-every must be >= 0, got " + std::to_string(checkpoint_every));
+  }
   if (out.empty()) fail("--out must not be empty");
 }
 
@@ -135,38 +140,51 @@ std::string human_seconds(double s) {
                    : fmt::format("{}m{:02}s", t / 60, t % 60);
 }
 
-}  // namespace
+// Everything a run needs, built the same way for training, evaluation and generation.
+struct Session {
+  TrainConfig cfg;
+  optim::DemoOptions options;
+  comm::Topology topo;
+  data::TokenData tokens;
+  std::unique_ptr<data::BatchSampler> train_data, val_data;
+  std::unique_ptr<model::LanguageModel> lm;
+  std::vector<optim::OptimParam> params;
+  std::unique_ptr<optim::DemoOptimizer> optimizer;
+  int64_t per_rank = 0, micro = 0;
+};
 
-int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> world) {
-  namespace fs = std::filesystem;
-  TrainConfig cfg = config;
+std::unique_ptr<Session> open_session(const TrainConfig& config,
+                                      std::shared_ptr<comm::Communicator> world) {
+  auto s = std::make_unique<Session>();
+  TrainConfig& cfg = s->cfg;
+  cfg = config;
   cfg.validate();
   set_num_threads(cfg.threads);
-  const optim::DemoOptions options = optimizer_options(cfg);
-  const comm::Topology topo = comm::make_topology(world, {cfg.ranks_per_node, cfg.shard_size});
+  s->options = optimizer_options(cfg);
+  s->topo = comm::make_topology(world, {cfg.ranks_per_node, cfg.shard_size});
   const int P = world->size();
   const bool root = world->rank() == 0;
   if (cfg.batch % P != 0) {
     throw std::invalid_argument("--batch " + std::to_string(cfg.batch) +
                                 " does not divide across the " + std::to_string(P) + " ranks");
   }
-  const int64_t per_rank = cfg.batch / P;
-  const int64_t micro = cfg.micro_batch > 0 ? cfg.micro_batch : per_rank;
-  if (per_rank % micro != 0) {
-    throw std::invalid_argument("--micro-batch " + std::to_string(micro) + " does not divide the " +
-                                std::to_string(per_rank) + " sequences of each rank");
+  s->per_rank = cfg.batch / P;
+  s->micro = cfg.micro_batch > 0 ? cfg.micro_batch : s->per_rank;
+  if (s->per_rank % s->micro != 0) {
+    throw std::invalid_argument("--micro-batch " + std::to_string(s->micro) +
+                                " does not divide the " + std::to_string(s->per_rank) +
+                                " sequences of each rank");
   }
 
   // Data: rank 0 tokenizes (once per corpus, cached), the others read its cache.
   const std::string helper = data::default_tokenize_helper();
-  data::TokenData tokens;
-  if (root) tokens = data::load_token_data(cfg.data, cfg.tokenizer, cfg.vocab, helper);
+  if (root) s->tokens = data::load_token_data(cfg.data, cfg.tokenizer, cfg.vocab, helper);
   world->barrier();
-  if (!root) tokens = data::load_token_data(cfg.data, cfg.tokenizer, cfg.vocab, helper);
-  const data::BatchSampler train_data(std::move(tokens.train), cfg.seq, cfg.seed);
-  const data::BatchSampler val_data(std::move(tokens.val), cfg.seq, cfg.seed);
+  if (!root) s->tokens = data::load_token_data(cfg.data, cfg.tokenizer, cfg.vocab, helper);
+  s->train_data = std::make_unique<data::BatchSampler>(s->tokens.train, cfg.seq, cfg.seed);
+  s->val_data = std::make_unique<data::BatchSampler>(s->tokens.val, cfg.seq, cfg.seed);
 
-  model::GptConfig mc = model::gpt_preset(cfg.model, tokens.vocab_size);
+  model::GptConfig mc = model::gpt_preset(cfg.model, s->tokens.vocab_size);
   if (cfg.width > 0) mc.width = cfg.width;
   if (cfg.layers > 0) mc.layers = cfg.layers;
   if (cfg.heads > 0) mc.heads = cfg.heads;
@@ -180,12 +198,149 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
   shard::ShardOptions so;
   so.chunk = cfg.chunk;
   so.reshard_after_forward = cfg.reshard;
-  auto lm = model::make_gpt(mc, topo.shard_group, so, cfg.seed);
-  std::vector<optim::OptimParam> params;
-  for (const auto& unit : lm->units()) {
-    for (const auto& p : unit->optim_params()) params.push_back(p);
+  s->lm = model::make_gpt(mc, s->topo.shard_group, so, cfg.seed);
+  for (const auto& unit : s->lm->units()) {
+    for (const auto& p : unit->optim_params()) s->params.push_back(p);
   }
-  optim::DemoOptimizer optimizer(params, options, topo.replica_group);
+  s->optimizer =
+      std::make_unique<optim::DemoOptimizer>(s->params, s->options, s->topo.replica_group);
+  return s;
+}
+
+// ====== Checkpoints ======
+std::filesystem::path checkpoint_dir(const std::string& run_or_checkpoint) {
+  namespace fs = std::filesystem;
+  const fs::path p(run_or_checkpoint);
+  if (fs::exists(p / "manifest.json")) return p;
+  if (fs::exists(p / "checkpoint" / "manifest.json")) return p / "checkpoint";
+  throw std::invalid_argument("no checkpoint in " + run_or_checkpoint +
+                              " (expected manifest.json in it or in its checkpoint/ folder)");
+}
+
+// Collective: the full parameters (rank 0 writes them), every rank's optimizer state and
+// random state, and the manifest; the folder appears complete or not at all.
+void save_checkpoint(Session& s, int64_t step) {
+  namespace fs = std::filesystem;
+  const auto& world = s.topo.world;
+  const bool root = world->rank() == 0;
+  const fs::path dir = fs::path(s.cfg.out) / "checkpoint";
+  const fs::path tmp = fs::path(s.cfg.out) / "checkpoint.tmp";
+  if (root) {
+    fs::remove_all(tmp);
+    fs::create_directories(tmp);
+  }
+  world->barrier();
+  NamedTensors model_tensors;
+  for (size_t u = 0; u < s.lm->units().size(); ++u) {
+    const std::vector<at::Tensor> full = s.lm->units()[u]->gather();
+    for (size_t i = 0; i < full.size(); ++i) {
+      model_tensors.push_back({s.lm->param_names()[u][i], full[i]});
+    }
+  }
+  if (root) {
+    write_safetensors((tmp / "model.safetensors").string(), model_tensors,
+                      {{"format", "pt"}, {"model", s.lm->describe()}});
+  }
+  NamedTensors state = s.optimizer->state_tensors();
+  state.push_back({"rng_state", at::detail::getDefaultCPUGenerator().get_state()});
+  write_safetensors(
+      (tmp / ("optimizer-rank" + std::to_string(world->rank()) + ".safetensors")).string(), state);
+  world->barrier();
+  if (root) {
+    nlohmann::ordered_json manifest;
+    manifest["step"] = step;
+    manifest["data_position"] = {{"seed", s.cfg.seed}, {"next_step", step}};
+    manifest["world_size"] = world->size();
+    manifest["topology"] = s.topo.describe();
+    manifest["config"] = to_json(s.cfg);
+    std::ofstream(tmp / "manifest.json") << manifest.dump(2) << "\n";
+    fs::remove_all(dir);
+    fs::rename(tmp, dir);
+  }
+  world->barrier();
+}
+
+// Loads weights (any topology) and, when `with_optimizer`, this rank's optimizer state (the
+// same topology only). Returns the checkpoint's step.
+int64_t load_checkpoint(Session& s, const std::string& where, bool with_optimizer) {
+  namespace fs = std::filesystem;
+  const fs::path dir = checkpoint_dir(where);
+  const auto manifest = nlohmann::json::parse(std::ifstream(dir / "manifest.json"));
+  const auto& world = s.topo.world;
+  std::map<std::string, at::Tensor> weights;
+  for (auto& [name, t] : read_safetensors((dir / "model.safetensors").string())) weights[name] = t;
+  for (size_t u = 0; u < s.lm->units().size(); ++u) {
+    std::vector<at::Tensor> full;
+    for (const std::string& name : s.lm->param_names()[u]) {
+      auto it = weights.find(name);
+      if (it == weights.end()) {
+        throw std::invalid_argument(dir.string() + ": the checkpoint has no tensor " + name);
+      }
+      full.push_back(it->second);
+    }
+    s.lm->units()[u]->load(full);
+  }
+  const int64_t step = manifest.at("step").get<int64_t>();
+  if (!with_optimizer) return step;
+  if (manifest.at("world_size").get<int>() != world->size() ||
+      manifest.at("topology").get<std::string>() != s.topo.describe()) {
+    throw std::invalid_argument("--resume: the checkpoint was written by " +
+                                manifest.at("topology").get<std::string>() + " (" +
+                                std::to_string(manifest.at("world_size").get<int>()) +
+                                " ranks); this run is " + s.topo.describe());
+  }
+  std::map<std::string, at::Tensor> saved;
+  for (auto& [name, t] : read_safetensors(
+           (dir / ("optimizer-rank" + std::to_string(world->rank()) + ".safetensors")).string())) {
+    saved[name] = t;
+  }
+  at::NoGradGuard no_grad;
+  for (auto& [name, t] : s.optimizer->state_tensors()) {
+    auto it = saved.find(name);
+    if (it == saved.end() || it->second.sizes() != t.sizes()) {
+      throw std::invalid_argument("--resume: optimizer state " + name +
+                                  " is missing or of another shape (other options?)");
+    }
+    t.copy_(it->second);
+  }
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  gen.set_state(saved.at("rng_state"));
+  s.optimizer->restore_steps(step);
+  return step;
+}
+
+// Mean validation loss over eval_seqs windows shared by all ranks.
+double evaluate(Session& s) {
+  at::NoGradGuard no_grad;
+  const auto& world = s.topo.world;
+  const int64_t mine = std::max<int64_t>(1, s.cfg.eval_seqs / world->size());
+  double sum = 0.0;
+  for (int64_t done = 0; done < mine; done += s.micro) {
+    const int64_t n = std::min(s.micro, mine - done);
+    sum += s.lm->loss(s.val_data->windows(world->rank() * mine + done, n)).item<double>() * n;
+  }
+  at::Tensor mean = at::full({1}, sum / double(mine), at::kDouble);
+  world->all_reduce(mean, comm::ReduceOp::Avg);
+  return mean.item<double>();
+}
+
+}  // namespace
+
+int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> world) {
+  namespace fs = std::filesystem;
+  auto session = open_session(config, world);
+  Session& s = *session;
+  const TrainConfig& cfg = s.cfg;
+  const comm::Topology& topo = s.topo;
+  const data::TokenData& tokens = s.tokens;
+  const data::BatchSampler& train_data = *s.train_data;
+  model::LanguageModel* lm = s.lm.get();
+  std::vector<optim::OptimParam>& params = s.params;
+  optim::DemoOptimizer& optimizer = *s.optimizer;
+  const int64_t per_rank = s.per_rank, micro = s.micro;
+  const int P = world->size();
+  const bool root = world->rank() == 0;
+  const int64_t start_step = cfg.resume.empty() ? 0 : load_checkpoint(s, cfg.resume, true);
 
   // Outputs (rank 0).
   std::ofstream metrics;
@@ -196,25 +351,12 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
     resolved["model_description"] = lm->describe();
     resolved["vocab_size"] = tokens.vocab_size;
     std::ofstream(fs::path(cfg.out) / "config.json") << resolved.dump(2) << "\n";
-    metrics.open(fs::path(cfg.out) / "metrics.jsonl");
+    metrics.open(fs::path(cfg.out) / "metrics.jsonl",
+                 start_step > 0 ? std::ios::app : std::ios::trunc);
     fmt::print("flexdemo train: {}; {}; {} + {} replicator; global batch {} x {} tokens\n",
                topo.describe(), lm->describe(), cfg.optimizer, cfg.replicator, cfg.batch, cfg.seq);
     std::fflush(stdout);
   }
-
-  // Validation loss: eval_seqs windows shared by all ranks, averaged over the world.
-  auto evaluate = [&]() {
-    at::NoGradGuard no_grad;
-    const int64_t mine = std::max<int64_t>(1, cfg.eval_seqs / P);
-    double sum = 0.0;
-    for (int64_t done = 0; done < mine; done += micro) {
-      const int64_t n = std::min(micro, mine - done);
-      sum += lm->loss(val_data.windows(world->rank() * mine + done, n)).item<double>() * n;
-    }
-    at::Tensor mean = at::full({1}, sum / double(mine), at::kDouble);
-    world->all_reduce(mean, comm::ReduceOp::Avg);
-    return mean.item<double>();
-  };
 
   comm::TrafficMeter meter(topo);
   const bool terminal = root && isatty(STDOUT_FILENO);
@@ -222,7 +364,7 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
       topo.replica_rank * (cfg.batch / topo.replicas) + topo.shard_rank * per_rank;
   double val_loss = NAN, inter_bytes_total = 0.0, seconds_total = 0.0;
   const auto started = std::chrono::steady_clock::now();
-  for (int64_t step = 0; step < cfg.steps; ++step) {
+  for (int64_t step = start_step; step < cfg.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     const double lr = scheduled_lr(cfg, step);
     optimizer.set_lr(lr);
@@ -262,7 +404,7 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
     world->all_reduce(means, comm::ReduceOp::Avg);
     const bool eval_now =
         (cfg.eval_every > 0 && (step + 1) % cfg.eval_every == 0) || step + 1 == cfg.steps;
-    if (eval_now) val_loss = evaluate();
+    if (eval_now) val_loss = evaluate(s);
     seconds_total += means[1].item<double>();
     inter_bytes_total += sums[2].item<double>();
 
@@ -285,8 +427,9 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
       metrics << m.dump() << "\n" << std::flush;
 
       const double elapsed = m["elapsed_s"].get<double>();
-      const double eta = elapsed / double(step + 1) * double(cfg.steps - step - 1);
-      const double tokens_per_s = double((step + 1) * cfg.batch * cfg.seq) / elapsed;
+      const double done = double(step + 1 - start_step);
+      const double eta = elapsed / done * double(cfg.steps - step - 1);
+      const double tokens_per_s = done * double(cfg.batch * cfg.seq) / elapsed;
       const std::string line =
           fmt::format("step {}/{}  loss {:.4f}{}  {:.0f} tok/s  {} between nodes/step  ETA {}",
                       step + 1, cfg.steps, m["loss"].get<double>(),
@@ -300,6 +443,10 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
       }
       std::fflush(stdout);
     }
+    if ((cfg.checkpoint_every > 0 && (step + 1) % cfg.checkpoint_every == 0) ||
+        step + 1 == cfg.steps) {
+      save_checkpoint(s, step + 1);
+    }
   }
 
   at::Tensor rss = at::full({1}, peak_rss_mb(), at::kDouble);
@@ -308,8 +455,9 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
   if (root) {
     nlohmann::ordered_json summary;
     summary["final_val_loss"] = val_loss;
-    summary["tokens_per_s"] = double(cfg.steps * cfg.batch * cfg.seq) / seconds_total;
-    summary["inter_bytes_per_step"] = inter_bytes_total / double(cfg.steps);
+    const double steps_run = double(std::max<int64_t>(1, cfg.steps - start_step));
+    summary["tokens_per_s"] = steps_run * double(cfg.batch * cfg.seq) / seconds_total;
+    summary["inter_bytes_per_step"] = inter_bytes_total / steps_run;
     summary["peak_rss_mb"] = all_rss.max().item<double>();
     summary["steps"] = cfg.steps;
     summary["optimizer"] = cfg.optimizer;

@@ -1,0 +1,24 @@
+// flexdemo/checkpoint.h — safetensors files and training checkpoints.
+// A checkpoint folder holds model.safetensors (the full parameters under descriptive names,
+// readable by Python's safetensors), optimizer-rank<r>.safetensors (each rank's optimizer state
+// and random-generator state), and manifest.json (step, data position, topology, config).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace flexdemo::train {
+
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+// float32, float64, bfloat16, int64, int32, uint8 tensors; written atomically (temp + rename).
+void write_safetensors(const std::string& path, const NamedTensors& tensors,
+                       const std::map<std::string, std::string>& metadata = {});
+// Throws std::invalid_argument for a file that is not a complete, consistent safetensors file.
+NamedTensors read_safetensors(const std::string& path);
+
+}  // namespace flexdemo::train
