@@ -145,6 +145,28 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   train->add_option("--threads", tc.threads, "intra-op threads per rank")->capture_default_str();
 
+  std::string eval_checkpoint;
+  int64_t eval_seqs = 256;
+  auto* eval = app.add_subcommand("eval", "validation loss and perplexity of a checkpoint");
+  eval->add_option("checkpoint", eval_checkpoint, "a run folder (or its checkpoint/)")
+      ->required()
+      ->check(CLI::ExistingDirectory);
+  eval->add_option("--eval-seqs", eval_seqs, "validation sequences")->capture_default_str();
+
+  std::string gen_checkpoint;
+  flexdemo::train::GenerateOptions gen;
+  auto* generate = app.add_subcommand("generate", "text from a GPT checkpoint");
+  generate->add_option("checkpoint", gen_checkpoint, "a run folder (or its checkpoint/)")
+      ->required()
+      ->check(CLI::ExistingDirectory);
+  generate->add_option("--prompt", gen.prompt, "text to continue")->capture_default_str();
+  generate->add_option("--tokens", gen.tokens, "tokens to generate")->capture_default_str();
+  generate->add_option("--temperature", gen.temperature, "sampling temperature (0: greedy)")
+      ->capture_default_str();
+  generate->add_option("--top-k", gen.top_k, "sample among the k likeliest tokens (0: all)")
+      ->capture_default_str();
+  generate->add_option("--seed", gen.seed, "sampling seed")->capture_default_str();
+
   std::vector<std::string> report_runs;
   std::string report_out = "report";
   auto* report = app.add_subcommand("report", "compare run folders: Markdown table and PNG plots");
@@ -189,6 +211,14 @@ int main(int argc, char** argv) {
       std::printf("%s", flexdemo::train::write_report(report_runs, report_out).c_str());
       std::printf("report and plots in %s\n", report_out.c_str());
       return 0;
+    }
+    if (eval->parsed()) {
+      mpi = std::make_unique<flexdemo::comm::MpiRuntime>(&argc, &argv);
+      return flexdemo::train::run_eval(eval_checkpoint, eval_seqs, mpi->world());
+    }
+    if (generate->parsed()) {
+      mpi = std::make_unique<flexdemo::comm::MpiRuntime>(&argc, &argv);
+      return flexdemo::train::run_generate(gen_checkpoint, gen, mpi->world());
     }
     if (train->parsed()) {
       mpi = std::make_unique<flexdemo::comm::MpiRuntime>(&argc, &argv);

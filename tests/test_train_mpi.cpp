@@ -3,6 +3,7 @@
 // `run_training` whose outputs follow the documented schema.
 #include "test_mpi.h"
 
+#include "flexdemo/checkpoint.h"
 #include "flexdemo/data.h"
 #include "flexdemo/model.h"
 #include "flexdemo/optim.h"
@@ -125,9 +126,11 @@ TEST(Sampler, DeterministicAndIndependentOfRankCount) {
       16);
 }
 
-TEST(Trainer, WritesDocumentedOutputs) {
+namespace {
+
+// A tiny training configuration on a corpus written into dir (by rank 0).
+train::TrainConfig tiny_run(const fs::path& dir) {
   auto world = test_world();
-  const fs::path dir = fs::temp_directory_path() / "flexdemo-train-test";
   if (world->rank() == 0) {
     fs::remove_all(dir);
     fs::create_directories(dir / "corpus");
@@ -145,7 +148,69 @@ TEST(Trainer, WritesDocumentedOutputs) {
   c.seq = 16;
   c.eval_seqs = 4;
   c.chunk = 8;
+  c.warmup = 1;
   c.out = (dir / "run").string();
+  return c;
+}
+
+}  // namespace
+
+TEST(Checkpoint, SafetensorsRoundTripAndRejection) {
+  const fs::path path = fs::temp_directory_path() /
+                        ("flexdemo-st-" + std::to_string(test_world()->rank()) + ".safetensors");
+  const train::NamedTensors tensors = {{"a.weight", at::randn({3, 5})},
+                                       {"b", at::arange(7, at::kLong)},
+                                       {"c", at::randn({2}).to(at::kBFloat16)},
+                                       {"d", at::zeros({0}, at::kByte)}};
+  train::write_safetensors(path.string(), tensors, {{"format", "pt"}});
+  const train::NamedTensors back = train::read_safetensors(path.string());
+  ASSERT_EQ(back.size(), tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    EXPECT_EQ(back[i].first, tensors[i].first);
+    EXPECT_TRUE(at::equal(back[i].second, tensors[i].second)) << tensors[i].first;
+  }
+  // The layout Python's safetensors reads: u64 header length, JSON, 8-byte aligned data.
+  std::ifstream in(path, std::ios::binary);
+  uint64_t header = 0;
+  in.read(reinterpret_cast<char*>(&header), 8);
+  EXPECT_EQ(header % 8, 0u);
+  EXPECT_EQ(fs::file_size(path), 8 + header + 15 * 4 + 7 * 8 + 2 * 2);
+  fs::resize_file(path, fs::file_size(path) - 3);
+  EXPECT_THROW(train::read_safetensors(path.string()), std::invalid_argument);
+}
+
+TEST(Checkpoint, ResumedRunEqualsUninterruptedRun) {
+  auto world = test_world();
+  const fs::path dir = fs::temp_directory_path() / "flexdemo-resume-test";
+  train::TrainConfig c = tiny_run(dir);
+  c.warmup = 0;  // a constant learning rate: the 3-step run must not end its schedule early
+  c.min_lr_ratio = 1.0;
+  c.steps = 6;
+  c.out = (dir / "whole").string();
+  ASSERT_EQ(train::run_training(c, world), 0);
+  c.steps = 3;
+  c.out = (dir / "halves").string();
+  ASSERT_EQ(train::run_training(c, world), 0);
+  c.steps = 6;
+  c.resume = c.out;
+  ASSERT_EQ(train::run_training(c, world), 0);
+  world->barrier();
+  const auto whole = train::read_safetensors((dir / "whole/checkpoint/model.safetensors").string());
+  const auto halves =
+      train::read_safetensors((dir / "halves/checkpoint/model.safetensors").string());
+  ASSERT_EQ(whole.size(), halves.size());
+  for (size_t i = 0; i < whole.size(); ++i) {
+    EXPECT_TRUE(at::equal(whole[i].second, halves[i].second)) << whole[i].first;
+  }
+  c.ranks_per_node = 1;  // another topology cannot take this rank's optimizer state
+  c.shard_size = 1;
+  EXPECT_THROW(train::run_training(c, world), std::invalid_argument);
+}
+
+TEST(Trainer, WritesDocumentedOutputs) {
+  auto world = test_world();
+  const fs::path dir = fs::temp_directory_path() / "flexdemo-train-test";
+  train::TrainConfig c = tiny_run(dir);
   EXPECT_EQ(train::run_training(c, world), 0);
   world->barrier();
   std::ifstream metrics(dir / "run" / "metrics.jsonl");

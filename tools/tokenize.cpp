@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <iterator>
 
 namespace fs = std::filesystem;
 
@@ -29,12 +30,23 @@ int main(int argc, char** argv) {
   app.add_option("--out-dir", out_dir, "where train.bin, val.bin, meta.json (and the model) go");
   auto* decode = app.add_subcommand("decode", "token ids on stdin -> text on stdout");
   decode->add_option("--model", model, "the BPE model (none: bytes)");
+  auto* encode = app.add_subcommand("encode", "text on stdin -> token ids on stdout");
+  encode->add_option("--model", model, "the BPE model (none: bytes)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
   try {
+    if (encode->parsed()) {
+      std::unique_ptr<flexdemo::data::Tokenizer> tok =
+          model.empty() ? flexdemo::data::make_byte_tokenizer()
+                        : flexdemo::data::load_or_train_bpe({}, 4096, model);
+      const std::string text(std::istreambuf_iterator<char>(std::cin), {});
+      for (int32_t id : tok->encode(text)) std::cout << id << " ";
+      std::cout << "\n";
+      return 0;
+    }
     if (decode->parsed()) {
       std::unique_ptr<flexdemo::data::Tokenizer> tok =
           model.empty() ? flexdemo::data::make_byte_tokenizer()

@@ -60,4 +60,19 @@ struct TrainConfig {
 // (rank 0). Returns the process exit code.
 int run_training(const TrainConfig& cfg, std::shared_ptr<comm::Communicator> world);
 
+// Validation loss and perplexity of a run's checkpoint (any number of ranks). Collective.
+int run_eval(const std::string& checkpoint, int64_t eval_seqs,
+             std::shared_ptr<comm::Communicator> world);
+
+struct GenerateOptions {
+  std::string prompt;
+  int64_t tokens = 100;      // to generate
+  double temperature = 0.8;  // 0: greedy
+  int64_t top_k = 40;        // sample among the k likeliest (0: all)
+  uint64_t seed = 0;
+};
+// Text from a GPT checkpoint, printed to stdout. Collective (run it on one rank).
+int run_generate(const std::string& checkpoint, const GenerateOptions& options,
+                 std::shared_ptr<comm::Communicator> world);
+
 }  // namespace flexdemo::train
