@@ -64,8 +64,11 @@ int main(int argc, char** argv) {
   auto* train = app.add_subcommand(
       "train", "train a GPT with FlexDeMo (or a dense baseline); run under mpirun");
   train->set_config("--config", "", "read options from a TOML/INI file (key = value)");
-  train->add_option("--model", tc.model, "preset: gpt-nano, gpt-micro, gpt2-small")
-      ->check(CLI::IsMember({"gpt-nano", "gpt-micro", "gpt2-small"}))
+  train
+      ->add_option("--model", tc.model,
+                   "preset: gpt-nano, gpt-micro, gpt2-small, t5-nano, t5-small (T5: span "
+                   "corruption)")
+      ->check(CLI::IsMember({"gpt-nano", "gpt-micro", "gpt2-small", "t5-nano", "t5-small"}))
       ->capture_default_str();
   train->add_option("--width", tc.width, "d_model (0: the preset's)")->capture_default_str();
   train->add_option("--layers", tc.layers, "blocks (0: the preset's)")->capture_default_str();
@@ -133,6 +136,12 @@ int main(int argc, char** argv) {
   train->add_option("--eval-seqs", tc.eval_seqs, "validation sequences per evaluation")
       ->capture_default_str();
   train->add_option("--log-every", tc.log_every, "log line every N steps (not a terminal)")
+      ->capture_default_str();
+  train
+      ->add_option("--progress", tc.progress,
+                   "auto (a live line when stdout is a terminal), bar, or lines (log lines); "
+                   "under mpirun the ranks always see a terminal")
+      ->check(CLI::IsMember({"auto", "bar", "lines"}))
       ->capture_default_str();
   train->add_option("--out", tc.out, "output folder")->capture_default_str();
   train

@@ -13,9 +13,11 @@ export OMP_NUM_THREADS=1
 root_flag=""
 if [ "$(id -u)" -eq 0 ]; then root_flag="--allow-run-as-root"; fi
 steps="${STEPS:-500}"
+progress=lines
+if [ -t 1 ]; then progress=bar; fi
 train() {
   mpirun $root_flag --oversubscribe -np 4 build/flexdemo train --model gpt-micro \
-    --ranks-per-node 2 --steps "$steps" --eval-every 50 --log-every 50 "$@"
+    --ranks-per-node 2 --steps "$steps" --eval-every 50 --log-every 50 --progress "$progress" "$@"
 }
 train --optimizer flexdemo --out runs/demo/flexdemo "${@}"
 train --optimizer adamw --out runs/demo/adamw-hsdp "${@}"

@@ -76,6 +76,7 @@ int main(int argc, char** argv) {
     nlohmann::ordered_json meta = {{"data", data},
                                    {"tokenizer", tok->name()},
                                    {"vocab_size", tok->vocab_size()},
+                                   {"eot", tok->eot()},
                                    {"documents", documents.size()},
                                    {"train_tokens", split.train.size()},
                                    {"val_tokens", split.val.size()}};

@@ -20,6 +20,7 @@ namespace flexdemo::data {
 struct TokenData {
   std::vector<int32_t> train, val;
   int32_t vocab_size = 0;
+  int32_t eot = 0;              // end-of-text id
   std::string tokenizer_model;  // the BPE model file ("" for bytes and llm.c shards)
 };
 TokenData load_token_data(const std::string& data, const std::string& tokenizer, int32_t vocab,

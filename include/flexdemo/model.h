@@ -1,5 +1,6 @@
 // flexdemo/model.h — language models built from sharded units (the blocks and the embeddings):
-// a GPT decoder (pre-norm, causal self-attention, GELU MLP, learned positions, tied embeddings).
+// a GPT decoder (pre-norm, causal self-attention, GELU MLP, learned positions, tied embeddings)
+// and a T5-style encoder-decoder with relative position bias.
 #pragma once
 
 #include "flexdemo/shard.h"
@@ -33,6 +34,19 @@ struct GptConfig {
 GptConfig gpt_preset(const std::string& name, int64_t vocab);
 std::vector<std::string> model_presets();
 
+struct T5Config {
+  int64_t vocab = 0;   // tokenizer's vocabulary; 100 sentinel ids are added after it
+  int64_t eot = 0;     // the tokenizer's end-of-text id: decoder start and end of targets
+  int64_t width = 0;   // d_model
+  int64_t layers = 0;  // encoder layers, and as many decoder layers
+  int64_t heads = 0;
+  int64_t ff = 0;  // d_ff
+  void validate() const;
+};
+// t5-small (d_model 512, 6+6 layers, 8 heads, d_ff 2048: the FlexDeMo paper's model) and
+// t5-nano (64, 2+2, 4, 256) for tests.
+T5Config t5_preset(const std::string& name, int64_t vocab);
+
 class LanguageModel {
  public:
   virtual ~LanguageModel() = default;
@@ -48,6 +62,11 @@ class LanguageModel {
   virtual int64_t context() const = 0;
   virtual std::string describe() const = 0;
 };
+
+// T5-style encoder-decoder trained with span corruption (loss takes the same [B, T+1] windows).
+std::unique_ptr<LanguageModel> make_t5(const T5Config& config,
+                                       std::shared_ptr<comm::Communicator> shard_group,
+                                       const shard::ShardOptions& options, uint64_t seed);
 
 // The same initial parameters on every rank (drawn from `seed`), sharded over shard_group.
 std::unique_ptr<LanguageModel> make_gpt(const GptConfig& config,

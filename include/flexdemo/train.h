@@ -44,11 +44,12 @@ struct TrainConfig {
   int shard_size = 0;      // 0: the whole node
   bool reshard = true;     // free gathered parameters after forward (recompute in backward)
   // ====== Run ======
-  int64_t eval_every = 0;        // 0: only at the end
-  int64_t eval_seqs = 64;        // validation sequences per evaluation
-  int64_t log_every = 10;        // plain log lines when stdout is not a terminal
-  int64_t checkpoint_every = 0;  // also checkpoint every N steps (always at the end)
-  std::string resume;            // a run folder (or its checkpoint/) to continue from
+  int64_t eval_every = 0;         // 0: only at the end
+  int64_t eval_seqs = 64;         // validation sequences per evaluation
+  int64_t log_every = 10;         // plain log lines when stdout is not a terminal
+  std::string progress = "auto";  // auto (a live line on a terminal), bar, lines
+  int64_t checkpoint_every = 0;   // also checkpoint every N steps (always at the end)
+  std::string resume;             // a run folder (or its checkpoint/) to continue from
   std::string out = "runs/latest";
   uint64_t seed = 1337;
   int threads = 1;  // intra-op threads per rank

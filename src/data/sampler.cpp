@@ -57,13 +57,18 @@ TokenData load_token_data(const std::string& data, const std::string& tokenizer,
     for (const auto* s : {&out.train, &out.val}) {
       for (int32_t t : *s) out.vocab_size = std::max(out.vocab_size, t + 1);
     }
+    out.eot = out.vocab_size - 1;  // GPT-2's <|endoftext|> is its largest id
     return out;
   }
   if (tokenizer != "bytes" && tokenizer != "bpe") {
     throw std::invalid_argument("unknown tokenizer '" + tokenizer + "'; accepted: bpe, bytes");
   }
   const std::string dir = token_cache_dir(data, tokenizer, vocab);
-  if (!fs::exists(fs::path(dir) / "meta.json")) {
+  auto cached = [&] {  // a cache from before "eot" was recorded is stale
+    if (!fs::exists(fs::path(dir) / "meta.json")) return false;
+    return nlohmann::json::parse(std::ifstream(fs::path(dir) / "meta.json")).contains("eot");
+  };
+  if (!cached()) {
     const std::string cmd = quote(helper) + " --data " + quote(data) + " --tokenizer " + tokenizer +
                             " --vocab " + std::to_string(vocab) + " --out-dir " + quote(dir);
     const int status = std::system(cmd.c_str());
@@ -74,6 +79,7 @@ TokenData load_token_data(const std::string& data, const std::string& tokenizer,
   }
   const nlohmann::json meta = nlohmann::json::parse(std::ifstream(fs::path(dir) / "meta.json"));
   out.vocab_size = meta.at("vocab_size").get<int32_t>();
+  out.eot = meta.at("eot").get<int32_t>();
   out.train = read_llmc_shard((fs::path(dir) / "train.bin").string());
   out.val = read_llmc_shard((fs::path(dir) / "val.bin").string());
   if (tokenizer == "bpe") out.tokenizer_model = (fs::path(dir) / "tokenizer.model").string();

@@ -32,7 +32,7 @@ void GptConfig::validate() const {
 }
 
 std::vector<std::string> model_presets() {
-  return {"gpt-nano", "gpt-micro", "gpt2-small"};
+  return {"gpt-nano", "gpt-micro", "gpt2-small", "t5-nano", "t5-small"};
 }
 
 GptConfig gpt_preset(const std::string& name, int64_t vocab) {

@@ -44,6 +44,9 @@ void TrainConfig::validate() const {
   }
   if (eval_every < 0) fail("--eval-every must be >= 0, got " + std::to_string(eval_every));
   if (eval_seqs < 1) fail("--eval-seqs must be >= 1, got " + std::to_string(eval_seqs));
+  if (progress != "auto" && progress != "bar" && progress != "lines") {
+    fail("unknown --progress '" + progress + "'; accepted: auto, bar, lines");
+  }
   if (log_every < 1) fail("--log-every must be >= 1, got " + std::to_string(log_every));
   if (threads < 1) fail("--threads must be >= 1, got " + std::to_string(threads));
   if (checkpoint_every < 0) {
@@ -87,6 +90,7 @@ nlohmann::ordered_json to_json(const TrainConfig& c) {
           {"eval_every", c.eval_every},
           {"eval_seqs", c.eval_seqs},
           {"log_every", c.log_every},
+          {"progress", c.progress},
           {"out", c.out},
           {"seed", c.seed},
           {"threads", c.threads}};
@@ -201,21 +205,30 @@ std::unique_ptr<Session> open_session(const TrainConfig& config,
   s->train_data = std::make_unique<data::BatchSampler>(s->tokens.train, cfg.seq, cfg.seed);
   s->val_data = std::make_unique<data::BatchSampler>(s->tokens.val, cfg.seq, cfg.seed);
 
-  model::GptConfig mc = model::gpt_preset(cfg.model, s->tokens.vocab_size);
-  if (cfg.width > 0) mc.width = cfg.width;
-  if (cfg.layers > 0) mc.layers = cfg.layers;
-  if (cfg.heads > 0) mc.heads = cfg.heads;
-  if (cfg.context > 0) mc.context = cfg.context;
-  mc.dropout = cfg.dropout;
-  if (cfg.seq > mc.context) {
-    throw std::invalid_argument("--seq " + std::to_string(cfg.seq) +
-                                " exceeds the model's context " + std::to_string(mc.context) +
-                                " (set --context)");
-  }
   shard::ShardOptions so;
   so.chunk = cfg.chunk;
   so.reshard_after_forward = cfg.reshard;
-  s->lm = model::make_gpt(mc, s->topo.shard_group, so, cfg.seed);
+  if (cfg.model.rfind("t5-", 0) == 0) {
+    model::T5Config tc = model::t5_preset(cfg.model, s->tokens.vocab_size);
+    tc.eot = s->tokens.eot;
+    if (cfg.width > 0) tc.width = cfg.width;
+    if (cfg.layers > 0) tc.layers = cfg.layers;
+    if (cfg.heads > 0) tc.heads = cfg.heads;
+    s->lm = model::make_t5(tc, s->topo.shard_group, so, cfg.seed);
+  } else {
+    model::GptConfig mc = model::gpt_preset(cfg.model, s->tokens.vocab_size);
+    if (cfg.width > 0) mc.width = cfg.width;
+    if (cfg.layers > 0) mc.layers = cfg.layers;
+    if (cfg.heads > 0) mc.heads = cfg.heads;
+    if (cfg.context > 0) mc.context = cfg.context;
+    mc.dropout = cfg.dropout;
+    if (cfg.seq > mc.context) {
+      throw std::invalid_argument("--seq " + std::to_string(cfg.seq) +
+                                  " exceeds the model's context " + std::to_string(mc.context) +
+                                  " (set --context)");
+    }
+    s->lm = model::make_gpt(mc, s->topo.shard_group, so, cfg.seed);
+  }
   for (const auto& unit : s->lm->units()) {
     for (const auto& p : unit->optim_params()) s->params.push_back(p);
   }
@@ -376,7 +389,9 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
   }
 
   comm::TrafficMeter meter(topo);
-  const bool terminal = root && isatty(STDOUT_FILENO);
+  // mpirun hands ranks a terminal even when its own output goes to a file: --progress decides.
+  const bool terminal =
+      root && (cfg.progress == "bar" || (cfg.progress == "auto" && isatty(STDOUT_FILENO)));
   const int64_t first_row =
       topo.replica_rank * (cfg.batch / topo.replicas) + topo.shard_rank * per_rank;
   double val_loss = NAN, inter_bytes_total = 0.0, seconds_total = 0.0;

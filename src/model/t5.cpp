@@ -1,0 +1,280 @@
+// A T5-style encoder-decoder (T5 v1.0 layout: RMS norms, no biases, ReLU feed-forward, relative
+// position bias in every attention, tied embeddings) as sharded units, trained with T5's span
+// corruption: spans of the text become sentinels in the input and are predicted in the output.
+#include "flexdemo/model.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <stdexcept>
+
+namespace flexdemo::model {
+
+void T5Config::validate() const {
+  auto positive = [](int64_t v, const char* name) {
+    if (v <= 0) {
+      throw std::invalid_argument(std::string("--") + name + " must be > 0, got " +
+                                  std::to_string(v));
+    }
+  };
+  positive(vocab, "vocab");
+  positive(width, "width");
+  positive(layers, "layers");
+  positive(heads, "heads");
+  positive(ff, "ff");
+  if (width % heads != 0) {
+    throw std::invalid_argument("--heads " + std::to_string(heads) + " must divide --width " +
+                                std::to_string(width));
+  }
+}
+
+T5Config t5_preset(const std::string& name, int64_t vocab) {
+  T5Config c;
+  c.vocab = vocab;
+  if (name == "t5-small") {
+    c.width = 512, c.layers = 6, c.heads = 8, c.ff = 2048;
+  } else if (name == "t5-nano") {
+    c.width = 64, c.layers = 2, c.heads = 4, c.ff = 256;
+  } else {
+    throw std::invalid_argument("unknown T5 preset '" + name + "'; accepted: t5-small, t5-nano");
+  }
+  return c;
+}
+
+namespace {
+
+using Params = std::vector<at::Tensor>;
+constexpr int64_t kBuckets = 32, kMaxDistance = 128, kSentinels = 100;
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w) {
+  return x * at::rsqrt(x.pow(2).mean(-1, true) + 1e-6) * w;
+}
+
+// T5's relative position buckets: half exact small distances, half log-spaced up to
+// kMaxDistance; bidirectional attention also tells left from right.
+at::Tensor position_buckets(int64_t q_len, int64_t k_len, bool bidirectional) {
+  const at::Tensor rel = at::arange(k_len, at::kLong).view({1, -1}) -
+                         at::arange(q_len, at::kLong).view({-1, 1});  // key - query
+  int64_t buckets = kBuckets;
+  at::Tensor out = at::zeros_like(rel);
+  at::Tensor n = -rel;
+  if (bidirectional) {
+    buckets /= 2;
+    out = out + (n < 0).to(at::kLong) * buckets;
+    n = n.abs();
+  } else {
+    n = n.clamp_min(0);
+  }
+  const int64_t exact = buckets / 2;
+  const at::Tensor large = (exact + (at::log(n.to(at::kFloat) / exact + 1e-9) /
+                                     std::log(double(kMaxDistance) / exact) * (buckets - exact))
+                                        .to(at::kLong))
+                               .clamp_max(buckets - 1);
+  return out + at::where(n < exact, n, large);
+}
+
+// Multi-head attention with a relative position bias table [kBuckets, heads].
+at::Tensor attention(const at::Tensor& x, const at::Tensor& kv, const at::Tensor& wq,
+                     const at::Tensor& wk, const at::Tensor& wv, const at::Tensor& wo,
+                     const at::Tensor* bias, bool causal, bool bidirectional, int64_t H) {
+  const int64_t B = x.size(0), T = x.size(1), S = kv.size(1), C = x.size(2), D = C / H;
+  const at::Tensor q = at::linear(x, wq).view({B, T, H, D}).transpose(1, 2);
+  const at::Tensor k = at::linear(kv, wk).view({B, S, H, D}).transpose(1, 2);
+  const at::Tensor v = at::linear(kv, wv).view({B, S, H, D}).transpose(1, 2);
+  at::Tensor scores = at::matmul(q, k.transpose(-2, -1));  // T5 folds the scaling into init
+  if (bias) {
+    scores =
+        scores +
+        at::embedding(*bias, position_buckets(T, S, bidirectional)).permute({2, 0, 1}).unsqueeze(0);
+  }
+  if (causal) scores = scores.masked_fill(at::ones({T, S}, at::kBool).triu(1), -INFINITY);
+  const at::Tensor y = at::matmul(at::softmax(scores, -1), v).transpose(1, 2).reshape({B, T, C});
+  return at::linear(y, wo);
+}
+
+// Encoder block: [ln, q, k, v, o, bias, ln, wi, wo].
+at::Tensor encoder_block(const Params& p, const at::Tensor& x, int64_t H) {
+  const at::Tensor h = rms_norm(x, p[0]);
+  at::Tensor out = x + attention(h, h, p[1], p[2], p[3], p[4], &p[5], false, true, H);
+  return out + at::linear(at::relu(at::linear(rms_norm(out, p[6]), p[7])), p[8]);
+}
+
+// Decoder block: [ln, q, k, v, o, bias, ln, cq, ck, cv, co, ln, wi, wo].
+at::Tensor decoder_block(const Params& p, const at::Tensor& x, const at::Tensor& enc, int64_t H) {
+  const at::Tensor h = rms_norm(x, p[0]);
+  at::Tensor out = x + attention(h, h, p[1], p[2], p[3], p[4], &p[5], true, false, H);
+  out =
+      out + attention(rms_norm(out, p[6]), enc, p[7], p[8], p[9], p[10], nullptr, false, false, H);
+  return out + at::linear(at::relu(at::linear(rms_norm(out, p[11]), p[12])), p[13]);
+}
+
+class T5 final : public LanguageModel {
+ public:
+  T5(const T5Config& c, std::shared_ptr<comm::Communicator> group,
+     const shard::ShardOptions& options, uint64_t seed)
+      : c_(c) {
+    c.validate();
+    at::Generator gen = at::detail::createCPUGenerator(seed);
+    const int64_t d = c.width, f = c.ff, V = c.vocab + kSentinels;
+    auto normal = [&](std::vector<int64_t> shape, double std) {
+      return at::normal(0.0, std, shape, gen);
+    };
+    const double dk = 1.0 / std::sqrt(double(d / c.heads));  // T5: q init folds 1/sqrt(d_kv)
+    add("shared", {{"shared.weight", normal({V, d}, 1.0)}}, group, options);
+    auto attn = [&](const std::string& prefix, bool with_bias) {
+      std::vector<std::pair<std::string, at::Tensor>> p = {
+          {prefix + ".q.weight", normal({d, d}, dk / std::sqrt(double(d)))},
+          {prefix + ".k.weight", normal({d, d}, 1.0 / std::sqrt(double(d)))},
+          {prefix + ".v.weight", normal({d, d}, 1.0 / std::sqrt(double(d)))},
+          {prefix + ".o.weight", normal({d, d}, 1.0 / std::sqrt(double(d)))}};
+      if (with_bias) p.push_back({prefix + ".relative_bias", normal({kBuckets, c.heads}, 0.1)});
+      return p;
+    };
+    auto ff = [&](const std::string& prefix) {
+      return std::vector<std::pair<std::string, at::Tensor>>{
+          {prefix + ".wi.weight", normal({f, d}, 1.0 / std::sqrt(double(d)))},
+          {prefix + ".wo.weight", normal({d, f}, 1.0 / std::sqrt(double(f)))}};
+    };
+    for (int64_t l = 0; l < c.layers; ++l) {
+      const std::string n = "encoder." + std::to_string(l);
+      std::vector<std::pair<std::string, at::Tensor>> p = {{n + ".ln_1.weight", at::ones({d})}};
+      for (auto& t : attn(n + ".attn", true)) p.push_back(t);
+      p.push_back({n + ".ln_2.weight", at::ones({d})});
+      for (auto& t : ff(n + ".mlp")) p.push_back(t);
+      add(n, p, group, options);
+    }
+    add("encoder.ln_f", {{"encoder.ln_f.weight", at::ones({d})}}, group, options);
+    for (int64_t l = 0; l < c.layers; ++l) {
+      const std::string n = "decoder." + std::to_string(l);
+      std::vector<std::pair<std::string, at::Tensor>> p = {{n + ".ln_1.weight", at::ones({d})}};
+      for (auto& t : attn(n + ".attn", true)) p.push_back(t);
+      p.push_back({n + ".ln_2.weight", at::ones({d})});
+      for (auto& t : attn(n + ".cross", false)) p.push_back(t);
+      p.push_back({n + ".ln_3.weight", at::ones({d})});
+      for (auto& t : ff(n + ".mlp")) p.push_back(t);
+      add(n, p, group, options);
+    }
+    add("decoder.ln_f", {{"decoder.ln_f.weight", at::ones({d})}}, group, options);
+  }
+
+  // tokens [B, T + 1]: the text is corrupted into (inputs, targets), then teacher-forced.
+  at::Tensor loss(const at::Tensor& tokens) override {
+    const auto [inputs, targets] = corrupt_spans(tokens.narrow(1, 0, tokens.size(1) - 1));
+    const at::Tensor decoder_in =
+        at::cat({at::full({targets.size(0), 1}, c_.eot, at::kLong),  // start: end-of-text
+                 targets.narrow(1, 0, targets.size(1) - 1)},
+                1);
+    const at::Tensor logits = forward(inputs, decoder_in);
+    return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
+  }
+
+  at::Tensor next_token_logits(const at::Tensor&) override {
+    throw std::invalid_argument(
+        "generate needs a GPT checkpoint; T5 is trained on span corruption");
+  }
+
+  const std::vector<std::unique_ptr<shard::ShardedUnit>>& units() const override { return units_; }
+  const std::vector<std::vector<std::string>>& param_names() const override { return names_; }
+  int64_t num_params() const override { return num_params_; }
+  int64_t context() const override { return 1 << 20; }  // relative positions: no limit
+  std::string describe() const override {
+    return "T5 width " + std::to_string(c_.width) + ", " + std::to_string(c_.layers) + "+" +
+           std::to_string(c_.layers) + " layers, " + std::to_string(c_.heads) + " heads, ff " +
+           std::to_string(c_.ff) + ", vocab " + std::to_string(c_.vocab) + " + " +
+           std::to_string(kSentinels) + " sentinels (" + std::to_string(num_params_) +
+           " parameters)";
+  }
+
+  // Span corruption with noise density 0.15 and mean span 3 (T5's defaults): a fixed number of
+  // spans per row at random places; each span becomes one sentinel in the inputs, and the
+  // targets list every sentinel followed by its span, then end-of-text.
+  std::pair<at::Tensor, at::Tensor> corrupt_spans(const at::Tensor& text) {
+    const int64_t B = text.size(0), n = text.size(1);
+    const int64_t noise = std::max<int64_t>(1, std::llround(0.15 * double(n)));
+    const int64_t spans = std::max<int64_t>(1, std::min<int64_t>(kSentinels, noise / 3));
+    const int64_t span = noise / spans;  // every span the same length: fixed output shapes
+    const int64_t used = span * spans;
+    at::Tensor inputs = at::empty({B, n - used + spans}, at::kLong);
+    at::Tensor targets = at::empty({B, used + spans + 1}, at::kLong);
+    auto t = text.accessor<int64_t, 2>();
+    auto in = inputs.accessor<int64_t, 2>();
+    auto out = targets.accessor<int64_t, 2>();
+    for (int64_t b = 0; b < B; ++b) {
+      // Span starts: distinct slots among the n - used + spans "gaps", in order.
+      // The default generator: its state is in every checkpoint, so a resumed run corrupts
+      // the same spans.
+      const at::Tensor order = at::randperm(n - used + spans, at::kLong);
+      std::vector<int64_t> starts(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + spans);
+      std::sort(starts.begin(), starts.end());
+      int64_t src = 0, i = 0, o = 0, s = 0;
+      for (int64_t slot = 0; slot < n - used + spans; ++slot) {
+        if (s < spans && starts[s] == slot) {
+          const int64_t sentinel = c_.vocab + s;
+          in[b][i++] = sentinel;
+          out[b][o++] = sentinel;
+          for (int64_t k = 0; k < span; ++k) out[b][o++] = t[b][src++];
+          ++s;
+        } else {
+          in[b][i++] = t[b][src++];
+        }
+      }
+      out[b][o++] = c_.eot;
+    }
+    return {inputs, targets};
+  }
+
+ private:
+  void add(const std::string& name, const std::vector<std::pair<std::string, at::Tensor>>& params,
+           std::shared_ptr<comm::Communicator> group, const shard::ShardOptions& options) {
+    std::vector<at::Tensor> tensors;
+    std::vector<std::string> names;
+    for (const auto& [n, t] : params) {
+      names.push_back(n);
+      tensors.push_back(t);
+      num_params_ += t.numel();
+    }
+    units_.push_back(std::make_unique<shard::ShardedUnit>(name, tensors, group, options));
+    names_.push_back(names);
+  }
+
+  at::Tensor forward(const at::Tensor& inputs, const at::Tensor& decoder_in) {
+    const int64_t H = c_.heads, L = c_.layers, d = c_.width;
+    auto& shared = units_.front();
+    auto embed = [](const Params& p, const Params& in) { return at::embedding(p[0], in[0]); };
+    at::Tensor x = shared->forward(embed, {inputs});
+    for (int64_t l = 0; l < L; ++l) {
+      x = units_[1 + l]->forward(
+          [H](const Params& p, const Params& in) { return encoder_block(p, in[0], H); }, {x});
+    }
+    const at::Tensor enc = units_[1 + L]->forward(
+        [](const Params& p, const Params& in) { return rms_norm(in[0], p[0]); }, {x});
+    at::Tensor y = shared->forward(embed, {decoder_in});
+    for (int64_t l = 0; l < L; ++l) {
+      y = units_[2 + L + l]->forward(
+          [H](const Params& p, const Params& in) { return decoder_block(p, in[0], in[1], H); },
+          {y, enc});
+    }
+    y = units_.back()->forward(
+        [d](const Params& p, const Params& in) {
+          return rms_norm(in[0], p[0]) * (1.0 / std::sqrt(double(d)));  // T5's tied-head scale
+        },
+        {y});
+    return shared->forward(
+        [](const Params& p, const Params& in) { return at::matmul(in[0], p[0].t()); }, {y});
+  }
+
+  T5Config c_;
+  std::vector<std::unique_ptr<shard::ShardedUnit>> units_;
+  std::vector<std::vector<std::string>> names_;
+  int64_t num_params_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<LanguageModel> make_t5(const T5Config& config,
+                                       std::shared_ptr<comm::Communicator> shard_group,
+                                       const shard::ShardOptions& options, uint64_t seed) {
+  return std::make_unique<T5>(config, std::move(shard_group), options, seed);
+}
+
+}  // namespace flexdemo::model
