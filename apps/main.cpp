@@ -153,6 +153,7 @@ int main(int argc, char** argv) {
   train->add_option("--seed", tc.seed, "seed of data order and initialisation")
       ->capture_default_str();
   train->add_option("--threads", tc.threads, "intra-op threads per rank")->capture_default_str();
+  train->add_flag("--bf16", tc.bf16, "bf16 autocast of the forward (weights stay float32)");
 
   std::string eval_checkpoint;
   int64_t eval_seqs = 256;

@@ -52,7 +52,9 @@ struct TrainConfig {
   std::string resume;             // a run folder (or its checkpoint/) to continue from
   std::string out = "runs/latest";
   uint64_t seed = 1337;
-  int threads = 1;  // intra-op threads per rank
+  int threads = 1;
+  bool bf16 = false;  // bf16 autocast of the forward (parameters and optimizer stay float32)  //
+                      // intra-op threads per rank
 
   void validate() const;  // throws std::invalid_argument naming the bad option
 };

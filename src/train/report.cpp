@@ -73,14 +73,19 @@ std::string write_report(const std::vector<std::string>& run_dirs, const std::st
      << "|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& r : runs) {
     const double bytes = r.summary.value("inter_bytes_per_step", 0.0);
-    std::string compression = "-";
+    std::string compression = "-", versus = "-";
     if (baseline && bytes > 0) {
       compression =
           fmt::format("{:.0f}x", baseline->summary.value("inter_bytes_per_step", 0.0) / bytes);
     }
-    md << fmt::format("| {} | {} | {} | {} | {:.4f} | {:.0f} | {} | {} |\n", r.name,
+    const double loss = r.summary.value("final_val_loss", 0.0);
+    if (baseline) {
+      const double base = baseline->summary.value("final_val_loss", 0.0);
+      versus = fmt::format("{:+.1f}%", 100.0 * (loss - base) / base);
+    }
+    md << fmt::format("| {} | {} | {} | {} | {:.4f} | {} | {:.0f} | {} | {} |\n", r.name,
                       r.config.value("optimizer", "?"), r.config.value("replicator", "?"),
-                      r.summary.value("steps", 0), r.summary.value("final_val_loss", 0.0),
+                      r.summary.value("steps", 0), loss, versus,
                       r.summary.value("tokens_per_s", 0.0), mb(bytes), compression);
   }
   std::ofstream(fs::path(out) / "report.md") << md.str();

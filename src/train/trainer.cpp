@@ -12,6 +12,7 @@
 #include "flexdemo/topology.h"
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
@@ -93,7 +94,8 @@ nlohmann::ordered_json to_json(const TrainConfig& c) {
           {"progress", c.progress},
           {"out", c.out},
           {"seed", c.seed},
-          {"threads", c.threads}};
+          {"threads", c.threads},
+          {"bf16", c.bf16}};
 }
 
 // The optimizer a --optimizer name stands for; --replicator and --sign override.
@@ -181,6 +183,7 @@ std::unique_ptr<Session> open_session(const TrainConfig& config,
   cfg = config;
   cfg.validate();
   set_num_threads(cfg.threads);
+  at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
   s->options = optimizer_options(cfg);
   s->topo = comm::make_topology(world, {cfg.ranks_per_node, cfg.shard_size});
   const int P = world->size();
@@ -404,7 +407,13 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
     double loss_sum = 0.0;
     for (int64_t a = 0; a < per_rank; a += micro) {
       const at::Tensor batch = train_data.rows(step, first_row + a, micro);
-      const at::Tensor loss = lm->loss(batch) * (double(micro) / double(per_rank));
+      at::Tensor loss;
+      {
+        at::autocast::set_cpu_enabled(cfg.bf16);
+        loss = lm->loss(batch).to(at::kFloat) * (double(micro) / double(per_rank));
+        at::autocast::set_cpu_enabled(false);
+        at::autocast::clear_cache();
+      }
       loss.backward();
       loss_sum += loss.item<double>();
     }
