@@ -10,6 +10,9 @@
 namespace flexdemo::comm {
 class Communicator;
 }
+namespace flexdemo::optim {
+struct DemoOptions;
+}
 
 namespace flexdemo::bench {
 
@@ -35,6 +38,9 @@ struct DemoBenchArgs {
   int steps = 10;               // optimizer steps
   bool json = false;            // one JSON object instead of text
 };
+
+// The DeMo options the flags ask for, validated (and --steps checked).
+optim::DemoOptions demo_options(const DemoBenchArgs& args);
 
 struct OptimizerBenchArgs : DemoBenchArgs {
   int threads = 1;

@@ -147,13 +147,7 @@ RunResult run(const std::vector<NamedShape>& shapes, const comm::Topology& topo,
 }  // namespace
 
 int run_bench_exchange(const ExchangeBenchArgs& args, std::shared_ptr<comm::Communicator> world) {
-  if (args.steps < 1) {
-    throw std::invalid_argument("--steps must be >= 1, got " + std::to_string(args.steps));
-  }
-  optim::DemoOptions options;
-  options.topk = args.topk;
-  options.chunk = args.chunk;
-  options.values = compress::parse_value_encoding(args.values);
+  optim::DemoOptions options = demo_options(args);
   options.replicator = optim::parse_replicator_kind(args.replicator);
   options.inner = optim::parse_inner_kind(args.inner);
   options.validate();

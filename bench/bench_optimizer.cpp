@@ -81,7 +81,7 @@ double median_step_ms(int steps, Step&& step) {
 
 }  // namespace
 
-int run_bench_optimizer(const OptimizerBenchArgs& args) {
+optim::DemoOptions demo_options(const DemoBenchArgs& args) {
   if (args.steps < 1) {
     throw std::invalid_argument("--steps must be >= 1, got " + std::to_string(args.steps));
   }
@@ -90,6 +90,11 @@ int run_bench_optimizer(const OptimizerBenchArgs& args) {
   options.chunk = args.chunk;
   options.values = compress::parse_value_encoding(args.values);
   options.validate();
+  return options;
+}
+
+int run_bench_optimizer(const OptimizerBenchArgs& args) {
+  const optim::DemoOptions options = demo_options(args);
   set_num_threads(args.threads);
   at::manual_seed(0);
 

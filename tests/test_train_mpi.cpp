@@ -16,6 +16,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 
 using namespace flexdemo;
 namespace fs = std::filesystem;
@@ -32,6 +33,31 @@ model::GptConfig tiny() {
   model::GptConfig c;
   c.vocab = 11, c.context = 6, c.width = 8, c.layers = 2, c.heads = 2;
   return c;
+}
+
+// 60 AdamW steps on one fixed batch, alone: the first and the last loss.
+std::pair<double, double> overfit(model::LanguageModel& lm,
+                                  const std::function<at::Tensor()>& loss_fn) {
+  std::vector<optim::OptimParam> params;
+  for (const auto& u : lm.units()) {
+    for (auto& p : u->optim_params()) params.push_back(p);
+  }
+  optim::DemoOptions o;
+  o.replicator = optim::ReplicatorKind::Full;
+  o.inner = optim::InnerKind::AdamW;
+  o.sign = false;
+  o.lr = 1e-2;
+  o.chunk = 4;
+  optim::DemoOptimizer opt(params, o, alone());
+  double first = 0, last = 0;
+  for (int step = 0; step < 60; ++step) {
+    opt.zero_grad();
+    at::Tensor loss = loss_fn();
+    loss.backward();
+    opt.step();
+    (step == 0 ? first : last) = loss.item<double>();
+  }
+  return {first, last};
 }
 
 }  // namespace
@@ -77,27 +103,9 @@ TEST(Gpt, GradientsMatchFiniteDifferences) {
 
 TEST(Gpt, LossFallsWhenOverfittingOneBatch) {
   auto lm = model::make_gpt(tiny(), alone(), {}, 5);
-  std::vector<optim::OptimParam> params;
-  for (const auto& u : lm->units()) {
-    for (auto& p : u->optim_params()) params.push_back(p);
-  }
-  optim::DemoOptions o;
-  o.replicator = optim::ReplicatorKind::Full;
-  o.inner = optim::InnerKind::AdamW;
-  o.sign = false;
-  o.lr = 1e-2;
-  o.chunk = 4;
-  optim::DemoOptimizer opt(params, o, alone());
   at::manual_seed(6);
   const at::Tensor tokens = at::randint(11, {4, 7}, at::kLong);
-  double first = 0, last = 0;
-  for (int step = 0; step < 60; ++step) {
-    opt.zero_grad();
-    at::Tensor loss = lm->loss(tokens);
-    loss.backward();
-    opt.step();
-    (step == 0 ? first : last) = loss.item<double>();
-  }
+  const auto [first, last] = overfit(*lm, [&] { return lm->loss(tokens); });
   EXPECT_LT(last, 0.5 * first);
 }
 
@@ -135,25 +143,7 @@ TEST(T5, SpanCorruptionGradientsAndLearning) {
       EXPECT_NEAR(analytic, closest, 3e-3 + 0.1 * std::abs(analytic)) << unit->name();
     }
   }
-  std::vector<optim::OptimParam> params;
-  for (const auto& u : lm->units()) {
-    for (auto& p : u->optim_params()) params.push_back(p);
-  }
-  optim::DemoOptions o;
-  o.replicator = optim::ReplicatorKind::Full;
-  o.inner = optim::InnerKind::AdamW;
-  o.sign = false;
-  o.lr = 1e-2;
-  o.chunk = 4;
-  optim::DemoOptimizer opt(params, o, alone());
-  double first = 0, last = 0;
-  for (int step = 0; step < 60; ++step) {
-    opt.zero_grad();
-    at::Tensor loss = loss_at();
-    loss.backward();
-    opt.step();
-    (step == 0 ? first : last) = loss.item<double>();
-  }
+  const auto [first, last] = overfit(*lm, loss_at);
   EXPECT_LT(last, 0.5 * first);
 }
 

@@ -3,6 +3,8 @@
 // their full parameters, so a unit can gather, run and recompute them.
 #include "flexdemo/model.h"
 
+#include "unit_model.h"
+
 #include <ATen/ATen.h>
 
 #include <cmath>
@@ -82,7 +84,7 @@ at::Tensor block_forward(const Params& p, const at::Tensor& x, const GptConfig& 
   return out + dropout(h, c.dropout);
 }
 
-class Gpt final : public LanguageModel {
+class Gpt final : public UnitModel {
  public:
   Gpt(const GptConfig& c, std::shared_ptr<comm::Communicator> group,
       const shard::ShardOptions& options, uint64_t seed)
@@ -94,8 +96,9 @@ class Gpt final : public LanguageModel {
     };
     const double std = 0.02, proj_std = 0.02 / std::sqrt(2.0 * double(c.layers));
     const int64_t C = c.width;
-    add("embeddings", {{"wte", normal({c.vocab, C}, std)}, {"wpe", normal({c.context, C}, std)}},
-        group, options);
+    add_unit("embeddings",
+             {{"wte", normal({c.vocab, C}, std)}, {"wpe", normal({c.context, C}, std)}}, group,
+             options);
     for (int64_t l = 0; l < c.layers; ++l) {
       const std::vector<at::Tensor> p = {at::ones({C}),
                                          at::zeros({C}),
@@ -113,9 +116,10 @@ class Gpt final : public LanguageModel {
       for (size_t i = 0; i < p.size(); ++i) {
         named.push_back({"h" + std::to_string(l) + "." + kBlockParams[i], p[i]});
       }
-      add("h" + std::to_string(l), named, group, options);
+      add_unit("h" + std::to_string(l), named, group, options);
     }
-    add("ln_f", {{"ln_f.weight", at::ones({C})}, {"ln_f.bias", at::zeros({C})}}, group, options);
+    add_unit("ln_f", {{"ln_f.weight", at::ones({C})}, {"ln_f.bias", at::zeros({C})}}, group,
+             options);
   }
 
   at::Tensor loss(const at::Tensor& tokens) override {
@@ -130,31 +134,15 @@ class Gpt final : public LanguageModel {
     return forward(tokens).select(1, T - 1);
   }
 
-  const std::vector<std::unique_ptr<shard::ShardedUnit>>& units() const override { return units_; }
-  const std::vector<std::vector<std::string>>& param_names() const override { return names_; }
-  int64_t num_params() const override { return num_params_; }
   int64_t context() const override { return c_.context; }
   std::string describe() const override {
     return "GPT width " + std::to_string(c_.width) + ", " + std::to_string(c_.layers) +
            " layers, " + std::to_string(c_.heads) + " heads, context " +
            std::to_string(c_.context) + ", vocab " + std::to_string(c_.vocab) + " (" +
-           std::to_string(num_params_) + " parameters)";
+           std::to_string(num_params()) + " parameters)";
   }
 
  private:
-  void add(const std::string& name, const std::vector<std::pair<std::string, at::Tensor>>& params,
-           std::shared_ptr<comm::Communicator> group, const shard::ShardOptions& options) {
-    std::vector<at::Tensor> tensors;
-    std::vector<std::string> names;
-    for (const auto& [n, t] : params) {
-      names.push_back(n);
-      tensors.push_back(t);
-      num_params_ += t.numel();
-    }
-    units_.push_back(std::make_unique<shard::ShardedUnit>(name, tensors, group, options));
-    names_.push_back(names);
-  }
-
   // Logits [B, T, vocab] for inputs [B, T].
   at::Tensor forward(const at::Tensor& inputs) {
     const int64_t T = inputs.size(1);
@@ -184,9 +172,6 @@ class Gpt final : public LanguageModel {
   }
 
   GptConfig c_;
-  std::vector<std::unique_ptr<shard::ShardedUnit>> units_;
-  std::vector<std::vector<std::string>> names_;
-  int64_t num_params_ = 0;
 };
 
 }  // namespace

@@ -3,6 +3,8 @@
 // corruption: spans of the text become sentinels in the input and are predicted in the output.
 #include "flexdemo/model.h"
 
+#include "unit_model.h"
+
 #include <ATen/ATen.h>
 
 #include <cmath>
@@ -108,7 +110,7 @@ at::Tensor decoder_block(const Params& p, const at::Tensor& x, const at::Tensor&
   return out + at::linear(at::relu(at::linear(rms_norm(out, p[11]), p[12])), p[13]);
 }
 
-class T5 final : public LanguageModel {
+class T5 final : public UnitModel {
  public:
   T5(const T5Config& c, std::shared_ptr<comm::Communicator> group,
      const shard::ShardOptions& options, uint64_t seed)
@@ -120,7 +122,7 @@ class T5 final : public LanguageModel {
       return at::normal(0.0, std, shape, gen);
     };
     const double dk = 1.0 / std::sqrt(double(d / c.heads));  // T5: q init folds 1/sqrt(d_kv)
-    add("shared", {{"shared.weight", normal({V, d}, 1.0)}}, group, options);
+    add_unit("shared", {{"shared.weight", normal({V, d}, 1.0)}}, group, options);
     auto attn = [&](const std::string& prefix, bool with_bias) {
       std::vector<std::pair<std::string, at::Tensor>> p = {
           {prefix + ".q.weight", normal({d, d}, dk / std::sqrt(double(d)))},
@@ -141,9 +143,9 @@ class T5 final : public LanguageModel {
       for (auto& t : attn(n + ".attn", true)) p.push_back(t);
       p.push_back({n + ".ln_2.weight", at::ones({d})});
       for (auto& t : ff(n + ".mlp")) p.push_back(t);
-      add(n, p, group, options);
+      add_unit(n, p, group, options);
     }
-    add("encoder.ln_f", {{"encoder.ln_f.weight", at::ones({d})}}, group, options);
+    add_unit("encoder.ln_f", {{"encoder.ln_f.weight", at::ones({d})}}, group, options);
     for (int64_t l = 0; l < c.layers; ++l) {
       const std::string n = "decoder." + std::to_string(l);
       std::vector<std::pair<std::string, at::Tensor>> p = {{n + ".ln_1.weight", at::ones({d})}};
@@ -152,9 +154,9 @@ class T5 final : public LanguageModel {
       for (auto& t : attn(n + ".cross", false)) p.push_back(t);
       p.push_back({n + ".ln_3.weight", at::ones({d})});
       for (auto& t : ff(n + ".mlp")) p.push_back(t);
-      add(n, p, group, options);
+      add_unit(n, p, group, options);
     }
-    add("decoder.ln_f", {{"decoder.ln_f.weight", at::ones({d})}}, group, options);
+    add_unit("decoder.ln_f", {{"decoder.ln_f.weight", at::ones({d})}}, group, options);
   }
 
   // tokens [B, T + 1]: the text is corrupted into (inputs, targets), then teacher-forced.
@@ -173,15 +175,12 @@ class T5 final : public LanguageModel {
         "generate needs a GPT checkpoint; T5 is trained on span corruption");
   }
 
-  const std::vector<std::unique_ptr<shard::ShardedUnit>>& units() const override { return units_; }
-  const std::vector<std::vector<std::string>>& param_names() const override { return names_; }
-  int64_t num_params() const override { return num_params_; }
   int64_t context() const override { return 1 << 20; }  // relative positions: no limit
   std::string describe() const override {
     return "T5 width " + std::to_string(c_.width) + ", " + std::to_string(c_.layers) + "+" +
            std::to_string(c_.layers) + " layers, " + std::to_string(c_.heads) + " heads, ff " +
            std::to_string(c_.ff) + ", vocab " + std::to_string(c_.vocab) + " + " +
-           std::to_string(kSentinels) + " sentinels (" + std::to_string(num_params_) +
+           std::to_string(kSentinels) + " sentinels (" + std::to_string(num_params()) +
            " parameters)";
   }
 
@@ -224,19 +223,6 @@ class T5 final : public LanguageModel {
   }
 
  private:
-  void add(const std::string& name, const std::vector<std::pair<std::string, at::Tensor>>& params,
-           std::shared_ptr<comm::Communicator> group, const shard::ShardOptions& options) {
-    std::vector<at::Tensor> tensors;
-    std::vector<std::string> names;
-    for (const auto& [n, t] : params) {
-      names.push_back(n);
-      tensors.push_back(t);
-      num_params_ += t.numel();
-    }
-    units_.push_back(std::make_unique<shard::ShardedUnit>(name, tensors, group, options));
-    names_.push_back(names);
-  }
-
   at::Tensor forward(const at::Tensor& inputs, const at::Tensor& decoder_in) {
     const int64_t H = c_.heads, L = c_.layers, d = c_.width;
     auto& shared = units_.front();
@@ -264,9 +250,6 @@ class T5 final : public LanguageModel {
   }
 
   T5Config c_;
-  std::vector<std::unique_ptr<shard::ShardedUnit>> units_;
-  std::vector<std::vector<std::string>> names_;
-  int64_t num_params_ = 0;
 };
 
 }  // namespace

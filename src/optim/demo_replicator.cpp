@@ -87,13 +87,7 @@ class DemoReplicator final : public Replicator {
   }
 
   DemoTraffic traffic() const override { return traffic_; }
-  NamedTensors state_tensors() const override {
-    NamedTensors state;
-    for (size_t i = 0; i < residuals_.size(); ++i) {
-      state.push_back({"residual." + std::to_string(i), residuals_[i]});
-    }
-    return state;
-  }
+  NamedTensors state_tensors() const override { return numbered("residual", residuals_); }
   const at::Tensor& residual(size_t i) const override { return residuals_.at(i); }
 
  private:

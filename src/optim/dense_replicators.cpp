@@ -161,13 +161,7 @@ class RandomReplicator final : public Replicator {
   }
 
   DemoTraffic traffic() const override { return traffic_; }
-  NamedTensors state_tensors() const override {
-    NamedTensors state;
-    for (size_t i = 0; i < residuals_.size(); ++i) {
-      state.push_back({"residual." + std::to_string(i), residuals_[i]});
-    }
-    return state;
-  }
+  NamedTensors state_tensors() const override { return numbered("residual", residuals_); }
   void restore_counters(int64_t exchanges, int64_t) override { exchanges_ = uint64_t(exchanges); }
   const at::Tensor& residual(size_t i) const override { return residuals_.at(i); }
 

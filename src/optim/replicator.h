@@ -16,6 +16,15 @@ namespace flexdemo::optim {
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
+// {prefix.0, tensors[0]}, {prefix.1, tensors[1]}, ...
+inline NamedTensors numbered(const std::string& prefix, const std::vector<at::Tensor>& tensors) {
+  NamedTensors named;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    named.push_back({prefix + "." + std::to_string(i), tensors[i]});
+  }
+  return named;
+}
+
 // Receives tensor i's direction: float32, [plan.rows, plan.cols] (possibly a strided view).
 using DirectionSink = std::function<void(size_t i, const at::Tensor& direction)>;
 

@@ -1,0 +1,43 @@
+// The part every model shares: its sharded units, their parameters' names and the count.
+// Internal to src/model; models add units in order and run them in their forward.
+#pragma once
+
+#include "flexdemo/model.h"
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace flexdemo::model {
+
+class UnitModel : public LanguageModel {
+ public:
+  const std::vector<std::unique_ptr<shard::ShardedUnit>>& units() const override { return units_; }
+  const std::vector<std::vector<std::string>>& param_names() const override { return names_; }
+  int64_t num_params() const override { return num_params_; }
+
+ protected:
+  // A unit of named initial parameters, sharded over group.
+  void add_unit(const std::string& name,
+                const std::vector<std::pair<std::string, at::Tensor>>& params,
+                std::shared_ptr<comm::Communicator> group, const shard::ShardOptions& options) {
+    std::vector<at::Tensor> tensors;
+    std::vector<std::string> names;
+    for (const auto& [n, t] : params) {
+      names.push_back(n);
+      tensors.push_back(t);
+      num_params_ += t.numel();
+    }
+    units_.push_back(
+        std::make_unique<shard::ShardedUnit>(name, tensors, std::move(group), options));
+    names_.push_back(names);
+  }
+
+  std::vector<std::unique_ptr<shard::ShardedUnit>> units_;
+
+ private:
+  std::vector<std::vector<std::string>> names_;
+  int64_t num_params_ = 0;
+};
+
+}  // namespace flexdemo::model
