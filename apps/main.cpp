@@ -54,6 +54,7 @@ int main(int argc, char** argv) {
   exchange
       ->add_option("--ranks-per-node", ex.ranks_per_node,
                    "ranks per node (0: ranks sharing a host, from MPI)")
+      ->envname("FLEXDEMO_RANKS_PER_NODE")
       ->capture_default_str();
   exchange
       ->add_option("--shard-size", ex.shard_size,
@@ -124,6 +125,7 @@ int main(int argc, char** argv) {
   train->add_option("--replicate-every", tc.replicate_every, "exchange every N steps")
       ->capture_default_str();
   train->add_option("--ranks-per-node", tc.ranks_per_node, "ranks per node (0: from MPI)")
+      ->envname("FLEXDEMO_RANKS_PER_NODE")
       ->capture_default_str();
   train->add_option("--shard-size", tc.shard_size, "ranks per shard group (0: the node)")
       ->capture_default_str();

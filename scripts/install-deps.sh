@@ -17,6 +17,7 @@ packages=(
   libsentencepiece-dev             # BPE tokenizer, trained on the corpus
   gnuplot-nox                      # plots in `flexdemo report`
   fortunes                         # the default corpus: English text, no download
+  iproute2                         # network namespaces and tc for the emulated cluster
 )
 
 missing=()

@@ -382,6 +382,7 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
     nlohmann::ordered_json resolved = to_json(cfg);
     resolved["topology"] = topo.describe();
     resolved["model_description"] = lm->describe();
+    resolved["num_params"] = lm->num_params();
     resolved["vocab_size"] = tokens.vocab_size;
     std::ofstream(fs::path(cfg.out) / "config.json") << resolved.dump(2) << "\n";
     metrics.open(fs::path(cfg.out) / "metrics.jsonl",

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The end-to-end benchmark on an emulated cluster (scripts/cluster.sh; needs root): 2 nodes x 2
+# ranks train gpt-micro with the same data, seed and steps using FlexDeMo (sign-SGD), FlexDeMo
+# (AdamW inner), DeMo without sharding (S = 1) and AdamW-HSDP, at each link rate. Keeps every
+# run in bench/results/e2e/<rate>/<run>, writes bench/results/e2e.csv and, per rate, a
+# `flexdemo report` (validation loss against wall time, bytes between nodes per step), plus
+# bench/results/e2e-step-time.png (median step time against rate).
+#   STEPS (default 300), RATES (default "none 1gbit 100mbit 10mbit"), RUNS (default all four)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install-deps.sh >/dev/null
+bash scripts/build.sh >/dev/null
+steps="${STEPS:-300}"
+rates="${RATES:-none 1gbit 100mbit 10mbit}"
+runs="${RUNS:-flexdemo flexdemo-adamw demo-s1 adamw-hsdp}"
+out=bench/results/e2e
+cluster=scripts/cluster.sh
+trap 'bash "$cluster" down >/dev/null 2>&1 || true' EXIT
+mkdir -p "$out"
+export FLEXDEMO_TOKENIZE="$PWD/build/flexdemo-tokenize"
+
+options_of() {
+  case "$1" in
+    flexdemo) echo "--optimizer flexdemo" ;;
+    flexdemo-adamw) echo "--optimizer flexdemo-adamw" ;;
+    demo-s1) echo "--optimizer flexdemo --shard-size 1" ;;
+    adamw-hsdp) echo "--optimizer adamw" ;;
+    *) echo "e2e.sh: unknown run '$1'" >&2; exit 1 ;;
+  esac
+}
+
+median() { sort -g | awk '{v[NR] = $1} END {print v[int((NR + 1) / 2)]}'; }
+field() { grep -o "\"$2\": *[0-9.e+-]*" "$1" | head -1 | sed 's/.*: *//'; }
+
+for rate in $rates; do
+  bash "$cluster" up 2 2 "$rate"
+  for run in $runs; do
+    echo "== $rate: $run =="
+    # shellcheck disable=SC2046
+    bash "$cluster" run -- "$PWD/build/flexdemo" train --model gpt-micro --steps "$steps" \
+      --eval-every 25 --progress lines --log-every 50 $(options_of "$run") \
+      --out "$PWD/$out/$rate/$run"
+  done
+  bash "$cluster" down
+done
+
+csv=bench/results/e2e.csv
+echo "rate,run,final_val_loss,median_step_ms,wall_s,tokens_per_s,inter_bytes_per_step" > "$csv"
+for rate in $rates; do
+  for run in $runs; do
+    d="$out/$rate/$run"
+    [ -f "$d/summary.json" ] || continue
+    step_ms=$(grep -o '"step_ms":[0-9.e+-]*' "$d/metrics.jsonl" | cut -d: -f2 | median)
+    wall=$(tail -1 "$d/metrics.jsonl" | grep -o '"elapsed_s":[0-9.e+-]*' | cut -d: -f2)
+    echo "$rate,$run,$(field "$d/summary.json" final_val_loss),$step_ms,$wall,$(field "$d/summary.json" tokens_per_s),$(field "$d/summary.json" inter_bytes_per_step)" >> "$csv"
+  done
+  build/flexdemo report $(for run in $runs; do echo "$out/$rate/$run"; done) \
+    --out "bench/results/e2e-report-$rate" > /dev/null
+done
+column -s, -t < "$csv"
+
+# Median step time against link rate, one line per run.
+gp=bench/results/e2e-step-time.gp
+{
+  echo "set terminal pngcairo size 900,560 noenhanced"
+  echo "set output 'bench/results/e2e-step-time.png'"
+  echo "set title 'Median step time against link rate (2 nodes x 2 ranks, gpt-micro)'"
+  echo "set ylabel 'ms'; set logscale y; set grid; set key outside bottom center"
+  echo "set datafile separator ','"
+  printf "plot "
+  first=1
+  for run in $runs; do
+    [ $first -eq 1 ] || printf ", "
+    first=0
+    printf "'< grep \",%s,\" %s' using 4:xtic(1) with linespoints title '%s'" "$run" "$csv" "$run"
+  done
+  echo
+} > "$gp"
+gnuplot "$gp"
+echo "results: $csv, bench/results/e2e-report-<rate>/, bench/results/e2e-step-time.png"

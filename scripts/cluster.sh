@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# An emulated cluster on this machine: N nodes as network namespaces, each joined by a veth pair
+# to a bridge in a "switch" namespace of its own, each node's link rate-limited by tbf, and
+# mpirun across them over TCP. No traffic leaves these namespaces. Needs root.
+#
+#   scripts/cluster.sh up N S RATE     N nodes, S ranks per node, RATE like 100mbit or none
+#   scripts/cluster.sh run -- CMD...   mpirun CMD on N*S ranks (flexdemo learns S from the env)
+#   scripts/cluster.sh down            remove everything (also after a failed run)
+set -euo pipefail
+
+prefix=fdc                          # namespace and link names start with this
+subnet=10.77.0                      # the nodes are $subnet.1 .. $subnet.N
+state=/run/flexdemo-cluster         # N, S, RATE and the rsh agent of the cluster that is up
+
+die() { echo "cluster.sh: $*" >&2; exit 1; }
+[ "$(id -u)" -eq 0 ] || die "needs root to create network namespaces (run as root or with sudo)"
+
+nodes() { ip netns list | awk '{print $1}' | grep -E "^${prefix}-node[0-9]+$" || true; }
+
+down() {
+  for ns in $(nodes) "${prefix}-switch"; do
+    if ip netns list | awk '{print $1}' | grep -qx "$ns"; then
+      ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+      ip netns del "$ns"
+    fi
+  done
+  rm -rf "$state"
+}
+
+up() {
+  local n=$1 s=$2 rate=$3
+  [[ "$n" =~ ^[1-9][0-9]*$ && "$n" -le 200 ]] || die "N must be 1..200, got '$n'"
+  [[ "$s" =~ ^[1-9][0-9]*$ ]] || die "S (ranks per node) must be >= 1, got '$s'"
+  [[ "$rate" == none || "$rate" =~ ^[0-9]+(k|m|g)?bit$ ]] ||
+    die "RATE must look like 100mbit, 1gbit, 10mbit, or be none; got '$rate'"
+  down
+  trap 'down' ERR
+  ip netns add "${prefix}-switch"
+  ip -n "${prefix}-switch" link set lo up
+  ip -n "${prefix}-switch" link add br0 type bridge
+  ip -n "${prefix}-switch" link set br0 up
+  for i in $(seq 1 "$n"); do
+    local ns="${prefix}-node$i"
+    ip netns add "$ns"
+    ip -n "$ns" link set lo up
+    ip link add "${prefix}$i-a" type veth peer name "${prefix}$i-b"
+    ip link set "${prefix}$i-a" netns "$ns"
+    ip link set "${prefix}$i-b" netns "${prefix}-switch"
+    ip -n "$ns" addr add "$subnet.$i/24" dev "${prefix}$i-a"
+    ip -n "$ns" link set "${prefix}$i-a" up
+    ip -n "${prefix}-switch" link set "${prefix}$i-b" master br0
+    ip -n "${prefix}-switch" link set "${prefix}$i-b" up
+    if [ "$rate" != none ]; then
+      ip netns exec "$ns" tc qdisc add dev "${prefix}$i-a" root tbf rate "$rate" burst 64kb latency 50ms
+    fi
+  done
+  mkdir -p "$state"
+  printf 'N=%s\nS=%s\nRATE=%s\n' "$n" "$s" "$rate" > "$state/env"
+  # mpirun's rsh agent: start the remote command inside the namespace of the address it names.
+  cat > "$state/agent" <<AGENT
+#!/bin/sh
+host=\$1; shift
+exec ip netns exec ${prefix}-node\${host##*.} /bin/sh -c "\$*"
+AGENT
+  chmod +x "$state/agent"
+  trap - ERR
+  echo "cluster.sh: $n nodes x $s ranks, links at $rate"
+}
+
+run() {
+  [ -f "$state/env" ] || die "no cluster is up (scripts/cluster.sh up N S RATE)"
+  # shellcheck disable=SC1091
+  . "$state/env"
+  [ $# -gt 0 ] || die "run needs a command: scripts/cluster.sh run -- CMD..."
+  local hosts=""
+  for i in $(seq 1 "$N"); do hosts="$hosts${hosts:+,}$subnet.$i:$S"; done
+  ip netns exec "${prefix}-node1" mpirun --allow-run-as-root --oversubscribe \
+    -np $((N * S)) -H "$hosts" --mca plm_rsh_agent "$state/agent" \
+    --mca btl tcp,self --mca btl_tcp_if_include "$subnet.0/24" \
+    --mca oob_tcp_if_include "$subnet.0/24" \
+    -x OMP_NUM_THREADS=1 -x FLEXDEMO_RANKS_PER_NODE="$S" -x PATH \
+    ${FLEXDEMO_TOKENIZE:+-x FLEXDEMO_TOKENIZE} "$@"
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+  up) [ $# -eq 3 ] || die "usage: scripts/cluster.sh up N S RATE"; up "$@" ;;
+  run) [ "${1:-}" = "--" ] && shift; run "$@" ;;
+  down) down ;;
+  *) die "usage: scripts/cluster.sh up N S RATE | run -- CMD... | down" ;;
+esac
