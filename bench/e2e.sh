@@ -5,13 +5,14 @@
 # run in bench/results/e2e/<rate>/<run>, writes bench/results/e2e.csv and, per rate, a
 # `flexdemo report` (validation loss against wall time, bytes between nodes per step), plus
 # bench/results/e2e-step-time.png (median step time against rate).
-#   STEPS (default 300), RATES (default "none 1gbit 100mbit 10mbit"), RUNS (default all four)
+#   STEPS (default 300), RATES (default "none 1gbit 100mbit 10mbit"), RUNS (default all four).
+#   RATES="" trains nothing and only rebuilds the table and reports from the runs kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh >/dev/null
 bash scripts/build.sh >/dev/null
 steps="${STEPS:-300}"
-rates="${RATES:-none 1gbit 100mbit 10mbit}"
+rates="${RATES-none 1gbit 100mbit 10mbit}"
 runs="${RUNS:-flexdemo flexdemo-adamw demo-s1 adamw-hsdp}"
 out=bench/results/e2e
 cluster=scripts/cluster.sh
@@ -48,15 +49,30 @@ done
 all_rates="none 1gbit 100mbit 10mbit"
 all_runs="flexdemo flexdemo-adamw demo-s1 adamw-hsdp"
 csv=bench/results/e2e.csv
-echo "rate,run,final_val_loss,median_step_ms,wall_s,tokens_per_s,inter_bytes_per_step" > "$csv"
+echo "rate,run,final_val_loss,median_step_ms,wall_s,tokens_per_s,inter_bytes_per_step,s_to_adamw_hsdp_loss" > "$csv"
+# Seconds until a run's validation loss first reaches AdamW-HSDP's final one at the same rate.
+seconds_to() {
+  awk -v target="$2" '
+    match($0, /"elapsed_s":[0-9.e+-]+/) { t = substr($0, RSTART + 12, RLENGTH - 12) }
+    match($0, /"val_loss":[0-9.e+-]+/) {
+      v = substr($0, RSTART + 11, RLENGTH - 11)
+      if (v + 0 <= target + 0) { print t; found = 1; exit }
+    }
+    END { if (!found) print "-" }' "$1"
+}
 for rate in $all_rates; do
   kept=""
+  target=""
+  [ -f "$out/$rate/adamw-hsdp/summary.json" ] &&
+    target=$(field "$out/$rate/adamw-hsdp/summary.json" final_val_loss)
   for run in $all_runs; do
     d="$out/$rate/$run"
     [ -f "$d/summary.json" ] || continue
     step_ms=$(grep -o '"step_ms":[0-9.e+-]*' "$d/metrics.jsonl" | cut -d: -f2 | median)
     wall=$(tail -1 "$d/metrics.jsonl" | grep -o '"elapsed_s":[0-9.e+-]*' | cut -d: -f2)
-    echo "$rate,$run,$(field "$d/summary.json" final_val_loss),$step_ms,$wall,$(field "$d/summary.json" tokens_per_s),$(field "$d/summary.json" inter_bytes_per_step)" >> "$csv"
+    reach="-"
+    [ -z "$target" ] || reach=$(seconds_to "$d/metrics.jsonl" "$target")
+    echo "$rate,$run,$(field "$d/summary.json" final_val_loss),$step_ms,$wall,$(field "$d/summary.json" tokens_per_s),$(field "$d/summary.json" inter_bytes_per_step),$reach" >> "$csv"
     kept="$kept $d"
   done
   # shellcheck disable=SC2086
