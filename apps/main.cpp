@@ -156,6 +156,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   train->add_option("--threads", tc.threads, "intra-op threads per rank")->capture_default_str();
   train->add_flag("--bf16", tc.bf16, "bf16 autocast of the forward (weights stay float32)");
+  train
+      ->add_option("--check-replicas", tc.check_replicas,
+                   "every N steps, stop if the replicas' parameters differ (0: off)")
+      ->capture_default_str();
 
   std::string eval_checkpoint;
   int64_t eval_seqs = 256;

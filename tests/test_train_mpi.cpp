@@ -253,6 +253,25 @@ TEST(Checkpoint, ResumedRunEqualsUninterruptedRun) {
   EXPECT_THROW(train::run_training(c, world), std::invalid_argument);
 }
 
+TEST(Trainer, ReplicaDriftStopsEveryRank) {
+  auto world = test_world();
+  auto replicas = world;  // every rank a replica of the others
+  at::manual_seed(3);
+  std::vector<at::Tensor> shards = {at::randn({5, 4}), at::randn({7})};
+  EXPECT_NO_THROW(train::check_replicas(shards, replicas, world, 10));
+  if (world->rank() == world->size() - 1) shards[1][3] += 1e-6f;  // one replica drifts
+  try {
+    train::check_replicas(shards, replicas, world, 11);
+    ADD_FAILURE() << "drift went unnoticed";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("replica drift at step 11"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find(std::to_string(world->size() - 1) + " differ"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(Trainer, WritesDocumentedOutputs) {
   auto world = test_world();
   const fs::path dir = fs::temp_directory_path() / "flexdemo-train-test";

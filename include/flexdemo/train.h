@@ -6,6 +6,10 @@
 #include <memory>
 #include <string>
 
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
 namespace flexdemo::comm {
 class Communicator;
 }
@@ -53,8 +57,10 @@ struct TrainConfig {
   std::string out = "runs/latest";
   uint64_t seed = 1337;
   int threads = 1;
-  bool bf16 = false;  // bf16 autocast of the forward (parameters and optimizer stay float32)  //
-                      // intra-op threads per rank
+  bool bf16 = false;
+  int64_t check_replicas =
+      0;  // every N steps, compare the parameters across replicas (0: off)  // bf16 autocast of the
+          // forward (parameters and optimizer stay float32)  // intra-op threads per rank
 
   void validate() const;  // throws std::invalid_argument naming the bad option
 };
@@ -62,6 +68,13 @@ struct TrainConfig {
 // Collective over world. Writes config.json, metrics.jsonl and summary.json into cfg.out
 // (rank 0). Returns the process exit code.
 int run_training(const TrainConfig& cfg, std::shared_ptr<comm::Communicator> world);
+
+// Collective over world: every rank's CRC-32 of its shards is compared with those of its
+// replica group; on any mismatch anywhere every rank throws std::runtime_error naming the step
+// and the replicas that differ (replica drift: the replicas must be bit-identical).
+void check_replicas(const std::vector<at::Tensor>& shards,
+                    const std::shared_ptr<comm::Communicator>& replica_group,
+                    const std::shared_ptr<comm::Communicator>& world, int64_t step);
 
 // Validation loss and perplexity of a run's checkpoint (any number of ranks). Collective.
 int run_eval(const std::string& checkpoint, int64_t eval_seqs,

@@ -14,6 +14,7 @@
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <fmt/core.h>
+#include <zlib.h>
 #include <nlohmann/json.hpp>
 
 #include <sys/resource.h>
@@ -50,6 +51,9 @@ void TrainConfig::validate() const {
   }
   if (log_every < 1) fail("--log-every must be >= 1, got " + std::to_string(log_every));
   if (threads < 1) fail("--threads must be >= 1, got " + std::to_string(threads));
+  if (check_replicas < 0) {
+    fail("--check-replicas must be >= 0, got " + std::to_string(check_replicas));
+  }
   if (checkpoint_every < 0) {
     fail("--checkpoint-every must be >= 0, got " + std::to_string(checkpoint_every));
   }
@@ -95,7 +99,8 @@ nlohmann::ordered_json to_json(const TrainConfig& c) {
           {"out", c.out},
           {"seed", c.seed},
           {"threads", c.threads},
-          {"bf16", c.bf16}};
+          {"bf16", c.bf16},
+          {"check_replicas", c.check_replicas}};
 }
 
 // The optimizer a --optimizer name stands for; --replicator and --sign override.
@@ -359,6 +364,33 @@ double evaluate(Session& s) {
 
 }  // namespace
 
+void check_replicas(const std::vector<at::Tensor>& shards,
+                    const std::shared_ptr<comm::Communicator>& replica_group,
+                    const std::shared_ptr<comm::Communicator>& world, int64_t step) {
+  uLong crc = crc32(0L, Z_NULL, 0);
+  for (const at::Tensor& shard : shards) {
+    const at::Tensor t = shard.detach().contiguous();
+    crc =
+        crc32_z(crc, static_cast<const Bytef*>(t.data_ptr()), size_t(t.numel()) * t.element_size());
+  }
+  const int R = replica_group->size();
+  at::Tensor all = at::empty({R}, at::kLong);
+  replica_group->all_gather(at::full({1}, int64_t(crc), at::kLong), all);
+  std::string differing;
+  for (int r = 1; r < R; ++r) {
+    if (all[r].item<int64_t>() != all[0].item<int64_t>()) differing += " " + std::to_string(r);
+  }
+  at::Tensor bad = at::full({1}, int64_t(differing.empty() ? 0 : 1), at::kLong);
+  world->all_reduce(bad, comm::ReduceOp::Sum);
+  if (bad.item<int64_t>() > 0) {
+    throw std::runtime_error(
+        "replica drift at step " + std::to_string(step) + ": " +
+        (differing.empty()
+             ? std::string("another replica group's parameters differ")
+             : "replicas" + differing + " differ from replica 0 (CRC-32 of the shards)"));
+  }
+}
+
 int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> world) {
   namespace fs = std::filesystem;
   auto session = open_session(config, world);
@@ -432,6 +464,11 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
       }
     }
     optimizer.step();
+    if (cfg.check_replicas > 0 && (step + 1) % cfg.check_replicas == 0) {
+      std::vector<at::Tensor> leaves;
+      for (const auto& p : params) leaves.push_back(p.leaf);
+      check_replicas(leaves, topo.replica_group, world, step + 1);
+    }
     const comm::StepTraffic traffic = meter.lap();
     const double step_s =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
