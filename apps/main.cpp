@@ -160,6 +160,11 @@ int main(int argc, char** argv) {
       ->add_option("--check-replicas", tc.check_replicas,
                    "every N steps, stop if the replicas' parameters differ (0: off)")
       ->capture_default_str();
+  train
+      ->add_option("--on-nonfinite", tc.on_nonfinite,
+                   "a NaN/Inf loss or gradient on any rank: skip the step on all ranks, or stop")
+      ->check(CLI::IsMember({"skip", "stop"}))
+      ->capture_default_str();
 
   std::string eval_checkpoint;
   int64_t eval_seqs = 256;

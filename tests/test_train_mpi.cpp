@@ -272,6 +272,35 @@ TEST(Trainer, ReplicaDriftStopsEveryRank) {
   }
 }
 
+TEST(Trainer, NonFiniteStepIsSkippedEverywhereOrStops) {
+  auto world = test_world();
+  const fs::path dir = fs::temp_directory_path() / "flexdemo-nonfinite-test";
+  train::TrainConfig c = tiny_run(dir);
+  c.steps = 4;
+  c.check_replicas = 1;  // the skip must leave the replicas bit-identical
+  const std::string inject = "2:" + std::to_string(world->size() - 1);
+  setenv("FLEXDEMO_INJECT_NONFINITE", inject.c_str(), 1);
+  EXPECT_EQ(train::run_training(c, world), 0);
+  world->barrier();
+  std::ifstream metrics(dir / "run" / "metrics.jsonl");
+  std::vector<nlohmann::json> lines;
+  for (std::string l; std::getline(metrics, l);) lines.push_back(nlohmann::json::parse(l));
+  ASSERT_EQ(lines.size(), 4u);
+  EXPECT_EQ(lines[0]["skipped_steps"].get<int64_t>(), 0);
+  EXPECT_EQ(lines[1]["skipped_steps"].get<int64_t>(), 1);
+  EXPECT_EQ(lines[3]["skipped_steps"].get<int64_t>(), 1);
+  c.on_nonfinite = "stop";
+  try {
+    train::run_training(c, world);
+    ADD_FAILURE() << "a NaN did not stop the run";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("non-finite loss or gradient at step 2 on "),
+              std::string::npos)
+        << e.what();
+  }
+  unsetenv("FLEXDEMO_INJECT_NONFINITE");
+}
+
 TEST(Trainer, WritesDocumentedOutputs) {
   auto world = test_world();
   const fs::path dir = fs::temp_directory_path() / "flexdemo-train-test";

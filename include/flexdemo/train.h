@@ -56,11 +56,10 @@ struct TrainConfig {
   std::string resume;             // a run folder (or its checkpoint/) to continue from
   std::string out = "runs/latest";
   uint64_t seed = 1337;
-  int threads = 1;
-  bool bf16 = false;
-  int64_t check_replicas =
-      0;  // every N steps, compare the parameters across replicas (0: off)  // bf16 autocast of the
-          // forward (parameters and optimizer stay float32)  // intra-op threads per rank
+  int threads = 1;                    // intra-op threads per rank
+  bool bf16 = false;                  // bf16 autocast of the forward (weights stay float32)
+  std::string on_nonfinite = "skip";  // a NaN/Inf loss or gradient: skip the step, or stop
+  int64_t check_replicas = 0;         // every N steps compare the replicas' parameters (0: off)
 
   void validate() const;  // throws std::invalid_argument naming the bad option
 };

@@ -21,6 +21,8 @@
 #include <unistd.h>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -51,6 +53,9 @@ void TrainConfig::validate() const {
   }
   if (log_every < 1) fail("--log-every must be >= 1, got " + std::to_string(log_every));
   if (threads < 1) fail("--threads must be >= 1, got " + std::to_string(threads));
+  if (on_nonfinite != "skip" && on_nonfinite != "stop") {
+    fail("unknown --on-nonfinite '" + on_nonfinite + "'; accepted: skip, stop");
+  }
   if (check_replicas < 0) {
     fail("--check-replicas must be >= 0, got " + std::to_string(check_replicas));
   }
@@ -100,7 +105,8 @@ nlohmann::ordered_json to_json(const TrainConfig& c) {
           {"seed", c.seed},
           {"threads", c.threads},
           {"bf16", c.bf16},
-          {"check_replicas", c.check_replicas}};
+          {"check_replicas", c.check_replicas},
+          {"on_nonfinite", c.on_nonfinite}};
 }
 
 // The optimizer a --optimizer name stands for; --replicator and --sign override.
@@ -406,6 +412,15 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
   const int P = world->size();
   const bool root = world->rank() == 0;
   const int64_t start_step = cfg.resume.empty() ? 0 : load_checkpoint(s, cfg.resume, true);
+  int64_t skipped_steps = 0;
+  // Testing aid: FLEXDEMO_INJECT_NONFINITE="STEP:RANK" makes that rank's loss NaN at that step.
+  int64_t inject_step = -1, inject_rank = -1;
+  if (const char* inject = std::getenv("FLEXDEMO_INJECT_NONFINITE")) {
+    if (std::sscanf(inject, "%ld:%ld", &inject_step, &inject_rank) != 2) {
+      throw std::invalid_argument(std::string("FLEXDEMO_INJECT_NONFINITE must be STEP:RANK, got ") +
+                                  inject);
+    }
+  }
 
   // Outputs (rank 0).
   std::ofstream metrics;
@@ -447,10 +462,28 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
         at::autocast::set_cpu_enabled(false);
         at::autocast::clear_cache();
       }
+      if (inject_step == step + 1 && inject_rank == world->rank()) loss = loss * NAN;
       loss.backward();
       loss_sum += loss.item<double>();
     }
-    if (cfg.clip > 0) {  // the replica's full gradient norm, from the shards of its group
+    // A non-finite loss or gradient on any rank: every rank skips the step (or stops) alike.
+    bool finite = std::isfinite(loss_sum);
+    for (const auto& p : params) {
+      if (finite && p.leaf.grad().defined())
+        finite = at::isfinite(p.leaf.grad()).all().item<bool>();
+    }
+    at::Tensor nonfinite_ranks = at::full({1}, int64_t(finite ? 0 : 1), at::kLong);
+    world->all_reduce(nonfinite_ranks, comm::ReduceOp::Sum);
+    const bool skip = nonfinite_ranks.item<int64_t>() > 0;
+    if (skip && cfg.on_nonfinite == "stop") {
+      throw std::runtime_error(fmt::format(
+          "non-finite loss or gradient at step {} on {} rank(s); stopping (--on-nonfinite skip "
+          "would skip such steps)",
+          step + 1, nonfinite_ranks.item<int64_t>()));
+    }
+    skipped_steps += skip ? 1 : 0;
+    if (skip) optimizer.zero_grad();  // nothing reaches the residuals or the parameters
+    if (cfg.clip > 0 && !skip) {  // the replica's full gradient norm, from the shards of its group
       at::Tensor sq = at::zeros({1}, at::kDouble);
       for (const auto& p : params) {
         if (p.leaf.grad().defined()) sq += p.leaf.grad().to(at::kDouble).pow(2).sum();
@@ -463,7 +496,7 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
         }
       }
     }
-    optimizer.step();
+    if (!skip) optimizer.step();
     if (cfg.check_replicas > 0 && (step + 1) % cfg.check_replicas == 0) {
       std::vector<at::Tensor> leaves;
       for (const auto& p : params) leaves.push_back(p.leaf);
@@ -500,6 +533,7 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
       m["intra_bytes_recv"] = int64_t(sums[1].item<double>());
       m["inter_bytes_sent"] = int64_t(sums[2].item<double>());
       m["inter_bytes_recv"] = int64_t(sums[3].item<double>());
+      m["skipped_steps"] = skipped_steps;
       m["elapsed_s"] =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
       if (eval_now) m["val_loss"] = val_loss;
