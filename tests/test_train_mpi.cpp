@@ -251,6 +251,26 @@ TEST(Checkpoint, ResumedRunEqualsUninterruptedRun) {
   c.ranks_per_node = 1;  // another topology cannot take this rank's optimizer state
   c.shard_size = 1;
   EXPECT_THROW(train::run_training(c, world), std::invalid_argument);
+  c.ranks_per_node = 0;
+  c.shard_size = 0;
+  // A corrupted checkpoint is refused, not loaded.
+  if (world->rank() == 0) {
+    std::fstream f(dir / "halves/checkpoint/model.safetensors",
+                   std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-5, std::ios::end);
+    const char byte = char(f.get());
+    f.seekp(-5, std::ios::end);
+    f.put(char(~byte));  // one flipped byte in the data
+  }
+  world->barrier();
+  try {
+    train::run_training(c, world);
+    ADD_FAILURE() << "a corrupted checkpoint was loaded";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("model.safetensors is missing or fails its CRC-32"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(Trainer, ReplicaDriftStopsEveryRank) {

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include <fcntl.h>
 #include <unistd.h>
 #include <cstring>
 #include <filesystem>
@@ -63,6 +64,10 @@ void write_safetensors(const std::string& path, const NamedTensors& tensors,
                 std::streamsize(t.numel() * t.element_size()));
     }
     if (!out) throw std::runtime_error("cannot write " + tmp);
+  }
+  if (const int fd = ::open(tmp.c_str(), O_RDONLY); fd >= 0) {  // on disk before it is named
+    ::fsync(fd);
+    ::close(fd);
   }
   std::filesystem::rename(tmp, path);
 }

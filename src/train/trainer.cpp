@@ -17,6 +17,7 @@
 #include <zlib.h>
 #include <nlohmann/json.hpp>
 
+#include <fcntl.h>
 #include <sys/resource.h>
 #include <unistd.h>
 #include <chrono>
@@ -252,6 +253,24 @@ std::unique_ptr<Session> open_session(const TrainConfig& config,
 }
 
 // ====== Checkpoints ======
+uint32_t file_crc32(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<char> buf(1 << 20);
+  uLong crc = crc32(0L, Z_NULL, 0);
+  while (in.read(buf.data(), std::streamsize(buf.size())) || in.gcount() > 0) {
+    crc = crc32_z(crc, reinterpret_cast<const Bytef*>(buf.data()), size_t(in.gcount()));
+  }
+  return uint32_t(crc);
+}
+
+void sync_file(const std::filesystem::path& path) {  // a file's or a folder's contents to disk
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
 std::filesystem::path checkpoint_dir(const std::string& run_or_checkpoint) {
   namespace fs = std::filesystem;
   const fs::path p(run_or_checkpoint);
@@ -287,19 +306,28 @@ void save_checkpoint(Session& s, int64_t step) {
   }
   NamedTensors state = s.optimizer->state_tensors();
   state.push_back({"rng_state", at::detail::getDefaultCPUGenerator().get_state()});
-  write_safetensors(
-      (tmp / ("optimizer-rank" + std::to_string(world->rank()) + ".safetensors")).string(), state);
-  world->barrier();
+  const std::string mine = "optimizer-rank" + std::to_string(world->rank()) + ".safetensors";
+  write_safetensors((tmp / mine).string(), state);
+  // Every file's CRC-32 goes into the manifest, which is written last.
+  at::Tensor crcs = at::empty({world->size()}, at::kLong);
+  world->all_gather(at::full({1}, int64_t(file_crc32(tmp / mine)), at::kLong), crcs);
   if (root) {
     nlohmann::ordered_json manifest;
+    manifest["files"]["model.safetensors"] = file_crc32(tmp / "model.safetensors");
+    for (int r = 0; r < world->size(); ++r) {
+      manifest["files"]["optimizer-rank" + std::to_string(r) + ".safetensors"] =
+          crcs[r].item<int64_t>();
+    }
     manifest["step"] = step;
     manifest["data_position"] = {{"seed", s.cfg.seed}, {"next_step", step}};
     manifest["world_size"] = world->size();
     manifest["topology"] = s.topo.describe();
     manifest["config"] = to_json(s.cfg);
     std::ofstream(tmp / "manifest.json") << manifest.dump(2) << "\n";
+    sync_file(tmp / "manifest.json");
     fs::remove_all(dir);
     fs::rename(tmp, dir);
+    sync_file(fs::path(s.cfg.out));  // the rename itself
   }
   world->barrier();
 }
@@ -311,6 +339,17 @@ int64_t load_checkpoint(Session& s, const std::string& where, bool with_optimize
   const fs::path dir = checkpoint_dir(where);
   const auto manifest = nlohmann::json::parse(std::ifstream(dir / "manifest.json"));
   const auto& world = s.topo.world;
+  auto verify = [&](const std::string& file) {
+    if (!manifest.contains("files") || !manifest["files"].contains(file)) {
+      throw std::invalid_argument("checkpoint " + dir.string() + " lists no checksum for " + file);
+    }
+    if (!fs::exists(dir / file) ||
+        int64_t(file_crc32(dir / file)) != manifest["files"][file].get<int64_t>()) {
+      throw std::invalid_argument("checkpoint " + dir.string() + " is corrupt: " + file +
+                                  " is missing or fails its CRC-32");
+    }
+  };
+  verify("model.safetensors");
   std::map<std::string, at::Tensor> weights;
   for (auto& [name, t] : read_safetensors((dir / "model.safetensors").string())) weights[name] = t;
   for (size_t u = 0; u < s.lm->units().size(); ++u) {
@@ -333,6 +372,7 @@ int64_t load_checkpoint(Session& s, const std::string& where, bool with_optimize
                                 std::to_string(manifest.at("world_size").get<int>()) +
                                 " ranks); this run is " + s.topo.describe());
   }
+  verify("optimizer-rank" + std::to_string(world->rank()) + ".safetensors");
   std::map<std::string, at::Tensor> saved;
   for (auto& [name, t] : read_safetensors(
            (dir / ("optimizer-rank" + std::to_string(world->rank()) + ".safetensors")).string())) {
