@@ -249,7 +249,10 @@ int main(int argc, char** argv) {
       mpi = std::make_unique<flexdemo::comm::MpiRuntime>(&argc, &argv);
       return flexdemo::bench::run_bench_exchange(ex, mpi->world());
     }
-  } catch (const std::exception& e) {
+  } catch (const std::invalid_argument& e) {  // bad input: exit 2, like a bad command line
+    std::fprintf(stderr, "flexdemo: error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {  // a failure while running
     std::fprintf(stderr, "flexdemo: error: %s\n", e.what());
     return 1;
   }

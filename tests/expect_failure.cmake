@@ -1,9 +1,12 @@
 # ctest script: run COMMAND (a ;-list), require a non-zero exit and a stderr matching EXPECT,
 # one line unless MANY_LINES is set (mpirun: one line per rank), and matching it COUNT times
-# when COUNT is given -- how bad input must fail.
+# when COUNT is given, with exit code EXIT_CODE when given -- how bad input must fail.
 execute_process(COMMAND ${COMMAND} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 if(rc EQUAL 0)
   message(FATAL_ERROR "expected failure, but exited 0: ${COMMAND}")
+endif()
+if(EXIT_CODE AND NOT rc EQUAL EXIT_CODE)
+  message(FATAL_ERROR "expected exit code ${EXIT_CODE}, got ${rc}: ${COMMAND}")
 endif()
 if(NOT err MATCHES "${EXPECT}")
   message(FATAL_ERROR "stderr does not match '${EXPECT}':\n${err}")
