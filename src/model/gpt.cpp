@@ -13,21 +13,12 @@
 namespace flexdemo::model {
 
 void GptConfig::validate() const {
-  auto positive = [](int64_t v, const char* name) {
-    if (v <= 0) {
-      throw std::invalid_argument(std::string("--") + name + " must be > 0, got " +
-                                  std::to_string(v));
-    }
-  };
-  positive(vocab, "vocab");
-  positive(context, "context");
-  positive(width, "width");
-  positive(layers, "layers");
-  positive(heads, "heads");
-  if (width % heads != 0) {
-    throw std::invalid_argument("--heads " + std::to_string(heads) + " must divide --width " +
-                                std::to_string(width));
-  }
+  require_positive(vocab, "vocab");
+  require_positive(context, "context");
+  require_positive(width, "width");
+  require_positive(layers, "layers");
+  require_positive(heads, "heads");
+  require_heads_divide_width(heads, width);
   if (!(dropout >= 0.0 && dropout < 1.0)) {
     throw std::invalid_argument("--dropout must be in [0, 1), got " + std::to_string(dropout));
   }

@@ -13,21 +13,12 @@
 namespace flexdemo::model {
 
 void T5Config::validate() const {
-  auto positive = [](int64_t v, const char* name) {
-    if (v <= 0) {
-      throw std::invalid_argument(std::string("--") + name + " must be > 0, got " +
-                                  std::to_string(v));
-    }
-  };
-  positive(vocab, "vocab");
-  positive(width, "width");
-  positive(layers, "layers");
-  positive(heads, "heads");
-  positive(ff, "ff");
-  if (width % heads != 0) {
-    throw std::invalid_argument("--heads " + std::to_string(heads) + " must divide --width " +
-                                std::to_string(width));
-  }
+  require_positive(vocab, "vocab");
+  require_positive(width, "width");
+  require_positive(layers, "layers");
+  require_positive(heads, "heads");
+  require_positive(ff, "ff");
+  require_heads_divide_width(heads, width);
 }
 
 T5Config t5_preset(const std::string& name, int64_t vocab) {

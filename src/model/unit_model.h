@@ -4,11 +4,26 @@
 
 #include "flexdemo/model.h"
 
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
 
 namespace flexdemo::model {
+
+// Config checks shared by the models: one line naming the option and what is accepted.
+inline void require_positive(int64_t value, const char* option) {
+  if (value <= 0) {
+    throw std::invalid_argument(std::string("--") + option + " must be > 0, got " +
+                                std::to_string(value));
+  }
+}
+inline void require_heads_divide_width(int64_t heads, int64_t width) {
+  if (width % heads != 0) {
+    throw std::invalid_argument("--heads " + std::to_string(heads) + " must divide --width " +
+                                std::to_string(width));
+  }
+}
 
 class UnitModel : public LanguageModel {
  public:
