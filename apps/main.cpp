@@ -7,10 +7,15 @@
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <exception>
+#include <fstream>
+#include <iterator>
 #include <memory>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -25,6 +30,46 @@ void add_demo_bench_flags(CLI::App* cmd, flexdemo::bench::DemoBenchArgs& args) {
   cmd->add_option("--steps", args.steps, "optimizer steps (timed: the median is reported)")
       ->capture_default_str();
   cmd->add_flag("--json", args.json, "print one JSON object (rank 0)");
+}
+
+// `train --config FILE`: CLI11 2.1 does not read a config file set on a subcommand, so the file
+// is read here with CLI11's TOML reader and its items become arguments before the command
+// line's; an option given on the command line wins over the file. Throws std::invalid_argument
+// for a missing or binary file and for keys that are not options of `cmd`.
+void expand_config_file(std::vector<std::string>& args, const CLI::App& cmd) {
+  auto at = std::find(args.begin(), args.end(), "--config");
+  std::string file;
+  if (at != args.end() && std::next(at) != args.end()) {
+    file = *std::next(at);
+  } else {
+    at = std::find_if(args.begin(), args.end(),
+                      [](const std::string& a) { return a.rfind("--config=", 0) == 0; });
+    if (at == args.end()) return;
+    file = at->substr(9);
+  }
+  std::ifstream in(file, std::ios::binary);
+  if (!in) throw std::invalid_argument("--config " + file + ": no such file");
+  const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  if (text.find('\0') != std::string::npos) {
+    throw std::invalid_argument("--config " + file + " is not a text file (expected key = value lines)");
+  }
+  std::vector<std::string> from_file;
+  for (const CLI::ConfigItem& item : CLI::ConfigTOML().from_file(file)) {
+    if (item.name == "++" || item.name == "--") continue;  // section markers
+    const std::string option = "--" + item.name;
+    if (!item.parents.empty() || cmd.get_option_no_throw(option) == nullptr || option == "--config") {
+      throw std::invalid_argument("--config " + file + ": unknown key '" + item.fullname() +
+                                  "'; accepted: the options of `flexdemo train --help`, without --");
+    }
+    const bool given = std::any_of(args.begin(), args.end(), [&](const std::string& a) {
+      return a == option || a.rfind(option + "=", 0) == 0;
+    });
+    if (given) continue;
+    std::string value;
+    for (const std::string& v : item.inputs) value += (value.empty() ? "" : " ") + v;
+    from_file.push_back(option + "=" + value);
+  }
+  args.insert(std::find(args.begin(), args.end(), "train") + 1, from_file.begin(), from_file.end());
 }
 
 }  // namespace
@@ -64,7 +109,10 @@ int main(int argc, char** argv) {
   flexdemo::train::TrainConfig tc;
   auto* train = app.add_subcommand(
       "train", "train a GPT with FlexDeMo (or a dense baseline); run under mpirun");
-  train->set_config("--config", "", "read options from a TOML/INI file (key = value)");
+  std::string config_file;
+  train->add_option("--config", config_file,
+                    "read options from a TOML file (key = value, the option names without --); "
+                    "the command line wins");
   train
       ->add_option("--model", tc.model,
                    "preset: gpt-nano, gpt-micro, gpt2-small, t5-nano, t5-small (T5: span "
@@ -151,7 +199,17 @@ int main(int argc, char** argv) {
                    "also checkpoint every N steps (0: only at the end)")
       ->capture_default_str();
   train->add_option("--resume", tc.resume,
-                    "continue from a run folder's checkpoint (same topology and options)");
+                    "continue from a run folder's newest valid checkpoint, or from one checkpoint folder "
+                    "(same topology and options)");
+  train
+      ->add_option("--keep-checkpoints", tc.keep_checkpoints,
+                   "checkpoints kept in OUT/checkpoints/ (the newest ones)")
+      ->capture_default_str();
+  train
+      ->add_option("--comm-timeout", tc.comm_timeout,
+                   "seconds a collective may take before the job stops with an error (a dead "
+                   "or hung rank); 0: wait forever")
+      ->capture_default_str();
   train->add_option("--seed", tc.seed, "seed of data order and initialisation")
       ->capture_default_str();
   train->add_option("--threads", tc.threads, "intra-op threads per rank")->capture_default_str();
@@ -201,7 +259,15 @@ int main(int argc, char** argv) {
       ->capture_default_str();
 
   try {
-    app.parse(argc, argv);
+    std::vector<std::string> args(argv + 1, argv + argc);
+    if (std::find(args.begin(), args.end(), "train") != args.end()) {
+      expand_config_file(args, *train);
+    }
+    std::reverse(args.begin(), args.end());  // CLI11 takes the arguments last first
+    app.parse(std::move(args));
+  } catch (const std::invalid_argument& e) {
+    std::fprintf(stderr, "flexdemo: error: %s\n", e.what());
+    return 2;
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help
     // Name what is accepted where a subcommand is missing: those of the deepest one given.
@@ -250,10 +316,14 @@ int main(int argc, char** argv) {
       return flexdemo::bench::run_bench_exchange(ex, mpi->world());
     }
   } catch (const std::invalid_argument& e) {  // bad input: exit 2, like a bad command line
+    // Input is validated alike on every rank before any work, so all of them are here.
     std::fprintf(stderr, "flexdemo: error: %s\n", e.what());
     return 2;
   } catch (const std::exception& e) {  // a failure while running
     std::fprintf(stderr, "flexdemo: error: %s\n", e.what());
+    std::fflush(stderr);
+    // Other ranks may wait in a collective that will never complete: end the whole job.
+    if (mpi && mpi->world()->size() > 1) flexdemo::comm::MpiRuntime::abort_job(1);
     return 1;
   }
   return 0;

@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # The end-to-end benchmark on an emulated cluster (scripts/cluster.sh; needs root): 2 nodes x 2
 # ranks train gpt-micro with the same data, seed and steps using FlexDeMo (sign-SGD), FlexDeMo
-# (AdamW inner), DeMo without sharding (S = 1) and AdamW-HSDP, at each link rate. Keeps every
+# (AdamW inner), DeMo without sharding (S = 1) and AdamW-HSDP, at each link rate; flexdemo-3x is
+# FlexDeMo trained 3x as many steps (its own schedule, the same data order), to measure the wall
+# time FlexDeMo needs to reach AdamW-HSDP's final validation loss. Keeps every
 # run in bench/results/e2e/<rate>/<run>, writes bench/results/e2e.csv and, per rate, a
 # `flexdemo report` (validation loss against wall time, bytes between nodes per step), plus
 # bench/results/e2e-step-time.png (median step time against rate).
-#   STEPS (default 300), RATES (default "none 1gbit 100mbit 10mbit"), RUNS (default all four).
+#   STEPS (default 200), RATES (default "none 1gbit 100mbit 10mbit"), RUNS (default all five).
 #   RATES="" trains nothing and only rebuilds the table and reports from the runs kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh >/dev/null
 bash scripts/build.sh >/dev/null
-steps="${STEPS:-300}"
+steps="${STEPS:-200}"
 rates="${RATES-none 1gbit 100mbit 10mbit}"
-runs="${RUNS:-flexdemo flexdemo-adamw demo-s1 adamw-hsdp}"
+runs="${RUNS:-flexdemo flexdemo-adamw demo-s1 adamw-hsdp flexdemo-3x}"
 out=bench/results/e2e
 cluster=scripts/cluster.sh
 trap 'bash "$cluster" down >/dev/null 2>&1 || true' EXIT
@@ -26,9 +28,12 @@ options_of() {
     flexdemo-adamw) echo "--optimizer flexdemo-adamw" ;;
     demo-s1) echo "--optimizer flexdemo --shard-size 1" ;;
     adamw-hsdp) echo "--optimizer adamw" ;;
+    flexdemo-3x) echo "--optimizer flexdemo" ;;
     *) echo "e2e.sh: unknown run '$1'" >&2; exit 1 ;;
   esac
 }
+
+steps_of() { if [ "$1" = flexdemo-3x ]; then echo $((3 * steps)); else echo "$steps"; fi; }
 
 median() { sort -g | awk '{v[NR] = $1} END {print v[int((NR + 1) / 2)]}'; }
 field() { grep -o "\"$2\": *[0-9.e+-]*" "$1" | head -1 | sed 's/.*: *//'; }
@@ -37,8 +42,9 @@ for rate in $rates; do
   bash "$cluster" up 2 2 "$rate"
   for run in $runs; do
     echo "== $rate: $run =="
+    rm -rf "${out:?}/$rate/$run"  # a fresh run, never appended to an old one
     # shellcheck disable=SC2046
-    bash "$cluster" run -- "$PWD/build/flexdemo" train --model gpt-micro --steps "$steps" \
+    bash "$cluster" run -- "$PWD/build/flexdemo" train --model gpt-micro --steps "$(steps_of "$run")" \
       --eval-every 25 --progress lines --log-every 50 $(options_of "$run") \
       --out "$PWD/$out/$rate/$run"
   done
@@ -47,7 +53,7 @@ done
 
 # The table and reports cover every run kept so far, so rates can be measured one at a time.
 all_rates="none 1gbit 100mbit 10mbit"
-all_runs="flexdemo flexdemo-adamw demo-s1 adamw-hsdp"
+all_runs="flexdemo flexdemo-adamw demo-s1 adamw-hsdp flexdemo-3x"
 csv=bench/results/e2e.csv
 echo "rate,run,final_val_loss,median_step_ms,wall_s,tokens_per_s,inter_bytes_per_step,s_to_adamw_hsdp_loss" > "$csv"
 # Seconds until a run's validation loss first reaches AdamW-HSDP's final one at the same rate.

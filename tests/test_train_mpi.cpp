@@ -225,52 +225,111 @@ TEST(Checkpoint, SafetensorsRoundTripAndRejection) {
   EXPECT_THROW(train::read_safetensors(path.string()), std::invalid_argument);
 }
 
+// The per-step training losses of a run, in order (one metrics line per step).
+std::vector<double> step_losses(const fs::path& run) {
+  std::ifstream metrics(run / "metrics.jsonl");
+  std::vector<double> losses;
+  for (std::string l; std::getline(metrics, l);) {
+    const auto j = nlohmann::json::parse(l);
+    EXPECT_EQ(j["step"].get<int64_t>(), int64_t(losses.size()) + 1);
+    losses.push_back(j["loss"].get<double>());
+  }
+  return losses;
+}
+
+void expect_same_weights(const fs::path& a, const fs::path& b) {
+  const auto wa = train::read_safetensors((a / "model.safetensors").string());
+  const auto wb = train::read_safetensors((b / "model.safetensors").string());
+  ASSERT_EQ(wa.size(), wb.size());
+  for (size_t i = 0; i < wa.size(); ++i) {
+    EXPECT_EQ(wa[i].first, wb[i].first);
+    EXPECT_TRUE(at::equal(wa[i].second, wb[i].second)) << wa[i].first;
+  }
+}
+
+void flip_last_byte(const fs::path& file) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(-5, std::ios::end);
+  const char byte = char(f.get());
+  f.seekp(-5, std::ios::end);
+  f.put(char(~byte));
+}
+
+template <typename Fn>
+std::string invalid_argument_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "(no std::invalid_argument)";
+}
+
 TEST(Checkpoint, ResumedRunEqualsUninterruptedRun) {
   auto world = test_world();
+  const bool root = world->rank() == 0;
   const fs::path dir = fs::temp_directory_path() / "flexdemo-resume-test";
   train::TrainConfig c = tiny_run(dir);
-  c.warmup = 0;  // a constant learning rate: the 3-step run must not end its schedule early
+  c.warmup = 0;  // a constant learning rate: the 20-step run must not end its schedule early
   c.min_lr_ratio = 1.0;
-  c.steps = 6;
+  c.checkpoint_every = 10;
+  c.steps = 40;
   c.out = (dir / "whole").string();
   ASSERT_EQ(train::run_training(c, world), 0);
-  c.steps = 3;
+  c.steps = 20;
   c.out = (dir / "halves").string();
   ASSERT_EQ(train::run_training(c, world), 0);
-  c.steps = 6;
+  world->barrier();
+  // The newest 2 checkpoints are kept; a copy of the run gets a corrupted newest one.
+  EXPECT_FALSE(fs::exists(dir / "whole/checkpoints/step-20"));
+  EXPECT_TRUE(fs::exists(dir / "whole/checkpoints/step-30"));
+  if (root) {
+    fs::copy(dir / "halves", dir / "damaged", fs::copy_options::recursive);
+    flip_last_byte(dir / "damaged/checkpoints/step-20/model.safetensors");
+  }
+  world->barrier();
+
+  c.steps = 40;
   c.resume = c.out;
   ASSERT_EQ(train::run_training(c, world), 0);
+  c.resume = c.out = (dir / "damaged").string();  // resumes from step-10, skipping step-20
+  ASSERT_EQ(train::run_training(c, world), 0);
   world->barrier();
-  const auto whole = train::read_safetensors((dir / "whole/checkpoint/model.safetensors").string());
-  const auto halves =
-      train::read_safetensors((dir / "halves/checkpoint/model.safetensors").string());
-  ASSERT_EQ(whole.size(), halves.size());
-  for (size_t i = 0; i < whole.size(); ++i) {
-    EXPECT_TRUE(at::equal(whole[i].second, halves[i].second)) << whole[i].first;
-  }
+  const std::vector<double> whole = step_losses(dir / "whole");
+  ASSERT_EQ(whole.size(), 40u);
+  EXPECT_EQ(step_losses(dir / "halves"), whole);  // bit-identical losses, step by step
+  EXPECT_EQ(step_losses(dir / "damaged"), whole);
+  expect_same_weights(dir / "whole/checkpoints/step-40", dir / "halves/checkpoints/step-40");
+  expect_same_weights(dir / "whole/checkpoints/step-40", dir / "damaged/checkpoints/step-40");
+
+  // Refused before any work: a damaged checkpoint named directly, a run with no valid one,
+  // another topology, another model.
+  c.out = (dir / "refused").string();
+  c.resume = (dir / "damaged/checkpoints/step-30").string();
+  world->barrier();
+  if (root) flip_last_byte(dir / "damaged/checkpoints/step-30/optimizer-rank0.safetensors");
+  world->barrier();
+  EXPECT_NE(invalid_argument_of([&] { train::run_training(c, world); })
+                .find("is damaged: optimizer-rank0.safetensors is missing or fails its CRC-32"),
+            std::string::npos);
+  if (root) flip_last_byte(dir / "damaged/checkpoints/step-40/model.safetensors");
+  world->barrier();
+  c.resume = (dir / "damaged").string();
+  EXPECT_NE(invalid_argument_of([&] { train::run_training(c, world); })
+                .find("no valid checkpoint in " + c.resume),
+            std::string::npos);
+  c.resume = (dir / "halves").string();
   c.ranks_per_node = 1;  // another topology cannot take this rank's optimizer state
   c.shard_size = 1;
-  EXPECT_THROW(train::run_training(c, world), std::invalid_argument);
-  c.ranks_per_node = 0;
-  c.shard_size = 0;
-  // A corrupted checkpoint is refused, not loaded.
-  if (world->rank() == 0) {
-    std::fstream f(dir / "halves/checkpoint/model.safetensors",
-                   std::ios::in | std::ios::out | std::ios::binary);
-    f.seekg(-5, std::ios::end);
-    const char byte = char(f.get());
-    f.seekp(-5, std::ios::end);
-    f.put(char(~byte));  // one flipped byte in the data
-  }
+  EXPECT_NE(invalid_argument_of([&] { train::run_training(c, world); }).find("--resume"),
+            std::string::npos);
+  c.ranks_per_node = c.shard_size = 0;
+  c.width = 32;
+  EXPECT_NE(invalid_argument_of([&] { train::run_training(c, world); })
+                .find("was written with --width 16, this run has 32"),
+            std::string::npos);
   world->barrier();
-  try {
-    train::run_training(c, world);
-    ADD_FAILURE() << "a corrupted checkpoint was loaded";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("model.safetensors is missing or fails its CRC-32"),
-              std::string::npos)
-        << e.what();
-  }
+  EXPECT_FALSE(fs::exists(dir / "refused"));  // nothing written by a refused run
 }
 
 TEST(Trainer, ReplicaDriftStopsEveryRank) {

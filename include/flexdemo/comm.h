@@ -20,6 +20,13 @@ class CommError : public std::runtime_error {
 
 enum class ReduceOp { Sum, Avg };
 
+// ====== Collective timeout ======
+// Process-wide: a collective that has not completed after this many seconds raises CommError
+// (a rank has died or hangs, or the network is down) instead of waiting forever. 0 waits forever,
+// the default until set; the trainer sets it from --comm-timeout after its setup.
+void set_collective_timeout(double seconds);
+double collective_timeout();
+
 // Traffic and time of one communicator since creation (or the last reset_stats()).
 // Bytes are what a bandwidth-optimal ring moves per rank (NCCL-tests' "bus bytes"), so they
 // follow from the payload alone, whatever algorithm the backend picks:
@@ -103,6 +110,10 @@ class MpiRuntime {
 
   // All ranks of the job (MPI_COMM_WORLD). Errors raise CommError instead of aborting.
   std::shared_ptr<Communicator> world() const;
+
+  // Ends every rank of the job with `code` (MPI_Abort): after a failure on one rank, the others
+  // may be blocked in a collective that will never complete, so finalising would hang.
+  [[noreturn]] static void abort_job(int code);
 
  private:
   bool owns_mpi_ = false;

@@ -53,7 +53,9 @@ struct TrainConfig {
   int64_t log_every = 10;         // plain log lines when stdout is not a terminal
   std::string progress = "auto";  // auto (a live line on a terminal), bar, lines
   int64_t checkpoint_every = 0;   // also checkpoint every N steps (always at the end)
-  std::string resume;             // a run folder (or its checkpoint/) to continue from
+  int64_t keep_checkpoints = 2;   // the newest N checkpoints stay in out/checkpoints/
+  std::string resume;             // a run folder (its newest valid checkpoint) or a checkpoint
+  double comm_timeout = 60.0;     // seconds before a stuck collective stops the job (0: never)
   std::string out = "runs/latest";
   uint64_t seed = 1337;
   int threads = 1;                    // intra-op threads per rank

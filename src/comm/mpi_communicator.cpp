@@ -6,12 +6,30 @@
 #include <c10/util/BFloat16.h>
 #include <mpi.h>
 
+#include <atomic>
 #include <chrono>
 #include <climits>
+#include <cstdlib>
+#include <exception>
 #include <mutex>
 #include <sstream>
+#include <thread>
 
 namespace flexdemo::comm {
+
+namespace {
+std::atomic<double> g_timeout_s{0.0};
+}  // namespace
+
+void set_collective_timeout(double seconds) {
+  if (!(seconds >= 0)) {
+    throw std::invalid_argument("collective timeout must be >= 0 seconds (0: none), got " +
+                                std::to_string(seconds));
+  }
+  g_timeout_s = seconds;
+}
+double collective_timeout() { return g_timeout_s; }
+
 namespace {
 
 // ====== Errors ======
@@ -99,20 +117,49 @@ using Clock = std::chrono::steady_clock;
 
 class MpiWork final : public Work {
  public:
-  MpiWork(std::shared_ptr<SharedStats> stats, uint64_t bytes_sent, uint64_t bytes_received)
+  MpiWork(std::shared_ptr<SharedStats> stats, const char* name, int group_size,
+          uint64_t bytes_sent, uint64_t bytes_received)
       : stats_(std::move(stats)),
+        name_(name),
+        group_size_(group_size),
         sent_(bytes_sent),
         received_(bytes_received),
-        start_(Clock::now()) {}
+        start_(Clock::now()),
+        unwinding_(std::uncaught_exceptions()) {}
   ~MpiWork() override {
-    if (!done_) {
-      MPI_Wait(&request_, MPI_STATUS_IGNORE);  // cannot throw from a destructor
+    // While an exception unwinds the stack (or after a timeout) the collective may never
+    // complete: the job is being aborted, so do not wait for it.
+    if (done_ || failed_ || std::uncaught_exceptions() > unwinding_) return;
+    try {
+      wait();
+    } catch (...) {  // cannot throw from a destructor; the next collective reports it
     }
   }
 
+  // Polls instead of MPI_Wait: with a deadline a dead or hung rank becomes an error, and
+  // yielding the core lets oversubscribed ranks (more ranks than cores) make progress.
   void wait() override {
     if (done_) return;
-    FLEXDEMO_MPI_CHECK(MPI_Wait(&request_, MPI_STATUS_IGNORE));
+    const double timeout = collective_timeout();
+    const auto begin = Clock::now();
+    for (;;) {
+      int flag = 0;
+      FLEXDEMO_MPI_CHECK(MPI_Test(&request_, &flag, MPI_STATUS_IGNORE));
+      if (flag) break;
+      const double waited = std::chrono::duration<double>(Clock::now() - begin).count();
+      if (timeout > 0 && waited > timeout) {
+        failed_ = true;
+        std::ostringstream msg;
+        msg << name_ << " over " << group_size_ << " ranks has not completed in " << timeout
+            << " s: a rank has died or hangs, or the network is down";
+        throw CommError(msg.str());
+      }
+      if (waited < 1e-3) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
     finish();
   }
   bool is_completed() override {
@@ -145,9 +192,12 @@ class MpiWork final : public Work {
   }
 
   std::shared_ptr<SharedStats> stats_;
+  const char* name_;  // the collective, for errors
+  int group_size_;
   uint64_t sent_, received_;
   Clock::time_point start_;
-  bool done_ = false;
+  int unwinding_;  // exceptions in flight when the collective started
+  bool done_ = false, failed_ = false;
 };
 
 uint64_t nbytes(const at::Tensor& t) {
@@ -176,7 +226,7 @@ class MpiCommunicator final : public Communicator {
                 std::to_string(size_ * input.numel()) + " elements of the input's dtype, got " +
                 std::to_string(output.numel()));
     const uint64_t n = nbytes(input);
-    auto work = make_work((size_ - 1) * n, (size_ - 1) * n);
+    auto work = make_work("all_gather", (size_ - 1) * n, (size_ - 1) * n);
     Staged in = Staged::input(input), out = Staged::output(output, false);
     const int count = checked_count(int64_t(n), "all_gather");
     FLEXDEMO_MPI_CHECK(MPI_Iallgather(in.data(), count, MPI_BYTE, out.data(), count, MPI_BYTE,
@@ -201,7 +251,7 @@ class MpiCommunicator final : public Communicator {
             "all_gather_v: output must have sum(counts) = " + std::to_string(total) +
                 " elements of the input's dtype, got " + std::to_string(output.numel()));
     const uint64_t received = uint64_t(total - counts[rank_]) * elem;
-    auto work = make_work((size_ - 1) * nbytes(input), received);
+    auto work = make_work("all_gather_v", (size_ - 1) * nbytes(input), received);
     int64_t offset = 0;
     for (int64_t c : counts) {
       work->counts_.push_back(checked_count(c * elem, "all_gather_v"));
@@ -223,7 +273,7 @@ class MpiCommunicator final : public Communicator {
             "all_reduce: Avg needs a floating dtype, got " +
                 std::string(c10::toString(tensor.scalar_type())));
     const uint64_t ring = 2 * (size_ - 1) * nbytes(tensor) / size_;
-    auto work = make_work(ring, ring);
+    auto work = make_work("all_reduce", ring, ring);
     Staged io = Staged::output(tensor, true);
     const MPI_Op mpi_op = tensor.scalar_type() == at::kBFloat16 ? g_bf16_sum : MPI_SUM;
     FLEXDEMO_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, io.data(),
@@ -244,7 +294,7 @@ class MpiCommunicator final : public Communicator {
     require(op == ReduceOp::Sum || at::isFloatingType(input.scalar_type()),
             "reduce_scatter: Avg needs a floating dtype");
     const uint64_t ring = (size_ - 1) * nbytes(input) / size_;
-    auto work = make_work(ring, ring);
+    auto work = make_work("reduce_scatter", ring, ring);
     Staged in = Staged::input(input), out = Staged::output(output, false);
     const MPI_Op mpi_op = input.scalar_type() == at::kBFloat16 ? g_bf16_sum : MPI_SUM;
     FLEXDEMO_MPI_CHECK(MPI_Ireduce_scatter_block(in.data(), out.data(),
@@ -258,7 +308,7 @@ class MpiCommunicator final : public Communicator {
 
   std::unique_ptr<Work> ibroadcast(const at::Tensor& tensor, int root) override {
     const uint64_t n = nbytes(tensor);
-    auto work = make_work(rank_ == root ? n : 0, rank_ == root ? 0 : n);
+    auto work = make_work("broadcast", rank_ == root ? n : 0, rank_ == root ? 0 : n);
     Staged io = Staged::output(tensor, rank_ == root);
     FLEXDEMO_MPI_CHECK(MPI_Ibcast(io.data(), checked_count(int64_t(n), "broadcast"), MPI_BYTE, root,
                                   comm_, &work->request_));
@@ -267,7 +317,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   std::unique_ptr<Work> ibarrier() override {
-    auto work = make_work(0, 0);
+    auto work = make_work("barrier", 0, 0);
     FLEXDEMO_MPI_CHECK(MPI_Ibarrier(comm_, &work->request_));
     return work;
   }
@@ -295,8 +345,8 @@ class MpiCommunicator final : public Communicator {
   }
 
  private:
-  std::unique_ptr<MpiWork> make_work(uint64_t sent, uint64_t received) {
-    return std::make_unique<MpiWork>(stats_, sent, received);
+  std::unique_ptr<MpiWork> make_work(const char* name, uint64_t sent, uint64_t received) {
+    return std::make_unique<MpiWork>(stats_, name, size_, sent, received);
   }
 
   MPI_Comm comm_;
@@ -329,6 +379,11 @@ MpiRuntime::~MpiRuntime() {
   if (g_bf16_sum != MPI_OP_NULL) MPI_Op_free(&g_bf16_sum);
   if (g_bf16_type != MPI_DATATYPE_NULL) MPI_Type_free(&g_bf16_type);
   MPI_Finalize();
+}
+
+void MpiRuntime::abort_job(int code) {
+  MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);  // MPI_Abort does not return; this keeps [[noreturn]] honest
 }
 
 std::shared_ptr<Communicator> MpiRuntime::world() const {

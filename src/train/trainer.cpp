@@ -20,10 +20,12 @@
 #include <fcntl.h>
 #include <sys/resource.h>
 #include <unistd.h>
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -62,6 +64,13 @@ void TrainConfig::validate() const {
   }
   if (checkpoint_every < 0) {
     fail("--checkpoint-every must be >= 0, got " + std::to_string(checkpoint_every));
+  }
+  if (keep_checkpoints < 1) {
+    fail("--keep-checkpoints must be >= 1, got " + std::to_string(keep_checkpoints));
+  }
+  if (!(comm_timeout >= 0)) {
+    fail("--comm-timeout must be >= 0 seconds (0: wait forever), got " +
+         fmt::format("{}", comm_timeout));
   }
   if (out.empty()) fail("--out must not be empty");
 }
@@ -107,7 +116,10 @@ nlohmann::ordered_json to_json(const TrainConfig& c) {
           {"threads", c.threads},
           {"bf16", c.bf16},
           {"check_replicas", c.check_replicas},
-          {"on_nonfinite", c.on_nonfinite}};
+          {"on_nonfinite", c.on_nonfinite},
+          {"checkpoint_every", c.checkpoint_every},
+          {"keep_checkpoints", c.keep_checkpoints},
+          {"comm_timeout", c.comm_timeout}};
 }
 
 // The optimizer a --optimizer name stands for; --replicator and --sign override.
@@ -172,6 +184,21 @@ struct Session {
   int64_t per_rank = 0, micro = 0;
 };
 
+// Collective: rank 0's `error` (if not empty) is thrown on every rank, as std::invalid_argument
+// when it is bad input; otherwise the other ranks would wait for rank 0 forever.
+void raise_on_every_rank(comm::Communicator& world, const std::string& error, bool bad_input) {
+  at::Tensor head = at::tensor({int64_t(error.size()), int64_t(bad_input)}, at::kLong);
+  world.broadcast(head, 0);
+  const int64_t length = head[0].item<int64_t>();
+  if (length == 0) return;
+  at::Tensor text = at::empty({length}, at::kByte);
+  if (world.rank() == 0) std::memcpy(text.data_ptr(), error.data(), size_t(length));
+  world.broadcast(text, 0);
+  const std::string message(static_cast<const char*>(text.data_ptr()), size_t(length));
+  if (head[1].item<int64_t>()) throw std::invalid_argument(message);
+  throw std::runtime_error(message);
+}
+
 TrainConfig config_from_json(const nlohmann::json& j) {
   TrainConfig c;
   c.model = j.value("model", c.model);
@@ -212,11 +239,24 @@ std::unique_ptr<Session> open_session(const TrainConfig& config,
                                 " sequences of each rank");
   }
 
-  // Data: rank 0 tokenizes (once per corpus, cached), the others read its cache.
+  // Data: rank 0 tokenizes (once per corpus, cached; this can take long, so no collective
+  // timeout yet), the others read its cache. Its error is raised on every rank.
+  comm::set_collective_timeout(0);
   const std::string helper = data::default_tokenize_helper();
-  if (root) s->tokens = data::load_token_data(cfg.data, cfg.tokenizer, cfg.vocab, helper);
-  world->barrier();
+  std::string error;
+  bool bad_input = false;
+  if (root) {
+    try {
+      s->tokens = data::load_token_data(cfg.data, cfg.tokenizer, cfg.vocab, helper);
+    } catch (const std::invalid_argument& e) {
+      error = e.what(), bad_input = true;
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  raise_on_every_rank(*world, error, bad_input);
   if (!root) s->tokens = data::load_token_data(cfg.data, cfg.tokenizer, cfg.vocab, helper);
+  comm::set_collective_timeout(cfg.comm_timeout);
   s->train_data = std::make_unique<data::BatchSampler>(s->tokens.train, cfg.seq, cfg.seed);
   s->val_data = std::make_unique<data::BatchSampler>(s->tokens.val, cfg.seq, cfg.seed);
 
@@ -271,23 +311,128 @@ void sync_file(const std::filesystem::path& path) {  // a file's or a folder's c
   }
 }
 
-std::filesystem::path checkpoint_dir(const std::string& run_or_checkpoint) {
-  namespace fs = std::filesystem;
-  const fs::path p(run_or_checkpoint);
-  if (fs::exists(p / "manifest.json")) return p;
-  if (fs::exists(p / "checkpoint" / "manifest.json")) return p / "checkpoint";
-  throw std::invalid_argument("no checkpoint in " + run_or_checkpoint +
-                              " (expected manifest.json in it or in its checkpoint/ folder)");
+// A run keeps its checkpoints in OUT/checkpoints/step-N/: model.safetensors,
+// optimizer-rank<r>.safetensors and manifest.json, written last with every file's CRC-32.
+// A checkpoint is written into step-N.tmp/ and renamed into place: it is whole or absent.
+namespace fs = std::filesystem;
+
+fs::path checkpoints_root(const std::string& out) { return fs::path(out) / "checkpoints"; }
+
+nlohmann::json read_manifest(const fs::path& dir) {
+  std::ifstream in(dir / "manifest.json");
+  if (!in) throw std::invalid_argument("no checkpoint in " + dir.string() + " (no manifest.json)");
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const std::exception&) {
+    throw std::invalid_argument("checkpoint " + dir.string() + " is damaged: manifest.json is not JSON");
+  }
+}
+
+// Why a checkpoint folder cannot be used, or "" when it is complete and every file passes its
+// CRC-32.
+std::string checkpoint_damage(const fs::path& dir) {
+  if (!fs::exists(dir / "manifest.json")) return "manifest.json is missing";
+  try {
+    const nlohmann::json manifest = read_manifest(dir);
+    const auto& files = manifest.at("files");
+    if (!files.is_object() || !files.contains("model.safetensors") ||
+        !manifest.at("step").is_number_integer()) {
+      return "manifest.json is incomplete";
+    }
+    for (const auto& [file, crc] : files.items()) {
+      if (file.find('/') != std::string::npos || !fs::is_regular_file(dir / file) ||
+          int64_t(file_crc32(dir / file)) != crc.get<int64_t>()) {
+        return file + " is missing or fails its CRC-32";
+      }
+    }
+  } catch (const std::exception&) {
+    return "manifest.json is not a checkpoint manifest";
+  }
+  return "";
+}
+
+int64_t step_of(const fs::path& dir) {  // step-N -> N; -1 for anything else
+  const std::string name = dir.filename().string();
+  if (name.rfind("step-", 0) != 0 || name.size() == 5) return -1;
+  for (size_t i = 5; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9') return -1;
+  }
+  return std::stoll(name.substr(5));
+}
+
+// A run's checkpoint folders, newest first.
+std::vector<fs::path> list_checkpoints(const fs::path& run) {
+  std::vector<fs::path> dirs;
+  if (fs::is_directory(checkpoints_root(run.string()))) {
+    for (const auto& e : fs::directory_iterator(checkpoints_root(run.string()))) {
+      if (e.is_directory() && step_of(e.path()) >= 0) dirs.push_back(e.path());
+    }
+  }
+  std::sort(dirs.begin(), dirs.end(),
+            [](const fs::path& a, const fs::path& b) { return step_of(a) > step_of(b); });
+  return dirs;
+}
+
+// The checkpoint `where` names: a checkpoint folder (refused if damaged), or a run folder, whose
+// newest valid checkpoint is taken; damaged newer ones are reported on stderr by `report`.
+fs::path find_checkpoint(const std::string& where, bool report) {
+  const fs::path p(where);
+  if (!fs::is_directory(p)) {
+    throw std::invalid_argument("no checkpoint at " + where + ": no such folder");
+  }
+  if (fs::exists(p / "manifest.json")) {
+    const std::string damage = checkpoint_damage(p);
+    if (!damage.empty()) {
+      throw std::invalid_argument("checkpoint " + where + " is damaged: " + damage);
+    }
+    return p;
+  }
+  std::string reasons;
+  for (const fs::path& dir : list_checkpoints(p)) {
+    const std::string damage = checkpoint_damage(dir);
+    if (damage.empty()) return dir;
+    if (report) {
+      std::fprintf(stderr, "flexdemo: warning: skipping damaged checkpoint %s: %s\n",
+                   dir.c_str(), damage.c_str());
+    }
+    reasons += "; " + dir.filename().string() + ": " + damage;
+  }
+  throw std::invalid_argument("no valid checkpoint in " + where +
+                              (reasons.empty() ? " (expected checkpoints/step-N/ folders)"
+                                               : reasons));
+}
+
+// The options a resumed run must share with the run that wrote the checkpoint: they define
+// the model, the data order and the optimizer state.
+const char* const kResumeKeys[] = {"model",   "width",     "layers",    "heads",     "context",
+                                   "data",    "tokenizer", "vocab",     "batch",     "seq",
+                                   "optimizer", "replicator", "sign",   "topk",      "chunk",
+                                   "decay",   "values",    "replicate_every", "weight_decay",
+                                   "seed",    "micro_batch"};
+
+void check_resumable(const nlohmann::json& manifest, const nlohmann::ordered_json& run,
+                     const std::string& where) {
+  const auto& saved = manifest.at("config");
+  for (const char* key : kResumeKeys) {
+    if (saved.contains(key) && saved[key].dump() != run[key].dump()) {
+      std::string option = key;
+      std::replace(option.begin(), option.end(), '_', '-');
+      throw std::invalid_argument("--resume: " + where + " was written with --" + option + " " +
+                                  saved[key].dump() + ", this run has " + run[key].dump() +
+                                  " (options that define the model, data and optimizer state "
+                                  "must match)");
+    }
+  }
 }
 
 // Collective: the full parameters (rank 0 writes them), every rank's optimizer state and
-// random state, and the manifest; the folder appears complete or not at all.
+// random state, and the manifest; then only the newest cfg.keep_checkpoints are kept.
 void save_checkpoint(Session& s, int64_t step) {
-  namespace fs = std::filesystem;
   const auto& world = s.topo.world;
   const bool root = world->rank() == 0;
-  const fs::path dir = fs::path(s.cfg.out) / "checkpoint";
-  const fs::path tmp = fs::path(s.cfg.out) / "checkpoint.tmp";
+  const fs::path root_dir = checkpoints_root(s.cfg.out);
+  const fs::path dir = root_dir / ("step-" + std::to_string(step));
+  const fs::path tmp = root_dir / ("step-" + std::to_string(step) + ".tmp");
   if (root) {
     fs::remove_all(tmp);
     fs::create_directories(tmp);
@@ -325,31 +470,21 @@ void save_checkpoint(Session& s, int64_t step) {
     manifest["config"] = to_json(s.cfg);
     std::ofstream(tmp / "manifest.json") << manifest.dump(2) << "\n";
     sync_file(tmp / "manifest.json");
+    sync_file(tmp);
     fs::remove_all(dir);
     fs::rename(tmp, dir);
-    sync_file(fs::path(s.cfg.out));  // the rename itself
+    sync_file(root_dir);  // the rename itself
+    const std::vector<fs::path> kept = list_checkpoints(s.cfg.out);
+    for (size_t i = size_t(s.cfg.keep_checkpoints); i < kept.size(); ++i) fs::remove_all(kept[i]);
   }
   world->barrier();
 }
 
-// Loads weights (any topology) and, when `with_optimizer`, this rank's optimizer state (the
-// same topology only). Returns the checkpoint's step.
-int64_t load_checkpoint(Session& s, const std::string& where, bool with_optimizer) {
-  namespace fs = std::filesystem;
-  const fs::path dir = checkpoint_dir(where);
-  const auto manifest = nlohmann::json::parse(std::ifstream(dir / "manifest.json"));
+// Loads weights (any topology) from checkpoint folder `dir` and, when `with_optimizer`, this
+// rank's optimizer state (the same topology only). Returns the checkpoint's step.
+int64_t load_checkpoint(Session& s, const fs::path& dir, bool with_optimizer) {
+  const nlohmann::json manifest = read_manifest(dir);
   const auto& world = s.topo.world;
-  auto verify = [&](const std::string& file) {
-    if (!manifest.contains("files") || !manifest["files"].contains(file)) {
-      throw std::invalid_argument("checkpoint " + dir.string() + " lists no checksum for " + file);
-    }
-    if (!fs::exists(dir / file) ||
-        int64_t(file_crc32(dir / file)) != manifest["files"][file].get<int64_t>()) {
-      throw std::invalid_argument("checkpoint " + dir.string() + " is corrupt: " + file +
-                                  " is missing or fails its CRC-32");
-    }
-  };
-  verify("model.safetensors");
   std::map<std::string, at::Tensor> weights;
   for (auto& [name, t] : read_safetensors((dir / "model.safetensors").string())) weights[name] = t;
   for (size_t u = 0; u < s.lm->units().size(); ++u) {
@@ -372,7 +507,6 @@ int64_t load_checkpoint(Session& s, const std::string& where, bool with_optimize
                                 std::to_string(manifest.at("world_size").get<int>()) +
                                 " ranks); this run is " + s.topo.describe());
   }
-  verify("optimizer-rank" + std::to_string(world->rank()) + ".safetensors");
   std::map<std::string, at::Tensor> saved;
   for (auto& [name, t] : read_safetensors(
            (dir / ("optimizer-rank" + std::to_string(world->rank()) + ".safetensors")).string())) {
@@ -438,7 +572,16 @@ void check_replicas(const std::vector<at::Tensor>& shards,
 }
 
 int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> world) {
-  namespace fs = std::filesystem;
+  // A resumed run is checked against its checkpoint before any work.
+  fs::path resume_from;
+  nlohmann::json resume_manifest;
+  if (!config.resume.empty()) {
+    resume_from = find_checkpoint(config.resume, world->rank() == 0);
+    resume_manifest = read_manifest(resume_from);
+    TrainConfig resolved = config;
+    optimizer_options(resolved);
+    check_resumable(resume_manifest, to_json(resolved), resume_from.string());
+  }
   auto session = open_session(config, world);
   Session& s = *session;
   const TrainConfig& cfg = s.cfg;
@@ -451,7 +594,7 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
   const int64_t per_rank = s.per_rank, micro = s.micro;
   const int P = world->size();
   const bool root = world->rank() == 0;
-  const int64_t start_step = cfg.resume.empty() ? 0 : load_checkpoint(s, cfg.resume, true);
+  const int64_t start_step = cfg.resume.empty() ? 0 : load_checkpoint(s, resume_from, true);
   int64_t skipped_steps = 0;
   // Testing aid: FLEXDEMO_INJECT_NONFINITE="STEP:RANK" makes that rank's loss NaN at that step.
   int64_t inject_step = -1, inject_rank = -1;
@@ -472,8 +615,19 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
     resolved["num_params"] = lm->num_params();
     resolved["vocab_size"] = tokens.vocab_size;
     std::ofstream(fs::path(cfg.out) / "config.json") << resolved.dump(2) << "\n";
-    metrics.open(fs::path(cfg.out) / "metrics.jsonl",
-                 start_step > 0 ? std::ios::app : std::ios::trunc);
+    const fs::path metrics_path = fs::path(cfg.out) / "metrics.jsonl";
+    // A resumed run continues the metrics of the steps its checkpoint holds; lines written after
+    // that checkpoint (by a run that then died) are dropped, so each step appears once.
+    std::string kept;
+    if (start_step > 0) {
+      std::ifstream in(metrics_path);
+      for (std::string line; std::getline(in, line);) {
+        const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+        if (j.is_object() && j.value("step", int64_t(0)) <= start_step) kept += line + "\n";
+      }
+    }
+    metrics.open(metrics_path, std::ios::trunc);
+    metrics << kept;
     fmt::print("flexdemo train: {}; {}; {} + {} replicator; global batch {} x {} tokens\n",
                topo.describe(), lm->describe(), cfg.optimizer, cfg.replicator, cfg.batch, cfg.seq);
     std::fflush(stdout);
@@ -631,13 +785,12 @@ namespace {
 // A session on `world` holding a checkpoint's weights (its model and data; any topology).
 std::unique_ptr<Session> open_checkpoint(const std::string& checkpoint, int64_t eval_seqs,
                                          std::shared_ptr<comm::Communicator> world) {
-  const auto manifest =
-      nlohmann::json::parse(std::ifstream(checkpoint_dir(checkpoint) / "manifest.json"));
-  TrainConfig c = config_from_json(manifest.at("config"));
+  const fs::path dir = find_checkpoint(checkpoint, world->rank() == 0);
+  TrainConfig c = config_from_json(read_manifest(dir).at("config"));
   c.batch = world->size();
   c.eval_seqs = eval_seqs;
   auto s = open_session(c, world);
-  load_checkpoint(*s, checkpoint, /*with_optimizer=*/false);
+  load_checkpoint(*s, dir, /*with_optimizer=*/false);
   return s;
 }
 
