@@ -59,7 +59,7 @@ void expand_config_file(std::vector<std::string>& args, const CLI::App& cmd) {
     const std::string option = "--" + item.name;
     if (!item.parents.empty() || cmd.get_option_no_throw(option) == nullptr || option == "--config") {
       throw std::invalid_argument("--config " + file + ": unknown key '" + item.fullname() +
-                                  "'; accepted: the options of `flexdemo train --help`, without --");
+                                  "'; accepted: the options that flexdemo train --help lists, without --");
     }
     const bool given = std::any_of(args.begin(), args.end(), [&](const std::string& a) {
       return a == option || a.rfind(option + "=", 0) == 0;
@@ -172,6 +172,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   train->add_option("--replicate-every", tc.replicate_every, "exchange every N steps")
       ->capture_default_str();
+  train->add_flag("--overlap-step", tc.overlap_step,
+                  "run each exchange between nodes through the next step and apply it there (one "
+                  "step stale), hiding it behind that step's forward and backward");
   train->add_option("--ranks-per-node", tc.ranks_per_node, "ranks per node (0: from MPI)")
       ->envname("FLEXDEMO_RANKS_PER_NODE")
       ->capture_default_str();

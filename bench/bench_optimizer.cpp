@@ -85,6 +85,10 @@ optim::DemoOptions demo_options(const DemoBenchArgs& args) {
   if (args.steps < 1) {
     throw std::invalid_argument("--steps must be >= 1, got " + std::to_string(args.steps));
   }
+  if (args.topk < 1) throw std::invalid_argument("--topk must be >= 1, got " + std::to_string(args.topk));
+  if (args.chunk < 1) {
+    throw std::invalid_argument("--chunk must be >= 1, got " + std::to_string(args.chunk));
+  }
   optim::DemoOptions options;
   options.topk = args.topk;
   options.chunk = args.chunk;
@@ -95,6 +99,9 @@ optim::DemoOptions demo_options(const DemoBenchArgs& args) {
 
 int run_bench_optimizer(const OptimizerBenchArgs& args) {
   const optim::DemoOptions options = demo_options(args);
+  if (args.threads < 1) {
+    throw std::invalid_argument("--threads must be >= 1, got " + std::to_string(args.threads));
+  }
   set_num_threads(args.threads);
   at::manual_seed(0);
 

@@ -65,7 +65,8 @@ TEST(TopK, MatchesSortBasedReference) {
     dct::ChunkPlan plan = dct::make_chunk_plan({24, 40}, 16, mode);
     at::Tensor coeffs = at::randn({plan.padded_rows, plan.padded_cols});
     for (int64_t k : {1, 5, 37}) {
-      compress::TopK t = compress::select_topk(coeffs, plan, k);
+     for (auto select : {&compress::select_topk, &compress::select_topk_plain}) {
+      compress::TopK t = select(coeffs, plan, k);
       auto want = reference_topk(coeffs, plan, k);
       ASSERT_EQ(t.indices.size(0), int64_t(want.size()));
       for (size_t c = 0; c < want.size(); ++c) {
@@ -77,7 +78,23 @@ TEST(TopK, MatchesSortBasedReference) {
           EXPECT_EQ(t.values[c][j].item<float>(), expect);
         }
       }
+     }
     }
+  }
+}
+
+TEST(TopK, FastSelectionEqualsHeapOnTiesAndZeros) {
+  // Few distinct magnitudes (many ties, whole chunks of zeros): the histogram selection must
+  // break ties like the heap, by the lower position.
+  at::manual_seed(11);
+  dct::ChunkPlan plan = dct::make_chunk_plan({64, 128}, 64, dct::ChunkMode::Divisor);
+  at::Tensor coeffs = at::randint(-3, 4, {64, 128}).to(at::kFloat);
+  coeffs.narrow(1, 64, 64).zero_();
+  for (int64_t k : {1, 32, 1000, 4096}) {
+    compress::TopK fast = compress::select_topk(coeffs, plan, k);
+    compress::TopK plain = compress::select_topk_plain(coeffs, plan, k);
+    EXPECT_TRUE(at::equal(fast.indices, plain.indices)) << "k " << k;
+    EXPECT_TRUE(at::equal(fast.values, plain.values)) << "k " << k;
   }
 }
 

@@ -139,3 +139,22 @@ TEST(Dct, AccumulateScalesAndAdds) {
   at::Tensor want = base.to(at::kDouble) * 0.9 + 0.01 * reference_dct(x, plan);
   EXPECT_TRUE(at::allclose(out.to(at::kDouble), want, 1e-5, 1e-6));
 }
+
+TEST(Dct, SparseInverseMatchesDenseInverse) {
+  at::manual_seed(4);
+  for (ChunkMode mode : {ChunkMode::Divisor, ChunkMode::Padded}) {
+    for (auto shape : std::vector<std::vector<int64_t>>{{130, 70}, {97}, {256, 192}, {1, 64}}) {
+      ChunkPlan plan = make_chunk_plan(shape, 64, mode);
+      for (double density : {0.0, 0.01, 0.3, 1.0}) {
+        at::Tensor coeffs = at::randn({plan.padded_rows, plan.padded_cols});
+        coeffs.mul_(at::rand_like(coeffs) < density);
+        at::Tensor dense = at::empty({plan.padded_numel()}), sparse = at::empty({plan.padded_numel()});
+        flexdemo::dct::chunked_idct_into(coeffs, plan, dense);
+        flexdemo::dct::chunked_idct_sparse_into(coeffs, plan, sparse);
+        EXPECT_TRUE(at::allclose(sparse, dense, 1e-5, 1e-6))
+            << at::IntArrayRef(shape) << " density " << density << " max err "
+            << (sparse - dense).abs().max().item<double>();
+      }
+    }
+  }
+}

@@ -184,3 +184,51 @@ TEST(Demo, RejectsInvalidOptions) {
   o.weight_decay = -1.0;
   expect_error(o, "weight_decay");
 }
+
+TEST(Demo, FastPathEqualsPlainPath) {
+  // The fast path (histogram top-k, sparse inverse DCT) against the plain one (heap top-k,
+  // dense GEMM inverse) on every case: the same coefficients are chosen, so with sign-SGD every
+  // element moves the same way (a differing sign would be off by 2 lr = 0.02).
+  at::manual_seed(23);
+  for (const Case& c : kCases) {
+    optim::DemoOptions fast = test_options(c.mode, true), plain = fast;
+    plain.fast_path = false;
+    at::Tensor p_fast = at::randn(c.shape).set_requires_grad(true);
+    at::Tensor p_plain = p_fast.detach().clone().set_requires_grad(true);
+    optim::DemoOptimizer a({p_fast}, fast), b({p_plain}, plain);
+    for (int step = 0; step < 6; ++step) {
+      const at::Tensor g = at::randn(c.shape);
+      p_fast.mutable_grad() = g;
+      p_plain.mutable_grad() = g.clone();
+      a.step();
+      b.step();
+      EXPECT_LT((p_fast - p_plain).abs().max().item<double>(), 1e-6)
+          << at::IntArrayRef(c.shape) << " step " << step;
+      EXPECT_TRUE(at::allclose(a.residual(0), b.residual(0), 1e-5, 1e-7));
+    }
+  }
+}
+
+TEST(Demo, OverlapStepAppliesEachUpdateOneStepLater) {
+  // With the same gradients and a constant lr, the overlapped optimizer after step t + 1 holds
+  // exactly the parameters the plain one held after step t (its residual is never stale).
+  at::manual_seed(24);
+  optim::DemoOptions plain = test_options(dct::ChunkMode::Divisor, true), overlap = plain;
+  overlap.overlap_step = true;
+  at::Tensor p = at::randn({48, 40}).set_requires_grad(true);
+  at::Tensor q = p.detach().clone().set_requires_grad(true);
+  const at::Tensor init = p.detach().clone();
+  optim::DemoOptimizer a({p}, plain), b({q}, overlap);
+  std::vector<at::Tensor> after_plain;
+  for (int step = 0; step < 6; ++step) {
+    const at::Tensor g = at::randn({48, 40});
+    p.mutable_grad() = g;
+    q.mutable_grad() = g.clone();
+    a.step();
+    b.step();
+    EXPECT_TRUE(at::equal(a.residual(0), b.residual(0))) << "step " << step;
+    EXPECT_TRUE(at::equal(q.detach(), step == 0 ? init : after_plain.back())) << "step " << step;
+    after_plain.push_back(p.detach().clone());
+  }
+  EXPECT_FALSE(at::equal(q.detach(), p.detach()));  // the overlapped run is one update behind
+}

@@ -107,3 +107,39 @@ TEST(DemoMpi, UpdateEqualsSingleProcessReplayOfAllReplicas) {
     EXPECT_TRUE(at::allclose(params[i].detach(), expected, 1e-5, 1e-6)) << "parameter " << i;
   }
 }
+
+TEST(DemoMpi, OverlapStepKeepsReplicasIdenticalAndOneStepBehind) {
+  // --overlap-step across real ranks: each step's all-gather stays in flight until the next
+  // step, the replicas stay bit-identical, and after step t + 1 they hold what the blocking
+  // exchange gave after step t (same gradients, constant lr).
+  auto world = test_world();
+  optim::DemoOptions o;
+  o.lr = 0.01;
+  o.topk = 8;
+  o.chunk = 16;
+  o.values = compress::ValueEncoding::Bf16;
+  optim::DemoOptions overlapped = o;
+  overlapped.overlap_step = true;
+  std::vector<at::Tensor> a = make_params(), b = make_params();
+  optim::DemoOptimizer blocking(a, o, world->split(0, world->rank()));
+  auto group = world->split(0, world->rank());
+  optim::DemoOptimizer overlap(b, overlapped, group);
+  std::vector<at::Tensor> previous;
+  for (auto& p : a) previous.push_back(p.detach().clone());
+  const int steps = 8;
+  for (int step = 0; step < steps; ++step) {
+    set_gradients(a, world->rank(), step);
+    set_gradients(b, world->rank(), step);
+    blocking.step();
+    overlap.step();
+    for (size_t i = 0; i < b.size(); ++i) {
+      EXPECT_TRUE(at::equal(b[i].detach(), previous[i])) << "parameter " << i << " step " << step;
+      at::Tensor root = b[i].detach().clone();
+      world->broadcast(root, 0);
+      EXPECT_TRUE(at::equal(b[i].detach(), root)) << "replicas differ, parameter " << i;
+      previous[i] = a[i].detach().clone();
+    }
+  }
+  // The last exchange is still in flight; all the earlier ones completed.
+  EXPECT_EQ(group->stats().collectives, uint64_t(steps - 1));
+}

@@ -12,6 +12,8 @@
 #include <fstream>
 #include <iostream>
 #include <iterator>
+#include <stdexcept>
+#include <system_error>
 
 namespace fs = std::filesystem;
 
@@ -37,6 +39,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  std::string tmp;  // the output folder being written; removed if tokenizing fails
   try {
     if (encode->parsed()) {
       std::unique_ptr<flexdemo::data::Tokenizer> tok =
@@ -59,7 +62,7 @@ int main(int argc, char** argv) {
     if (data.empty() || out_dir.empty())
       throw std::invalid_argument("--data and --out-dir are required");
     const std::vector<std::string> documents = flexdemo::data::read_text_documents(data);
-    const std::string tmp = out_dir + ".tmp" + std::to_string(getpid());
+    tmp = out_dir + ".tmp" + std::to_string(getpid());
     fs::create_directories(tmp);
     std::unique_ptr<flexdemo::data::Tokenizer> tok;
     if (tokenizer == "bytes") {
@@ -86,8 +89,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "flexdemo-tokenize: %zu train and %zu validation tokens in %s\n",
                  split.train.size(), split.val.size(), out_dir.c_str());
   } catch (const std::exception& e) {
+    std::error_code ignored;
+    if (!tmp.empty()) fs::remove_all(tmp, ignored);
     std::fprintf(stderr, "flexdemo-tokenize: error: %s\n", e.what());
-    return 1;
+    // Bad input (an empty or binary corpus, a bad vocabulary) exits 2, like flexdemo itself.
+    return dynamic_cast<const std::invalid_argument*>(&e) ? 2 : 1;
   }
   return 0;
 }

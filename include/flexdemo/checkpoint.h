@@ -6,6 +6,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstddef>
+#include <cstdint>
 #include <map>
 #include <string>
 #include <utility>
@@ -20,5 +22,7 @@ void write_safetensors(const std::string& path, const NamedTensors& tensors,
                        const std::map<std::string, std::string>& metadata = {});
 // Throws std::invalid_argument for a file that is not a complete, consistent safetensors file.
 NamedTensors read_safetensors(const std::string& path);
+// The same from memory (`name` names the source in errors); never reads outside [data, size).
+NamedTensors parse_safetensors(const uint8_t* data, size_t size, const std::string& name);
 
 }  // namespace flexdemo::train

@@ -39,6 +39,8 @@ struct TopK {
 int64_t clamp_topk(int64_t k, const dct::ChunkPlan& plan);  // into [1, chunk_numel]
 // coeffs: float32 contiguous block layout (see dct.h). Ties go to the lower index.
 TopK select_topk(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k);
+// The same selection by a bounded heap per chunk: the plain path the fast one is tested against.
+TopK select_topk_plain(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k);
 // coeffs[selected] += alpha * values: with alpha = -1 this is DeMo's error feedback.
 void add_selected(const at::Tensor& coeffs, const dct::ChunkPlan& plan, const TopK& topk,
                   float alpha);

@@ -68,6 +68,11 @@ at::Tensor chunked_dct(const at::Tensor& x, const ChunkPlan& plan);  // new coef
 // rows/cols hold what the inverse gives there). scratch as above.
 void chunked_idct_into(const at::Tensor& coeffs, const ChunkPlan& plan, const at::Tensor& samples,
                        at::Tensor* scratch = nullptr);
+// The same inverse for mostly-zero coefficients (DeMo's decoded top-k), on the CPU: per chunk
+// only the rows holding a non-zero coefficient are transformed, so the cost follows the
+// non-zeros. Equal to chunked_idct_into up to float rounding; deterministic.
+void chunked_idct_sparse_into(const at::Tensor& coeffs, const ChunkPlan& plan,
+                              const at::Tensor& samples);
 // Inverse: float32 [rows, cols] samples (padding cropped) from block-layout coefficients.
 at::Tensor chunked_idct(const at::Tensor& coeffs, const ChunkPlan& plan);
 

@@ -53,10 +53,14 @@ struct DemoOptions {
   int64_t chunk = 64;    // target chunk edge (> 0)
   dct::ChunkMode chunk_mode = dct::ChunkMode::Divisor;
   compress::ValueEncoding values = compress::ValueEncoding::Fp32;  // wire value encoding
+  bool fast_path = true;  // sparse-aware decode; false: the plain whole-tensor transforms (the
+                          // reference the fast path is tested against)
   // ====== Exchange ======
   ReplicatorKind replicator = ReplicatorKind::Demo;
   int64_t replicate_every = 1;        // exchange and update every N steps (>= 1); the steps in
                                       // between only fold their gradients into the state
+  bool overlap_step = false;          // Demo: the exchange runs non-blocking through the next
+                                      // step and its update is applied there (one step stale)
   double random_fraction = 1.0 / 32;  // Random: fraction of rows exchanged, in (0, 1]
   uint64_t seed = 0;                  // Random: selection seed, the same on every replica
 

@@ -43,6 +43,7 @@ struct TrainConfig {
   double decay = 0.999;
   std::string values = "bf16";
   int64_t replicate_every = 1;
+  bool overlap_step = false;  // apply each exchange one step later, hidden behind that step
   // ====== Topology ======
   int ranks_per_node = 0;  // 0: from MPI
   int shard_size = 0;      // 0: the whole node

@@ -1,5 +1,6 @@
 // Per-chunk top-k by magnitude over block-layout coefficients, and adding values back at the
-// selected positions (error feedback). Plain loops: a bounded heap per chunk beats a full sort.
+// selected positions (error feedback). The plain path keeps a bounded heap per chunk; the fast
+// path a histogram partial selection; both choose the same coefficients.
 #include "flexdemo/compress.h"
 
 #include <ATen/ATen.h>
@@ -41,7 +42,8 @@ void check_coeffs(const at::Tensor& coeffs, const dct::ChunkPlan& plan, const ch
 
 }  // namespace
 
-TopK select_topk(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k_requested) {
+TopK select_topk_plain(const at::Tensor& coeffs, const dct::ChunkPlan& plan,
+                       int64_t k_requested) {
   check_coeffs(coeffs, plan, "select_topk");
   const int64_t k = clamp_topk(k_requested, plan);
   const int64_t chunks = plan.num_chunks();
@@ -80,6 +82,71 @@ TopK select_topk(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k
       std::sort(heap.begin(), heap.end());
       for (int64_t j = 0; j < k; ++j) {
         const int64_t pos = int64_t(heap[j]);
+        idx_out[c * k + j] = pos;
+        val_out[c * k + j] = base[plan.offset_in_chunk(pos)];
+      }
+    }
+  });
+  return out;
+}
+
+// Partial selection by a histogram of the magnitudes' top bits: one pass counts the chunk's
+// coefficients per bin (|x|'s IEEE bits >> 21: exponent and 2 mantissa bits), the bin holding
+// the k-th largest is found from the top, everything above it is kept, and only that bin's
+// members are ranked exactly (magnitude, then lower position) -- the heap's order, so the same
+// coefficients are chosen.
+TopK select_topk(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k_requested) {
+  check_coeffs(coeffs, plan, "select_topk");
+  const int64_t k = clamp_topk(k_requested, plan);
+  const int64_t chunks = plan.num_chunks(), n = plan.chunk_numel();
+  TopK out;
+  out.k = k;
+  out.indices = at::empty({chunks, k}, at::kLong);
+  out.values = at::empty({chunks, k}, at::kFloat);
+  const float* src = coeffs.data_ptr<float>();
+  int64_t* idx_out = out.indices.data_ptr<int64_t>();
+  float* val_out = out.values.data_ptr<float>();
+  const int64_t h = plan.chunk_rows, w = plan.chunk_cols, stride = plan.padded_cols;
+  constexpr int kShift = 21;
+  constexpr uint32_t kBins = 1u << (31 - kShift);
+
+  at::parallel_for(0, chunks, 16, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> mag(n);  // |x|'s IEEE bits, in chunk order
+    std::vector<uint32_t> hist(kBins);
+    std::vector<uint64_t> ties;    // keys of the boundary bin's members
+    std::vector<int64_t> kept;
+    for (int64_t c = begin; c < end; ++c) {
+      const float* base = src + plan.chunk_origin(c);
+      std::fill(hist.begin(), hist.end(), 0u);
+      for (int64_t u = 0; u < h; ++u) {
+        const float* row = base + u * stride;
+        uint32_t* m = mag.data() + u * w;
+        for (int64_t v = 0; v < w; ++v) {
+          uint32_t bits;
+          std::memcpy(&bits, row + v, 4);
+          m[v] = bits & 0x7fffffffu;
+        }
+        for (int64_t v = 0; v < w; ++v) hist[m[v] >> kShift] += 1;
+      }
+      uint32_t boundary = kBins - 1;
+      int64_t above = 0;  // coefficients in bins above the boundary bin (< k)
+      while (above + int64_t(hist[boundary]) < k) above += hist[boundary--];
+      kept.clear();
+      ties.clear();
+      for (int64_t pos = 0; pos < n; ++pos) {
+        const uint32_t bin = mag[pos] >> kShift;
+        if (bin > boundary) {
+          kept.push_back(pos);
+        } else if (bin == boundary) {
+          ties.push_back(uint64_t(mag[pos]) << 32 | (0xffffffffu - uint32_t(pos)));
+        }
+      }
+      const int64_t rest = k - above;
+      std::nth_element(ties.begin(), ties.begin() + (rest - 1), ties.end(), std::greater<>());
+      for (int64_t j = 0; j < rest; ++j) kept.push_back(int64_t(position_of(ties[j])));
+      std::sort(kept.begin(), kept.end());
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t pos = kept[j];
         idx_out[c * k + j] = pos;
         val_out[c * k + j] = base[plan.offset_in_chunk(pos)];
       }

@@ -9,6 +9,7 @@
 
 #include <sys/wait.h>
 #include <unistd.h>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -71,10 +72,27 @@ TokenData load_token_data(const std::string& data, const std::string& tokenizer,
   if (!cached()) {
     const std::string cmd = quote(helper) + " --data " + quote(data) + " --tokenizer " + tokenizer +
                             " --vocab " + std::to_string(vocab) + " --out-dir " + quote(dir);
-    const int status = std::system(cmd.c_str());
-    if (status != 0) {
+    // The helper's progress is passed on as it comes; its error line becomes this exception.
+    const std::string error_prefix = "flexdemo-tokenize: error: ";
+    std::string error;
+    FILE* pipe = popen((cmd + " 2>&1").c_str(), "r");
+    if (pipe == nullptr) throw std::runtime_error("cannot start " + helper);
+    char line[4096];
+    while (std::fgets(line, sizeof(line), pipe) != nullptr) {
+      std::string text(line);
+      if (text.rfind(error_prefix, 0) == 0) {
+        error = text.substr(error_prefix.size());
+        if (!error.empty() && error.back() == '\n') error.pop_back();
+      } else {
+        std::fputs(line, stdout);  // progress, not an error
+      }
+    }
+    const int status = pclose(pipe);
+    const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    if (code == 2) throw std::invalid_argument(error);  // bad input, already explained
+    if (code != 0) {
       throw std::runtime_error("tokenizing " + data + " failed (" + cmd + " exited with " +
-                               std::to_string(WEXITSTATUS(status)) + ")");
+                               std::to_string(code) + (error.empty() ? "" : ": " + error) + ")");
     }
   }
   const nlohmann::json meta = nlohmann::json::parse(std::ifstream(fs::path(dir) / "meta.json"));

@@ -118,7 +118,12 @@ std::unique_ptr<Tokenizer> load_or_train_bpe(const std::vector<std::string>& doc
     std::string model;
     const auto status = sentencepiece::SentencePieceTrainer::Train(args.str(), &lines, &model);
     if (!status.ok()) {
-      throw std::runtime_error("training the BPE tokenizer failed: " + status.ToString());
+      // SentencePiece refuses a vocabulary the corpus cannot fill: bad input, not a crash.
+      std::string why(status.message());
+      if (const size_t at = why.rfind("] "); at != std::string::npos) why = why.substr(at + 2);
+      throw std::invalid_argument("cannot train a " + std::to_string(vocab_size) +
+                                  "-piece BPE on --data: " + why +
+                                  " (use a smaller --vocab, or --tokenizer bytes)");
     }
     const std::string tmp = cache_path + ".tmp" + std::to_string(getpid());
     std::ofstream(tmp, std::ios::binary).write(model.data(), std::streamsize(model.size()));

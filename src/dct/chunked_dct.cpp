@@ -1,14 +1,19 @@
 // Chunk plans, the cached DCT basis and the separable chunked DCT over whole tensors.
-// Each transform is two GEMMs on the block layout (rows of chunks, then columns of chunks).
+// Each transform is two GEMMs on the block layout (rows of chunks, then columns of chunks), run
+// over bands of chunk rows in parallel; the inverse of sparse coefficients skips the zeros.
 #include "flexdemo/dct.h"
 
+#include "flexdemo/runtime.h"
+
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <cmath>
 #include <map>
 #include <mutex>
 #include <stdexcept>
 #include <tuple>
+#include <vector>
 
 namespace flexdemo::dct {
 
@@ -125,22 +130,28 @@ void chunked_dct_accumulate(const at::Tensor& x, const ChunkPlan& plan, double b
   }
   samples = samples.contiguous();
   const auto device = out.device();
-  // Along the rows of each chunk: B_h @ [h, C] block, batched over the R/h row chunks.
-  at::Tensor rows_done = samples;
-  if (h > 1) {
-    rows_done = scratch_for(plan, scratch, out, "chunked_dct").view({R / h, h, C});
-    at::bmm_out(rows_done, dct_basis(h, at::kFloat, device).expand({R / h, h, h}),
-                samples.view({R / h, h, C}));
-  }
-  // Along the columns, fused with the accumulation: out = beta*out + alpha*(. @ B_w^T).
-  at::Tensor out2d = out.view({R * C / w, w});
-  at::Tensor bw_t = dct_basis(w, at::kFloat, device).t();
-  if (beta == 0.0) {
-    at::mm_out(out2d, rows_done.view({R * C / w, w}), bw_t);
-    if (alpha != 1.0) out.mul_(alpha);
-  } else {
-    out2d.addmm_(rows_done.view({R * C / w, w}), bw_t, beta, alpha);
-  }
+  const at::Tensor bh = dct_basis(h, at::kFloat, device);
+  const at::Tensor bw_t = dct_basis(w, at::kFloat, device).t();
+  const at::Tensor work = h > 1 ? scratch_for(plan, scratch, out, "chunked_dct").view({R, C}) : samples;
+  // Bands of chunk rows in parallel; inside, one band is B_h @ [h, C] per chunk row (batched),
+  // then (.) @ B_w^T fused with the accumulation out = beta*out + alpha*(...).
+  SingleThreadedBlas one_blas_thread;
+  at::parallel_for(0, R / h, 1, [&](int64_t begin, int64_t end) {
+    const int64_t rows = (end - begin) * h;
+    at::Tensor rows_done = work.narrow(0, begin * h, rows);
+    if (h > 1) {
+      at::Tensor band = rows_done.view({end - begin, h, C});
+      at::bmm_out(band, bh.expand({end - begin, h, h}),
+                  samples.narrow(0, begin * h, rows).view({end - begin, h, C}));
+    }
+    at::Tensor out2d = out.view({R, C}).narrow(0, begin * h, rows).view({rows * C / w, w});
+    if (beta == 0.0) {
+      at::mm_out(out2d, rows_done.reshape({rows * C / w, w}), bw_t);
+      if (alpha != 1.0) out2d.mul_(alpha);
+    } else {
+      out2d.addmm_(rows_done.reshape({rows * C / w, w}), bw_t, beta, alpha);
+    }
+  });
 }
 
 at::Tensor chunked_dct(const at::Tensor& x, const ChunkPlan& plan) {
@@ -157,17 +168,66 @@ void chunked_idct_into(const at::Tensor& coeffs, const ChunkPlan& plan, const at
   const int64_t R = plan.padded_rows, C = plan.padded_cols;
   const auto device = coeffs.device();
   const at::Tensor bw = dct_basis(w, at::kFloat, device);
-  // x = B_h^T C B_w per chunk: columns first (one GEMM), then rows (batched over row chunks).
-  if (h == 1) {
-    at::Tensor out2d = samples.view({R * C / w, w});
-    at::mm_out(out2d, coeffs.view({R * C / w, w}), bw);
-    return;
+  const at::Tensor bh_t = dct_basis(h, at::kFloat, device).t();
+  const at::Tensor work =
+      h > 1 ? scratch_for(plan, scratch, coeffs, "chunked_idct").view({R, C}) : samples.view({R, C});
+  // x = B_h^T C B_w per chunk: columns first (one GEMM per band), then rows (batched).
+  SingleThreadedBlas one_blas_thread;
+  at::parallel_for(0, R / h, 1, [&](int64_t begin, int64_t end) {
+    const int64_t rows = (end - begin) * h;
+    at::Tensor cols_done = work.narrow(0, begin * h, rows).view({rows * C / w, w});
+    at::mm_out(cols_done, coeffs.view({R, C}).narrow(0, begin * h, rows).view({rows * C / w, w}),
+               bw);
+    if (h > 1) {
+      at::Tensor band = samples.view({R, C}).narrow(0, begin * h, rows).view({end - begin, h, C});
+      at::bmm_out(band, bh_t.expand({end - begin, h, h}), cols_done.view({end - begin, h, C}));
+    }
+  });
+}
+
+void chunked_idct_sparse_into(const at::Tensor& coeffs, const ChunkPlan& plan,
+                              const at::Tensor& samples) {
+  check_floats(coeffs, plan.padded_numel(), "chunked_idct_sparse", "coefficients");
+  check_floats(samples, plan.padded_numel(), "chunked_idct_sparse", "samples");
+  if (!coeffs.is_cpu() || !samples.is_cpu()) {
+    throw std::invalid_argument("chunked_idct_sparse: CPU tensors only");
   }
-  at::Tensor cols_done = scratch_for(plan, scratch, coeffs, "chunked_idct").view({R * C / w, w});
-  at::mm_out(cols_done, coeffs.view({R * C / w, w}), bw);
-  at::Tensor out3d = samples.view({R / h, h, C});
-  at::bmm_out(out3d, dct_basis(h, at::kFloat, device).t().expand({R / h, h, h}),
-              cols_done.view({R / h, h, C}));
+  const int64_t h = plan.chunk_rows, w = plan.chunk_cols, C = plan.padded_cols;
+  const at::Tensor bh = dct_basis(h, at::kFloat, at::kCPU), bw = dct_basis(w, at::kFloat, at::kCPU);
+  const float* Bh = bh.data_ptr<float>();
+  const float* Bw = bw.data_ptr<float>();
+  const float* src = coeffs.data_ptr<float>();
+  float* dst = samples.data_ptr<float>();
+  at::parallel_for(0, plan.num_chunks(), 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> t(size_t(h * w));  // C[u, :] @ B_w for the chunk's non-zero rows u
+    std::vector<int64_t> nonzero_rows;
+    for (int64_t c = begin; c < end; ++c) {
+      const float* in = src + plan.chunk_origin(c);
+      float* out = dst + plan.chunk_origin(c);
+      nonzero_rows.clear();
+      for (int64_t u = 0; u < h; ++u) {
+        float* trow = t.data() + nonzero_rows.size() * w;
+        bool any = false;
+        for (int64_t v = 0; v < w; ++v) {
+          const float a = in[u * C + v];
+          if (a == 0.0f) continue;
+          if (!any) std::fill(trow, trow + w, 0.0f), any = true;
+          const float* b = Bw + v * w;
+          for (int64_t j = 0; j < w; ++j) trow[j] += a * b[j];
+        }
+        if (any) nonzero_rows.push_back(u);
+      }
+      for (int64_t i = 0; i < h; ++i) {  // x[i, :] = sum over u of B_h[u, i] * t[u, :]
+        float* orow = out + i * C;
+        std::fill(orow, orow + w, 0.0f);
+        for (size_t r = 0; r < nonzero_rows.size(); ++r) {
+          const float s = Bh[nonzero_rows[r] * h + i];
+          const float* trow = t.data() + r * w;
+          for (int64_t j = 0; j < w; ++j) orow[j] += s * trow[j];
+        }
+      }
+    }
+  });
 }
 
 at::Tensor chunked_idct(const at::Tensor& coeffs, const ChunkPlan& plan) {

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <sstream>
 #include <stdexcept>
 
 namespace flexdemo::model {
@@ -20,7 +21,9 @@ void GptConfig::validate() const {
   require_positive(heads, "heads");
   require_heads_divide_width(heads, width);
   if (!(dropout >= 0.0 && dropout < 1.0)) {
-    throw std::invalid_argument("--dropout must be in [0, 1), got " + std::to_string(dropout));
+    std::ostringstream value;
+    value << dropout;
+    throw std::invalid_argument("--dropout must be in [0, 1), got " + value.str());
   }
 }
 

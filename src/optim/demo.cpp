@@ -68,6 +68,9 @@ void DemoOptions::validate() const {
   if (replicate_every < 1) {
     fail("replicate_every must be >= 1, got " + std::to_string(replicate_every));
   }
+  if (overlap_step && replicator != ReplicatorKind::Demo) {
+    fail("overlap_step needs the demo replicator");
+  }
   if (!(random_fraction > 0.0 && random_fraction <= 1.0)) {
     fail("random_fraction must be in (0, 1], got " + str(random_fraction));
   }

@@ -1,5 +1,6 @@
 // The DeMo replicator (DESIGN.md §1): residual momentum kept in the DCT domain, per-chunk top-k
 // with error feedback, every tensor's payload in ONE all-gather, deterministic decode, inverse DCT.
+// With overlap_step the all-gather is non-blocking and its result is applied one step later.
 #include "replicator.h"
 
 #include "flexdemo/comm.h"
@@ -55,19 +56,66 @@ class DemoReplicator final : public Replicator {
   void exchange(const std::vector<at::Tensor>& grads, double lr,
                 const DirectionSink& sink) override {
     accumulate(grads, lr);
-    // Top-k extraction with error feedback, every tensor into the one bucket.
-    uint8_t* send = send_bucket_.data_ptr<uint8_t>();
-    for (size_t i = 0; i < plans_.size(); ++i) {
-      compress::TopK topk = compress::select_topk(residuals_[i], plans_[i], options_.topk);
-      compress::encode_payload(plans_[i], topk, options_.values, send + payload_offsets_[i]);
-      compress::add_selected(residuals_[i], plans_[i], topk, -1.0f);  // sent leaves the residual
+    if (options_.overlap_step) {
+      // One step stale: apply what the previous step's exchange brought (it travelled during
+      // this step's forward and backward), then start this step's.
+      finish_in_flight();
+      if (pending_.item<int64_t>() != 0) decode(recv_bucket_.data_ptr<uint8_t>(), sink);
+      encode();
+      if (replicas() > 1) {
+        in_flight_ = group_->iall_gather(send_bucket_, recv_bucket_);
+      } else {
+        recv_bucket_.copy_(send_bucket_);
+      }
+      pending_.fill_(1);
+      return;
     }
-    const uint8_t* gathered = send;
+    encode();
+    const uint8_t* gathered = send_bucket_.data_ptr<uint8_t>();
     if (replicas() > 1) {
       group_->all_gather(send_bucket_, recv_bucket_);
       gathered = recv_bucket_.data_ptr<uint8_t>();
     }
-    // Decode (the mean over replicas, bit-identical everywhere) and inverse-transform.
+    decode(gathered, sink);
+  }
+
+  DemoTraffic traffic() const override { return traffic_; }
+  NamedTensors state_tensors() const override {
+    NamedTensors state = numbered("residual", residuals_);
+    if (options_.overlap_step) {  // the exchange in flight is part of the state
+      finish_in_flight();
+      state.push_back({"pending", pending_});
+      state.push_back({"pending_payloads", recv_bucket_});
+    }
+    return state;
+  }
+  const at::Tensor& residual(size_t i) const override { return residuals_.at(i); }
+
+ private:
+  int replicas() const { return group_ ? group_->size() : 1; }
+
+  void finish_in_flight() const {
+    if (in_flight_) {
+      in_flight_->wait();
+      in_flight_.reset();
+    }
+  }
+
+  // Top-k extraction with error feedback, every tensor's payload into the one send bucket.
+  void encode() {
+    uint8_t* send = send_bucket_.data_ptr<uint8_t>();
+    for (size_t i = 0; i < plans_.size(); ++i) {
+      compress::TopK topk =
+          options_.fast_path ? compress::select_topk(residuals_[i], plans_[i], options_.topk)
+                             : compress::select_topk_plain(residuals_[i], plans_[i], options_.topk);
+      compress::encode_payload(plans_[i], topk, options_.values, send + payload_offsets_[i]);
+      compress::add_selected(residuals_[i], plans_[i], topk, -1.0f);  // sent leaves the residual
+    }
+  }
+
+  // The mean over replicas of the gathered payloads (bit-identical everywhere), inverse-
+  // transformed, handed to the sink tensor by tensor.
+  void decode(const uint8_t* gathered, const DirectionSink& sink) {
     const size_t bucket = traffic_.wire_bytes;
     std::vector<const uint8_t*> payloads(replicas());
     for (size_t i = 0; i < plans_.size(); ++i) {
@@ -79,19 +127,16 @@ class DemoReplicator final : public Replicator {
       compress::decode_mean(payloads, payload_bytes_[i], plan, options_.topk, options_.values,
                             decoded);
       const at::Tensor samples = samples_.narrow(0, 0, plan.padded_numel());
-      dct::chunked_idct_into(decoded, plan, samples, &scratch_);
+      if (options_.fast_path) {  // only the rows of each chunk that hold a coefficient
+        dct::chunked_idct_sparse_into(decoded, plan, samples);
+      } else {
+        dct::chunked_idct_into(decoded, plan, samples, &scratch_);
+      }
       at::Tensor direction = samples.view({plan.padded_rows, plan.padded_cols});
       if (plan.is_padded()) direction = direction.narrow(0, 0, plan.rows).narrow(1, 0, plan.cols);
       sink(i, direction);
     }
   }
-
-  DemoTraffic traffic() const override { return traffic_; }
-  NamedTensors state_tensors() const override { return numbered("residual", residuals_); }
-  const at::Tensor& residual(size_t i) const override { return residuals_.at(i); }
-
- private:
-  int replicas() const { return group_ ? group_->size() : 1; }
 
   std::vector<dct::ChunkPlan> plans_;
   DemoOptions options_;
@@ -105,6 +150,10 @@ class DemoReplicator final : public Replicator {
   at::Tensor decoded_;      // float32 scratch buffers as large as the largest padded tensor,
   at::Tensor samples_;      // so that a step allocates nothing big
   at::Tensor scratch_;
+  // --overlap-step: the exchange started last step, and whether recv_bucket_ holds payloads
+  // not yet applied (a tensor, so that checkpoints carry it).
+  mutable std::unique_ptr<comm::Work> in_flight_;
+  at::Tensor pending_ = at::zeros({1}, at::kLong);
 };
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <stdexcept>
 
 namespace flexdemo::train {
@@ -75,37 +76,46 @@ void write_safetensors(const std::string& path, const NamedTensors& tensors,
 NamedTensors read_safetensors(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw std::invalid_argument("cannot read " + path);
-  const uint64_t file_size = std::filesystem::file_size(path);
-  uint8_t len[8] = {};
-  in.read(reinterpret_cast<char*>(len), 8);
+  const std::string bytes{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  return parse_safetensors(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), path);
+}
+
+NamedTensors parse_safetensors(const uint8_t* data, size_t size, const std::string& name) {
+  auto bad = [&](const std::string& why) { return std::invalid_argument(name + ": " + why); };
+  if (size < 8) throw bad("not a safetensors file (shorter than its 8-byte header length)");
   uint64_t header_size = 0;
-  for (int b = 0; b < 8; ++b) header_size |= uint64_t(len[b]) << (8 * b);
-  if (!in || header_size > file_size - 8)
-    throw std::invalid_argument(path + ": not a safetensors file");
-  std::string json(header_size, '\0');
-  in.read(json.data(), std::streamsize(header_size));
-  nlohmann::json header;
-  try {
-    header = nlohmann::json::parse(json);
-  } catch (const std::exception&) {
-    throw std::invalid_argument(path + ": corrupt safetensors header");
-  }
-  const uint64_t data_size = file_size - 8 - header_size;
+  for (int b = 0; b < 8; ++b) header_size |= uint64_t(data[b]) << (8 * b);
+  if (header_size > size - 8) throw bad("not a safetensors file (header longer than the file)");
+  const uint8_t* body = data + 8 + header_size;
+  const uint64_t data_size = size - 8 - header_size;
   NamedTensors out;
-  for (const auto& [name, info] : header.items()) {
-    if (name == "__metadata__") continue;
-    const at::ScalarType type = dtype_of(info.at("dtype").get<std::string>(), path);
-    const std::vector<int64_t> shape = info.at("shape").get<std::vector<int64_t>>();
-    const auto range = info.at("data_offsets").get<std::vector<uint64_t>>();
-    at::Tensor t = at::empty(shape, type);
-    const uint64_t bytes = uint64_t(t.numel()) * t.element_size();
-    if (range.size() != 2 || range[1] > data_size || range[1] - range[0] != bytes) {
-      throw std::invalid_argument(path + ": tensor " + name + " has an inconsistent byte range");
+  try {
+    const nlohmann::json header =
+        nlohmann::json::parse(data + 8, data + 8 + header_size, nullptr, /*exceptions=*/true);
+    if (!header.is_object()) throw bad("the safetensors header is not a JSON object");
+    for (const auto& [tensor, info] : header.items()) {
+      if (tensor == "__metadata__") continue;
+      const at::ScalarType type = dtype_of(info.at("dtype").get<std::string>(), name);
+      const std::vector<int64_t> shape = info.at("shape").get<std::vector<int64_t>>();
+      const auto range = info.at("data_offsets").get<std::vector<uint64_t>>();
+      // The byte count, checked against the file before anything is allocated.
+      uint64_t bytes = c10::elementSize(type);
+      for (int64_t d : shape) {
+        if (d < 0 || (d > 0 && bytes > data_size / uint64_t(d))) {
+          throw bad("tensor " + tensor + " has an impossible shape");
+        }
+        bytes *= uint64_t(d);
+      }
+      if (range.size() != 2 || range[0] > range[1] || range[1] > data_size ||
+          range[1] - range[0] != bytes) {
+        throw bad("tensor " + tensor + " has an inconsistent byte range");
+      }
+      at::Tensor t = at::empty(shape, type);
+      if (bytes > 0) std::memcpy(t.data_ptr(), body + range[0], bytes);
+      out.push_back({tensor, t});
     }
-    in.seekg(std::streamoff(8 + header_size + range[0]));
-    in.read(static_cast<char*>(t.data_ptr()), std::streamsize(bytes));
-    if (!in) throw std::invalid_argument(path + ": truncated at tensor " + name);
-    out.push_back({name, t});
+  } catch (const nlohmann::json::exception& e) {
+    throw bad(std::string("corrupt safetensors header (") + e.what() + ")");
   }
   return out;
 }

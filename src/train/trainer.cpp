@@ -33,18 +33,63 @@
 
 namespace flexdemo::train {
 
+namespace {
+
+// The model a config asks for: the preset, with the dimensions given (> 0) overriding it.
+model::GptConfig gpt_config(const TrainConfig& cfg, int64_t vocab) {
+  model::GptConfig mc = model::gpt_preset(cfg.model, vocab);
+  if (cfg.width > 0) mc.width = cfg.width;
+  if (cfg.layers > 0) mc.layers = cfg.layers;
+  if (cfg.heads > 0) mc.heads = cfg.heads;
+  if (cfg.context > 0) mc.context = cfg.context;
+  mc.dropout = cfg.dropout;
+  return mc;
+}
+
+model::T5Config t5_config(const TrainConfig& cfg, int64_t vocab) {
+  model::T5Config tc = model::t5_preset(cfg.model, vocab);
+  if (cfg.width > 0) tc.width = cfg.width;
+  if (cfg.layers > 0) tc.layers = cfg.layers;
+  if (cfg.heads > 0) tc.heads = cfg.heads;
+  return tc;
+}
+
+bool is_t5(const TrainConfig& cfg) { return cfg.model.rfind("t5-", 0) == 0; }
+
+std::string str(double v) { return fmt::format("{}", v); }
+
+}  // namespace
+
+// Everything that can be checked without data or other ranks, so that bad input fails at once.
 void TrainConfig::validate() const {
   auto fail = [](const std::string& what) { throw std::invalid_argument(what); };
+  const auto& presets = model::model_presets();
+  if (std::find(presets.begin(), presets.end(), model) == presets.end()) {
+    fail("unknown --model '" + model +
+         "'; accepted: gpt-nano, gpt-micro, gpt2-small, t5-nano, t5-small");
+  }
+  for (auto [value, name] : {std::pair{width, "width"}, std::pair{layers, "layers"},
+                             std::pair{heads, "heads"}, std::pair{context, "context"}}) {
+    if (value < 0) {
+      fail(fmt::format("--{} must be >= 0 (0: the preset's), got {}", name, value));
+    }
+  }
+  if (tokenizer != "bpe" && tokenizer != "bytes") {
+    fail("unknown --tokenizer '" + tokenizer + "'; accepted: bpe, bytes");
+  }
+  if (tokenizer == "bpe" && (vocab < 260 || vocab > 65535)) {
+    fail("--vocab must be in [260, 65535], got " + std::to_string(vocab));
+  }
   if (steps < 1) fail("--steps must be >= 1, got " + std::to_string(steps));
   if (batch < 1) fail("--batch must be >= 1, got " + std::to_string(batch));
   if (micro_batch < 0) fail("--micro-batch must be >= 0, got " + std::to_string(micro_batch));
   if (seq < 1) fail("--seq must be >= 1, got " + std::to_string(seq));
-  if (!(lr > 0)) fail("--lr must be > 0, got " + std::to_string(lr));
+  if (!(lr > 0)) fail("--lr must be > 0, got " + str(lr));
   if (warmup < 0) fail("--warmup must be >= 0, got " + std::to_string(warmup));
   if (!(min_lr_ratio >= 0 && min_lr_ratio <= 1)) {
-    fail("--min-lr-ratio must be in [0, 1], got " + std::to_string(min_lr_ratio));
+    fail("--min-lr-ratio must be in [0, 1], got " + str(min_lr_ratio));
   }
-  if (!(clip >= 0)) fail("--clip must be >= 0, got " + std::to_string(clip));
+  if (!(clip >= 0)) fail("--clip must be >= 0, got " + str(clip));
   if (optimizer != "flexdemo" && optimizer != "flexdemo-adamw" && optimizer != "adamw" &&
       optimizer != "sgd") {
     fail("unknown --optimizer '" + optimizer + "'; accepted: flexdemo, flexdemo-adamw, adamw, sgd");
@@ -65,12 +110,51 @@ void TrainConfig::validate() const {
   if (checkpoint_every < 0) {
     fail("--checkpoint-every must be >= 0, got " + std::to_string(checkpoint_every));
   }
+  if (topk < 1) fail("--topk must be >= 1, got " + std::to_string(topk));
+  if (chunk < 1) fail("--chunk must be >= 1, got " + std::to_string(chunk));
+  if (topk > chunk * chunk) {
+    fail(fmt::format("--topk {} exceeds the {} coefficients of a --chunk {} chunk", topk,
+                     chunk * chunk, chunk));
+  }
+  if (!(decay >= 0 && decay < 1)) fail("--decay must be in [0, 1), got " + str(decay));
+  if (values != "fp32" && values != "bf16" && values != "int8" && values != "1bit") {
+    fail("unknown --values '" + values + "'; accepted: fp32, bf16, int8, 1bit");
+  }
+  if (!replicator.empty() && replicator != "demo" && replicator != "full" &&
+      replicator != "none" && replicator != "random") {
+    fail("unknown --replicator '" + replicator + "'; accepted: demo, full, none, random");
+  }
+  if (replicate_every < 1) {
+    fail("--replicate-every must be >= 1, got " + std::to_string(replicate_every));
+  }
+  const bool demo = optimizer == "flexdemo" || optimizer == "flexdemo-adamw";
+  if (overlap_step && !(replicator == "demo" || (replicator.empty() && demo))) {
+    fail("--overlap-step needs the demo replicator (--optimizer flexdemo or flexdemo-adamw)");
+  }
+  if (!(weight_decay >= 0 && lr * weight_decay < 1)) {
+    fail("--weight-decay must be >= 0 with --lr x --weight-decay < 1, got " + str(weight_decay));
+  }
+  if (ranks_per_node < 0) {
+    fail("--ranks-per-node must be >= 0 (0: from MPI), got " + std::to_string(ranks_per_node));
+  }
+  if (shard_size < 0) {
+    fail("--shard-size must be >= 0 (0: the whole node), got " + std::to_string(shard_size));
+  }
+  if (is_t5(*this)) {
+    t5_config(*this, 260).validate();
+  } else {
+    const model::GptConfig mc = gpt_config(*this, 260);
+    mc.validate();
+    if (seq > mc.context) {
+      fail(fmt::format("--seq {} exceeds the model's context {} (set --context)", seq,
+                       mc.context));
+    }
+  }
   if (keep_checkpoints < 1) {
     fail("--keep-checkpoints must be >= 1, got " + std::to_string(keep_checkpoints));
   }
   if (!(comm_timeout >= 0)) {
-    fail("--comm-timeout must be >= 0 seconds (0: wait forever), got " +
-         fmt::format("{}", comm_timeout));
+    fail("--comm-timeout must be >= 0 seconds (0: wait forever), got " + str(comm_timeout));
   }
   if (out.empty()) fail("--out must not be empty");
 }
@@ -104,6 +188,7 @@ nlohmann::ordered_json to_json(const TrainConfig& c) {
           {"decay", c.decay},
           {"values", c.values},
           {"replicate_every", c.replicate_every},
+          {"overlap_step", c.overlap_step},
           {"ranks_per_node", c.ranks_per_node},
           {"shard_size", c.shard_size},
           {"reshard", c.reshard},
@@ -139,6 +224,7 @@ optim::DemoOptions optimizer_options(TrainConfig& c) {
   o.decay = c.decay;
   o.values = compress::parse_value_encoding(c.values);
   o.replicate_every = c.replicate_every;
+  o.overlap_step = c.overlap_step;
   o.seed = c.seed;
   o.validate();
   return o;
@@ -257,32 +343,28 @@ std::unique_ptr<Session> open_session(const TrainConfig& config,
   raise_on_every_rank(*world, error, bad_input);
   if (!root) s->tokens = data::load_token_data(cfg.data, cfg.tokenizer, cfg.vocab, helper);
   comm::set_collective_timeout(cfg.comm_timeout);
+  for (const auto& [part, tokens] : {std::pair{"training", &s->tokens.train},
+                                     std::pair{"validation", &s->tokens.val}}) {
+    if (int64_t(tokens->size()) < cfg.seq + 1) {
+      throw std::invalid_argument(fmt::format(
+          "--data {} holds {} {} tokens, fewer than one sequence of --seq {} + 1 (every 20th "
+          "document is held out for validation)",
+          cfg.data, tokens->size(), part, cfg.seq));
+    }
+  }
   s->train_data = std::make_unique<data::BatchSampler>(s->tokens.train, cfg.seq, cfg.seed);
   s->val_data = std::make_unique<data::BatchSampler>(s->tokens.val, cfg.seq, cfg.seed);
 
   shard::ShardOptions so;
   so.chunk = cfg.chunk;
   so.reshard_after_forward = cfg.reshard;
-  if (cfg.model.rfind("t5-", 0) == 0) {
-    model::T5Config tc = model::t5_preset(cfg.model, s->tokens.vocab_size);
+  if (is_t5(cfg)) {
+    model::T5Config tc = t5_config(cfg, s->tokens.vocab_size);
     tc.eot = s->tokens.eot;
-    if (cfg.width > 0) tc.width = cfg.width;
-    if (cfg.layers > 0) tc.layers = cfg.layers;
-    if (cfg.heads > 0) tc.heads = cfg.heads;
     s->lm = model::make_t5(tc, s->topo.shard_group, so, cfg.seed);
   } else {
-    model::GptConfig mc = model::gpt_preset(cfg.model, s->tokens.vocab_size);
-    if (cfg.width > 0) mc.width = cfg.width;
-    if (cfg.layers > 0) mc.layers = cfg.layers;
-    if (cfg.heads > 0) mc.heads = cfg.heads;
-    if (cfg.context > 0) mc.context = cfg.context;
-    mc.dropout = cfg.dropout;
-    if (cfg.seq > mc.context) {
-      throw std::invalid_argument("--seq " + std::to_string(cfg.seq) +
-                                  " exceeds the model's context " + std::to_string(mc.context) +
-                                  " (set --context)");
-    }
-    s->lm = model::make_gpt(mc, s->topo.shard_group, so, cfg.seed);
+    s->lm = model::make_gpt(gpt_config(cfg, s->tokens.vocab_size), s->topo.shard_group, so,
+                            cfg.seed);
   }
   for (const auto& unit : s->lm->units()) {
     for (const auto& p : unit->optim_params()) s->params.push_back(p);
@@ -374,7 +456,7 @@ std::vector<fs::path> list_checkpoints(const fs::path& run) {
 }
 
 // The checkpoint `where` names: a checkpoint folder (refused if damaged), or a run folder, whose
-// newest valid checkpoint is taken; damaged newer ones are reported on stderr by `report`.
+// newest valid checkpoint is taken; damaged newer ones are reported on stderr when `report`.
 fs::path find_checkpoint(const std::string& where, bool report) {
   const fs::path p(where);
   if (!fs::is_directory(p)) {
@@ -388,13 +470,16 @@ fs::path find_checkpoint(const std::string& where, bool report) {
     return p;
   }
   std::string reasons;
+  std::vector<std::string> skipped;
   for (const fs::path& dir : list_checkpoints(p)) {
     const std::string damage = checkpoint_damage(dir);
-    if (damage.empty()) return dir;
-    if (report) {
-      std::fprintf(stderr, "flexdemo: warning: skipping damaged checkpoint %s: %s\n",
-                   dir.c_str(), damage.c_str());
+    if (damage.empty()) {
+      for (const std::string& line : skipped) {
+        if (report) std::fprintf(stderr, "flexdemo: warning: %s\n", line.c_str());
+      }
+      return dir;
     }
+    skipped.push_back("skipping damaged checkpoint " + dir.string() + ": " + damage);
     reasons += "; " + dir.filename().string() + ": " + damage;
   }
   throw std::invalid_argument("no valid checkpoint in " + where +
@@ -407,7 +492,7 @@ fs::path find_checkpoint(const std::string& where, bool report) {
 const char* const kResumeKeys[] = {"model",   "width",     "layers",    "heads",     "context",
                                    "data",    "tokenizer", "vocab",     "batch",     "seq",
                                    "optimizer", "replicator", "sign",   "topk",      "chunk",
-                                   "decay",   "values",    "replicate_every", "weight_decay",
+                                   "decay",   "values",    "replicate_every", "weight_decay", "overlap_step",
                                    "seed",    "micro_batch"};
 
 void check_resumable(const nlohmann::json& manifest, const nlohmann::ordered_json& run,
@@ -502,10 +587,9 @@ int64_t load_checkpoint(Session& s, const fs::path& dir, bool with_optimizer) {
   if (!with_optimizer) return step;
   if (manifest.at("world_size").get<int>() != world->size() ||
       manifest.at("topology").get<std::string>() != s.topo.describe()) {
-    throw std::invalid_argument("--resume: the checkpoint was written by " +
-                                manifest.at("topology").get<std::string>() + " (" +
-                                std::to_string(manifest.at("world_size").get<int>()) +
-                                " ranks); this run is " + s.topo.describe());
+    throw std::invalid_argument("--resume: " + dir.string() + " was written by " +
+                                manifest.at("topology").get<std::string>() + "; this run is " +
+                                s.topo.describe() + " (the topology must match)");
   }
   std::map<std::string, at::Tensor> saved;
   for (auto& [name, t] : read_safetensors(
@@ -830,8 +914,12 @@ int run_eval(const std::string& checkpoint, int64_t eval_seqs,
 
 int run_generate(const std::string& checkpoint, const GenerateOptions& o,
                  std::shared_ptr<comm::Communicator> world) {
-  if (o.tokens < 0) throw std::invalid_argument("--tokens must be >= 0");
-  if (!(o.temperature >= 0)) throw std::invalid_argument("--temperature must be >= 0");
+  if (o.tokens < 0) {
+    throw std::invalid_argument("--tokens must be >= 0, got " + std::to_string(o.tokens));
+  }
+  if (!(o.temperature >= 0)) {
+    throw std::invalid_argument("--temperature must be >= 0, got " + str(o.temperature));
+  }
   auto s = open_checkpoint(checkpoint, 1, world);
   const std::string model_arg =
       s->tokens.tokenizer_model.empty() ? "" : " --model '" + s->tokens.tokenizer_model + "'";
