@@ -82,7 +82,7 @@ void decode(benchmark::State& state, bool fast) {
     compress::decode_mean({f.payloads[0].data(), f.payloads[1].data()}, f.payloads[0].size(),
                           f.plan, f.k, compress::ValueEncoding::Bf16, decoded);
     if (fast) {
-      dct::chunked_idct_sparse_into(decoded, f.plan, f.samples);
+      dct::chunked_idct_sparse_into(decoded, f.plan, f.samples, &f.scratch);
     } else {
       dct::chunked_idct_into(decoded, f.plan, f.samples, &f.scratch);
     }

@@ -18,6 +18,7 @@ packages=(
   gnuplot-nox                      # plots in `flexdemo report`
   fortunes                         # the default corpus: English text, no download
   iproute2                         # network namespaces and tc for the emulated cluster
+  clang libclang-rt-14-dev         # scripts/test.sh --sanitize: ASan, UBSan, libFuzzer
 )
 
 missing=()

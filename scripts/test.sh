@@ -1,9 +1,27 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds (Release, reusing build/) and runs every test through ctest:
-# unit tests, MPI tests on 2 and 4 real ranks, the command, and the installed CMake package.
+# unit tests, MPI tests on 2 and 4 real ranks, bad input (docs/errors.md), dead ranks, the
+# command, the installed CMake package and the emulated cluster.
+#   scripts/test.sh --sanitize   instead: clang with AddressSanitizer + UndefinedBehaviorSanitizer
+#                                (build-sanitize/): the unit tests, then each libFuzzer target
+#                                for FLEXDEMO_FUZZ_SECONDS (default 60)
+# Other arguments go to ctest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
-bash scripts/build.sh
 export OMP_NUM_THREADS=1
+if [ "${1:-}" = "--sanitize" ]; then
+  shift
+  if [ ! -f build-sanitize/CMakeCache.txt ]; then
+    CC=clang CXX=clang++ cmake -S . -B build-sanitize -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+      -DFLEXDEMO_SANITIZE=ON -DFLEXDEMO_FUZZ_SECONDS="${FLEXDEMO_FUZZ_SECONDS:-60}"
+  fi
+  cmake --build build-sanitize -j "${FLEXDEMO_JOBS:-2}" \
+    --target test_units test_text fuzz_wire fuzz_checkpoint
+  export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
+  export LSAN_OPTIONS="suppressions=$PWD/tests/lsan.supp:print_suppressions=0"
+  export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+  exec ctest --test-dir build-sanitize --output-on-failure -L 'unit|fuzz' "$@"
+fi
+bash scripts/build.sh
 ctest --test-dir build --output-on-failure "$@"

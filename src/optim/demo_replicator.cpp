@@ -128,7 +128,7 @@ class DemoReplicator final : public Replicator {
                             decoded);
       const at::Tensor samples = samples_.narrow(0, 0, plan.padded_numel());
       if (options_.fast_path) {  // only the rows of each chunk that hold a coefficient
-        dct::chunked_idct_sparse_into(decoded, plan, samples);
+        dct::chunked_idct_sparse_into(decoded, plan, samples, &scratch_);
       } else {
         dct::chunked_idct_into(decoded, plan, samples, &scratch_);
       }
