@@ -3,9 +3,10 @@
 # (`flexdemo ...` or `mpirun -np P flexdemo ...`) must exit with code 2, print exactly the
 # documented line on stderr (once per rank under mpirun) and leave no --out folder behind.
 # Placeholders in a row, made here: $DATA (a small text corpus), $EMPTY (an empty file),
-# $BINARY (random bytes), $TINY (a corpus of 17 bytes), $EMPTYDIR, $TOML (a valid config file), $TOML_UNKNOWN (a config with
-# an unknown key), $RUN (a run with two valid checkpoints), $OTHER (a run of another model),
-# $DAMAGED (a run whose checkpoints all fail their checksums), $OUT (the --out folder).
+# $BINARY (random bytes), $TINY (a corpus of 17 bytes), $EMPTYDIR, $TOML (a config file setting
+# steps = 0), $TOML_UNKNOWN (a config with an unknown key), $RUN (a run with two valid
+# checkpoints), $OTHER (a run of another model), $DAMAGED (a run whose checkpoints all fail
+# their checksums), $OUT (the --out folder).
 #   tests/bad_input.sh BUILD_DIR DOCS_ERRORS_MD N
 set -euo pipefail
 build=$1
@@ -27,7 +28,7 @@ for d in $(seq 1 200); do printf 'document %d: a few words of text to train on.\
 printf 'just a few words\n' > "$TINY"
 head -c 4096 /dev/urandom > "$BINARY"
 mkdir -p "$EMPTYDIR"
-printf 'steps = 2\nbatch = 4\n' > "$TOML"
+printf 'steps = 0\nbatch = 4\n' > "$TOML"
 printf 'steps = 2\nlearning_rate = 0.1\n' > "$TOML_UNKNOWN"
 tiny=(--model gpt-nano --layers 1 --heads 2 --context 16 --seq 16 --batch 2 --chunk 8
       --tokenizer bytes --data "$DATA" --eval-seqs 2 --progress lines)

@@ -37,7 +37,7 @@ double collective_timeout();
 struct CommStats {
   uint64_t bytes_sent = 0;      // bytes this rank put on the wire
   uint64_t bytes_received = 0;  // bytes this rank took off the wire
-  double seconds = 0.0;         // wall time from a collective's start to its completion
+  double seconds = 0.0;         // wall time this rank waited for collectives to complete
   uint64_t collectives = 0;     // completed collectives
 };
 
