@@ -40,10 +40,12 @@ void check_coeffs(const at::Tensor& coeffs, const dct::ChunkPlan& plan, const ch
   }
 }
 
-}  // namespace
-
-TopK select_topk_plain(const at::Tensor& coeffs, const dct::ChunkPlan& plan,
-                       int64_t k_requested) {
+// The frame both selections share: the output tensors, chunks in parallel, and each chunk's k
+// positions (ascending) turned into indices and values. make_chooser() is called once per
+// thread and returns choose(base, kept), which fills `kept` with the chunk's k positions.
+template <typename MakeChooser>
+TopK select_per_chunk(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k_requested,
+                      MakeChooser make_chooser) {
   check_coeffs(coeffs, plan, "select_topk");
   const int64_t k = clamp_topk(k_requested, plan);
   const int64_t chunks = plan.num_chunks();
@@ -54,23 +56,38 @@ TopK select_topk_plain(const at::Tensor& coeffs, const dct::ChunkPlan& plan,
   const float* src = coeffs.data_ptr<float>();
   int64_t* idx_out = out.indices.data_ptr<int64_t>();
   float* val_out = out.values.data_ptr<float>();
-  const int64_t h = plan.chunk_rows, w = plan.chunk_cols, stride = plan.padded_cols;
-
   at::parallel_for(0, chunks, 16, [&](int64_t begin, int64_t end) {
-    // A min-heap of keys whose top is the weakest kept coefficient. A key orders by magnitude
-    // (the bits of a non-negative float order like the float), then by lower position.
-    std::vector<uint64_t> heap(k);
-    const auto stronger = std::greater<uint64_t>();
+    auto choose = make_chooser(k);
+    std::vector<int64_t> kept;
     for (int64_t c = begin; c < end; ++c) {
       const float* base = src + plan.chunk_origin(c);
+      choose(base, kept);
+      for (int64_t j = 0; j < k; ++j) {
+        idx_out[c * k + j] = kept[j];
+        val_out[c * k + j] = base[plan.offset_in_chunk(kept[j])];
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TopK select_topk_plain(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k) {
+  const int64_t h = plan.chunk_rows, w = plan.chunk_cols, stride = plan.padded_cols;
+  return select_per_chunk(coeffs, plan, k, [&](int64_t keep) {
+    // A min-heap of keys whose top is the weakest kept coefficient.
+    return [=, heap = std::vector<uint64_t>(keep)](const float* base,
+                                               std::vector<int64_t>& kept) mutable {
+      const auto stronger = std::greater<uint64_t>();
       int64_t filled = 0;
       for (int64_t u = 0; u < h; ++u) {
         const float* row = base + u * stride;
         for (int64_t v = 0; v < w; ++v) {
           const uint64_t key = magnitude_key(row[v], u * w + v);
-          if (filled < k) {
+          if (filled < keep) {
             heap[filled++] = key;
-            if (filled == k) std::make_heap(heap.begin(), heap.end(), stronger);
+            if (filled == keep) std::make_heap(heap.begin(), heap.end(), stronger);
           } else if (key > heap.front()) {
             std::pop_heap(heap.begin(), heap.end(), stronger);
             heap.back() = key;
@@ -78,16 +95,11 @@ TopK select_topk_plain(const at::Tensor& coeffs, const dct::ChunkPlan& plan,
           }
         }
       }
-      for (int64_t j = 0; j < k; ++j) heap[j] = position_of(heap[j]);
-      std::sort(heap.begin(), heap.end());
-      for (int64_t j = 0; j < k; ++j) {
-        const int64_t pos = int64_t(heap[j]);
-        idx_out[c * k + j] = pos;
-        val_out[c * k + j] = base[plan.offset_in_chunk(pos)];
-      }
-    }
+      kept.clear();
+      for (uint64_t key : heap) kept.push_back(int64_t(position_of(key)));
+      std::sort(kept.begin(), kept.end());
+    };
   });
-  return out;
 }
 
 // Partial selection by a histogram of the magnitudes' top bits: one pass counts the chunk's
@@ -95,28 +107,15 @@ TopK select_topk_plain(const at::Tensor& coeffs, const dct::ChunkPlan& plan,
 // the k-th largest is found from the top, everything above it is kept, and only that bin's
 // members are ranked exactly (magnitude, then lower position) -- the heap's order, so the same
 // coefficients are chosen.
-TopK select_topk(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k_requested) {
-  check_coeffs(coeffs, plan, "select_topk");
-  const int64_t k = clamp_topk(k_requested, plan);
-  const int64_t chunks = plan.num_chunks(), n = plan.chunk_numel();
-  TopK out;
-  out.k = k;
-  out.indices = at::empty({chunks, k}, at::kLong);
-  out.values = at::empty({chunks, k}, at::kFloat);
-  const float* src = coeffs.data_ptr<float>();
-  int64_t* idx_out = out.indices.data_ptr<int64_t>();
-  float* val_out = out.values.data_ptr<float>();
+TopK select_topk(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k) {
   const int64_t h = plan.chunk_rows, w = plan.chunk_cols, stride = plan.padded_cols;
+  const int64_t n = plan.chunk_numel();
   constexpr int kShift = 21;
   constexpr uint32_t kBins = 1u << (31 - kShift);
-
-  at::parallel_for(0, chunks, 16, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> mag(n);  // |x|'s IEEE bits, in chunk order
-    std::vector<uint32_t> hist(kBins);
-    std::vector<uint64_t> ties;    // keys of the boundary bin's members
-    std::vector<int64_t> kept;
-    for (int64_t c = begin; c < end; ++c) {
-      const float* base = src + plan.chunk_origin(c);
+  return select_per_chunk(coeffs, plan, k, [&](int64_t keep) {
+    return [=, mag = std::vector<uint32_t>(n), hist = std::vector<uint32_t>(kBins),
+            ties = std::vector<uint64_t>()](const float* base,
+                                            std::vector<int64_t>& kept) mutable {
       std::fill(hist.begin(), hist.end(), 0u);
       for (int64_t u = 0; u < h; ++u) {
         const float* row = base + u * stride;
@@ -130,7 +129,7 @@ TopK select_topk(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k
       }
       uint32_t boundary = kBins - 1;
       int64_t above = 0;  // coefficients in bins above the boundary bin (< k)
-      while (above + int64_t(hist[boundary]) < k) above += hist[boundary--];
+      while (above + int64_t(hist[boundary]) < keep) above += hist[boundary--];
       kept.clear();
       ties.clear();
       for (int64_t pos = 0; pos < n; ++pos) {
@@ -141,18 +140,12 @@ TopK select_topk(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k
           ties.push_back(uint64_t(mag[pos]) << 32 | (0xffffffffu - uint32_t(pos)));
         }
       }
-      const int64_t rest = k - above;
+      const int64_t rest = keep - above;
       std::nth_element(ties.begin(), ties.begin() + (rest - 1), ties.end(), std::greater<>());
       for (int64_t j = 0; j < rest; ++j) kept.push_back(int64_t(position_of(ties[j])));
       std::sort(kept.begin(), kept.end());
-      for (int64_t j = 0; j < k; ++j) {
-        const int64_t pos = kept[j];
-        idx_out[c * k + j] = pos;
-        val_out[c * k + j] = base[plan.offset_in_chunk(pos)];
-      }
-    }
+    };
   });
-  return out;
 }
 
 void add_selected(const at::Tensor& coeffs, const dct::ChunkPlan& plan, const TopK& topk,

@@ -93,11 +93,29 @@ NamedTensors parse_safetensors(const uint8_t* data, size_t size, const std::stri
     const nlohmann::json header =
         nlohmann::json::parse(data + 8, data + 8 + header_size, nullptr, /*exceptions=*/true);
     if (!header.is_object()) throw bad("the safetensors header is not a JSON object");
-    for (const auto& [tensor, info] : header.items()) {
+    for (const auto& item : header.items()) {
+      const std::string& tensor = item.key();
+      const nlohmann::json& info = item.value();
       if (tensor == "__metadata__") continue;
+      // Every number is checked to be an integer first: converting another JSON number (1e118)
+      // to an integer type is undefined behaviour.
+      auto integers = [&](const char* field) {
+        const nlohmann::json& list = info.at(field);
+        if (!list.is_array()) throw bad("tensor " + tensor + ": " + field + " is not a list");
+        for (const auto& v : list) {
+          if (!v.is_number_integer()) {
+            throw bad("tensor " + tensor + ": " + field + " holds a non-integer");
+          }
+        }
+        return list;
+      };
       const at::ScalarType type = dtype_of(info.at("dtype").get<std::string>(), name);
-      const std::vector<int64_t> shape = info.at("shape").get<std::vector<int64_t>>();
-      const auto range = info.at("data_offsets").get<std::vector<uint64_t>>();
+      const std::vector<int64_t> shape = integers("shape").get<std::vector<int64_t>>();
+      const nlohmann::json offsets = integers("data_offsets");
+      for (const auto& v : offsets) {
+        if (!v.is_number_unsigned()) throw bad("tensor " + tensor + " has a negative offset");
+      }
+      const auto range = offsets.get<std::vector<uint64_t>>();
       // The byte count, checked against the file before anything is allocated.
       uint64_t bytes = c10::elementSize(type);
       for (int64_t d : shape) {

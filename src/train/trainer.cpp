@@ -418,10 +418,13 @@ std::string checkpoint_damage(const fs::path& dir) {
     const nlohmann::json manifest = read_manifest(dir);
     const auto& files = manifest.at("files");
     if (!files.is_object() || !files.contains("model.safetensors") ||
-        !manifest.at("step").is_number_integer()) {
+        !manifest.at("step").is_number_integer() ||
+        !manifest.at("world_size").is_number_integer() || !manifest.at("topology").is_string() ||
+        !manifest.at("config").is_object()) {
       return "manifest.json is incomplete";
     }
     for (const auto& [file, crc] : files.items()) {
+      if (!crc.is_number_integer()) return "manifest.json holds a bad checksum for " + file;
       if (file.find('/') != std::string::npos || !fs::is_regular_file(dir / file) ||
           int64_t(file_crc32(dir / file)) != crc.get<int64_t>()) {
         return file + " is missing or fails its CRC-32";
