@@ -51,15 +51,18 @@ void expand_config_file(std::vector<std::string>& args, const CLI::App& cmd) {
   if (!in) throw std::invalid_argument("--config " + file + ": no such file");
   const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
   if (text.find('\0') != std::string::npos) {
-    throw std::invalid_argument("--config " + file + " is not a text file (expected key = value lines)");
+    throw std::invalid_argument("--config " + file +
+                                " is not a text file (expected key = value lines)");
   }
   std::vector<std::string> from_file;
   for (const CLI::ConfigItem& item : CLI::ConfigTOML().from_file(file)) {
     if (item.name == "++" || item.name == "--") continue;  // section markers
     const std::string option = "--" + item.name;
-    if (!item.parents.empty() || cmd.get_option_no_throw(option) == nullptr || option == "--config") {
-      throw std::invalid_argument("--config " + file + ": unknown key '" + item.fullname() +
-                                  "'; accepted: the options that flexdemo train --help lists, without --");
+    if (!item.parents.empty() || cmd.get_option_no_throw(option) == nullptr ||
+        option == "--config") {
+      throw std::invalid_argument(
+          "--config " + file + ": unknown key '" + item.fullname() +
+          "'; accepted: the options that flexdemo train --help lists, without --");
     }
     const bool given = std::any_of(args.begin(), args.end(), [&](const std::string& a) {
       return a == option || a.rfind(option + "=", 0) == 0;
@@ -201,9 +204,10 @@ int main(int argc, char** argv) {
       ->add_option("--checkpoint-every", tc.checkpoint_every,
                    "also checkpoint every N steps (0: only at the end)")
       ->capture_default_str();
-  train->add_option("--resume", tc.resume,
-                    "continue from a run folder's newest valid checkpoint, or from one checkpoint folder "
-                    "(same topology and options)");
+  train->add_option(
+      "--resume", tc.resume,
+      "continue from a run folder's newest valid checkpoint, or from one checkpoint folder "
+      "(same topology and options)");
   train
       ->add_option("--keep-checkpoints", tc.keep_checkpoints,
                    "checkpoints kept in OUT/checkpoints/ (the newest ones)")

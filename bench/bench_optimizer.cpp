@@ -85,7 +85,8 @@ optim::DemoOptions demo_options(const DemoBenchArgs& args) {
   if (args.steps < 1) {
     throw std::invalid_argument("--steps must be >= 1, got " + std::to_string(args.steps));
   }
-  if (args.topk < 1) throw std::invalid_argument("--topk must be >= 1, got " + std::to_string(args.topk));
+  if (args.topk < 1)
+    throw std::invalid_argument("--topk must be >= 1, got " + std::to_string(args.topk));
   if (args.chunk < 1) {
     throw std::invalid_argument("--chunk must be >= 1, got " + std::to_string(args.chunk));
   }

@@ -48,13 +48,15 @@ struct Fixture {
 
 void BM_encode_fast(benchmark::State& state) {
   Fixture& f = Fixture::get();
-  for (auto _ : state) dct::chunked_dct_accumulate(f.grad, f.plan, 0.999, 1e-3, f.residual, &f.scratch);
+  for (auto _ : state)
+    dct::chunked_dct_accumulate(f.grad, f.plan, 0.999, 1e-3, f.residual, &f.scratch);
 }
 void BM_encode_plain(benchmark::State& state) {
   Fixture& f = Fixture::get();
   const int threads = at::get_num_threads();
   at::set_num_threads(1);  // the plain path: one pass, no bands
-  for (auto _ : state) dct::chunked_dct_accumulate(f.grad, f.plan, 0.999, 1e-3, f.residual, &f.scratch);
+  for (auto _ : state)
+    dct::chunked_dct_accumulate(f.grad, f.plan, 0.999, 1e-3, f.residual, &f.scratch);
   at::set_num_threads(threads);
 }
 void BM_select_fast(benchmark::State& state) {
@@ -63,12 +65,14 @@ void BM_select_fast(benchmark::State& state) {
 }
 void BM_select_plain(benchmark::State& state) {
   Fixture& f = Fixture::get();
-  for (auto _ : state) benchmark::DoNotOptimize(compress::select_topk_plain(f.residual, f.plan, f.k));
+  for (auto _ : state)
+    benchmark::DoNotOptimize(compress::select_topk_plain(f.residual, f.plan, f.k));
 }
 void BM_pack(benchmark::State& state) {
   Fixture& f = Fixture::get();
   compress::TopK topk = compress::select_topk(f.residual, f.plan, f.k);
-  std::vector<uint8_t> wire(compress::wire_payload_bytes(f.plan, f.k, compress::ValueEncoding::Bf16));
+  std::vector<uint8_t> wire(
+      compress::wire_payload_bytes(f.plan, f.k, compress::ValueEncoding::Bf16));
   for (auto _ : state) {
     compress::encode_payload(f.plan, topk, compress::ValueEncoding::Bf16, wire.data());
     compress::add_selected(f.residual, f.plan, topk, -1.0f);
@@ -88,8 +92,12 @@ void decode(benchmark::State& state, bool fast) {
     }
   }
 }
-void BM_decode_fast(benchmark::State& state) { decode(state, true); }
-void BM_decode_plain(benchmark::State& state) { decode(state, false); }
+void BM_decode_fast(benchmark::State& state) {
+  decode(state, true);
+}
+void BM_decode_plain(benchmark::State& state) {
+  decode(state, false);
+}
 
 BENCHMARK(BM_encode_plain)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_encode_fast)->Unit(benchmark::kMicrosecond);
@@ -129,10 +137,11 @@ int main(int argc, char** argv) {
   benchmark::RunSpecifiedBenchmarks(&reporter);
   std::printf("\nthreads %d; plain / fast, measured in this run:\n", threads);
   for (const char* part : {"encode", "select", "decode"}) {
-    const std::string fast = std::string("BM_") + part + "_fast", plain = std::string("BM_") + part + "_plain";
+    const std::string fast = std::string("BM_") + part + "_fast",
+                      plain = std::string("BM_") + part + "_plain";
     if (reporter.us.count(fast) && reporter.us.count(plain)) {
-      std::printf("  %-7s %9.1f us / %9.1f us = %.2fx\n", part, reporter.us[plain], reporter.us[fast],
-                  reporter.us[plain] / reporter.us[fast]);
+      std::printf("  %-7s %9.1f us / %9.1f us = %.2fx\n", part, reporter.us[plain],
+                  reporter.us[fast], reporter.us[plain] / reporter.us[fast]);
     }
   }
   benchmark::Shutdown();

@@ -22,10 +22,11 @@ struct Shape {
   int64_t rows, cols, chunk;
   dct::ChunkMode mode;
 };
-const Shape kShapes[] = {{64, 64, 64, dct::ChunkMode::Divisor}, {1, 100, 64, dct::ChunkMode::Divisor},
-                         {30, 50, 8, dct::ChunkMode::Padded},   {7, 13, 4, dct::ChunkMode::Padded},
-                         {128, 32, 16, dct::ChunkMode::Divisor}, {3, 1000, 64, dct::ChunkMode::Padded},
-                         {1, 5, 64, dct::ChunkMode::Divisor},    {20, 20, 1, dct::ChunkMode::Divisor}};
+const Shape kShapes[] = {
+    {64, 64, 64, dct::ChunkMode::Divisor},  {1, 100, 64, dct::ChunkMode::Divisor},
+    {30, 50, 8, dct::ChunkMode::Padded},    {7, 13, 4, dct::ChunkMode::Padded},
+    {128, 32, 16, dct::ChunkMode::Divisor}, {3, 1000, 64, dct::ChunkMode::Padded},
+    {1, 5, 64, dct::ChunkMode::Divisor},    {20, 20, 1, dct::ChunkMode::Divisor}};
 constexpr int kNumShapes = sizeof(kShapes) / sizeof(kShapes[0]);
 
 struct Receiver {
@@ -46,8 +47,8 @@ Receiver receiver_for(uint8_t b0, uint8_t b1) {
 void repair_crc(std::vector<uint8_t>& payload) {
   if (payload.size() < compress::kWireHeaderBytes) return;
   const uint8_t* body = payload.data() + compress::kWireHeaderBytes;
-  const uint32_t crc = uint32_t(
-      crc32_z(crc32_z(0L, Z_NULL, 0), body, payload.size() - compress::kWireHeaderBytes));
+  const uint32_t crc =
+      uint32_t(crc32_z(crc32_z(0L, Z_NULL, 0), body, payload.size() - compress::kWireHeaderBytes));
   for (int b = 0; b < 4; ++b) payload[32 + b] = uint8_t(crc >> (8 * b));
 }
 
@@ -85,8 +86,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const at::Tensor out = at::empty({r.plan.padded_rows, r.plan.padded_cols});
   try {
     // Two replicas sent the same bytes: the decoder reads both.
-    compress::decode_mean({payload.data(), payload.data()}, payload.size(), r.plan, r.k,
-                          r.encoding, out);
+    compress::decode_mean({payload.data(), payload.data()}, payload.size(), r.plan, r.k, r.encoding,
+                          out);
   } catch (const compress::WireFormatError&) {
   }
   return 0;

@@ -33,9 +33,9 @@ void expect_rejected(const std::string& header, size_t data_bytes, const std::st
 TEST(Safetensors, RejectsHostileHeadersBeforeAllocating) {
   const std::string ok = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
   const std::string f = file_with_header(ok, 8);
-  EXPECT_EQ(train::parse_safetensors(reinterpret_cast<const uint8_t*>(f.data()), f.size(), "t")
-                .size(),
-            1u);
+  EXPECT_EQ(
+      train::parse_safetensors(reinterpret_cast<const uint8_t*>(f.data()), f.size(), "t").size(),
+      1u);
   // Found by fuzz_checkpoint: a float where an integer belongs was undefined behaviour.
   expect_rejected(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,1.1e118]}})", 8,
                   "non-integer");

@@ -65,20 +65,20 @@ TEST(TopK, MatchesSortBasedReference) {
     dct::ChunkPlan plan = dct::make_chunk_plan({24, 40}, 16, mode);
     at::Tensor coeffs = at::randn({plan.padded_rows, plan.padded_cols});
     for (int64_t k : {1, 5, 37}) {
-     for (auto select : {&compress::select_topk, &compress::select_topk_plain}) {
-      compress::TopK t = select(coeffs, plan, k);
-      auto want = reference_topk(coeffs, plan, k);
-      ASSERT_EQ(t.indices.size(0), int64_t(want.size()));
-      for (size_t c = 0; c < want.size(); ++c) {
-        for (int64_t j = 0; j < k; ++j) {
-          const int64_t pos = t.indices[c][j].item<int64_t>();
-          EXPECT_EQ(pos, want[c][j]) << "chunk " << c << " k " << k;
-          const float expect =
-              coeffs.view(-1)[plan.chunk_origin(c) + plan.offset_in_chunk(pos)].item<float>();
-          EXPECT_EQ(t.values[c][j].item<float>(), expect);
+      for (auto select : {&compress::select_topk, &compress::select_topk_plain}) {
+        compress::TopK t = select(coeffs, plan, k);
+        auto want = reference_topk(coeffs, plan, k);
+        ASSERT_EQ(t.indices.size(0), int64_t(want.size()));
+        for (size_t c = 0; c < want.size(); ++c) {
+          for (int64_t j = 0; j < k; ++j) {
+            const int64_t pos = t.indices[c][j].item<int64_t>();
+            EXPECT_EQ(pos, want[c][j]) << "chunk " << c << " k " << k;
+            const float expect =
+                coeffs.view(-1)[plan.chunk_origin(c) + plan.offset_in_chunk(pos)].item<float>();
+            EXPECT_EQ(t.values[c][j].item<float>(), expect);
+          }
         }
       }
-     }
     }
   }
 }

@@ -155,7 +155,8 @@ TEST(Dct, SparseInverseMatchesDenseInverse) {
           at::Tensor row_in_chunk = at::arange(plan.padded_rows).remainder(plan.chunk_rows);
           coeffs.mul_((row_in_chunk < 4).unsqueeze(1));
         }
-        at::Tensor dense = at::empty({plan.padded_numel()}), sparse = at::empty({plan.padded_numel()});
+        at::Tensor dense = at::empty({plan.padded_numel()}),
+                   sparse = at::empty({plan.padded_numel()});
         flexdemo::dct::chunked_idct_into(coeffs, plan, dense);
         flexdemo::dct::chunked_idct_sparse_into(coeffs, plan, sparse);
         EXPECT_TRUE(at::allclose(sparse, dense, 1e-5, 1e-6))

@@ -309,14 +309,16 @@ TEST(Checkpoint, ResumedRunEqualsUninterruptedRun) {
   world->barrier();
   if (root) flip_last_byte(dir / "damaged/checkpoints/step-30/optimizer-rank0.safetensors");
   world->barrier();
-  EXPECT_NE(invalid_argument_of([&] { train::run_training(c, world); })
-                .find("is damaged: optimizer-rank0.safetensors is missing or fails its CRC-32"),
+  EXPECT_NE(invalid_argument_of([&] {
+              train::run_training(c, world);
+            }).find("is damaged: optimizer-rank0.safetensors is missing or fails its CRC-32"),
             std::string::npos);
   if (root) flip_last_byte(dir / "damaged/checkpoints/step-40/model.safetensors");
   world->barrier();
   c.resume = (dir / "damaged").string();
-  EXPECT_NE(invalid_argument_of([&] { train::run_training(c, world); })
-                .find("no valid checkpoint in " + c.resume),
+  EXPECT_NE(invalid_argument_of([&] {
+              train::run_training(c, world);
+            }).find("no valid checkpoint in " + c.resume),
             std::string::npos);
   c.resume = (dir / "halves").string();
   c.ranks_per_node = 1;  // another topology cannot take this rank's optimizer state
@@ -325,8 +327,9 @@ TEST(Checkpoint, ResumedRunEqualsUninterruptedRun) {
             std::string::npos);
   c.ranks_per_node = c.shard_size = 0;
   c.width = 32;
-  EXPECT_NE(invalid_argument_of([&] { train::run_training(c, world); })
-                .find("was written with --width 16, this run has 32"),
+  EXPECT_NE(invalid_argument_of([&] {
+              train::run_training(c, world);
+            }).find("was written with --width 16, this run has 32"),
             std::string::npos);
   world->barrier();
   EXPECT_FALSE(fs::exists(dir / "refused"));  // nothing written by a refused run

@@ -28,7 +28,9 @@ void set_collective_timeout(double seconds) {
   }
   g_timeout_s = seconds;
 }
-double collective_timeout() { return g_timeout_s; }
+double collective_timeout() {
+  return g_timeout_s;
+}
 
 namespace {
 
@@ -117,8 +119,8 @@ using Clock = std::chrono::steady_clock;
 
 class MpiWork final : public Work {
  public:
-  MpiWork(std::shared_ptr<SharedStats> stats, const char* name, int group_size,
-          uint64_t bytes_sent, uint64_t bytes_received)
+  MpiWork(std::shared_ptr<SharedStats> stats, const char* name, int group_size, uint64_t bytes_sent,
+          uint64_t bytes_received)
       : stats_(std::move(stats)),
         name_(name),
         group_size_(group_size),

@@ -78,7 +78,7 @@ TopK select_topk_plain(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int
   return select_per_chunk(coeffs, plan, k, [&](int64_t keep) {
     // A min-heap of keys whose top is the weakest kept coefficient.
     return [=, heap = std::vector<uint64_t>(keep)](const float* base,
-                                               std::vector<int64_t>& kept) mutable {
+                                                   std::vector<int64_t>& kept) mutable {
       const auto stronger = std::greater<uint64_t>();
       int64_t filled = 0;
       for (int64_t u = 0; u < h; ++u) {
@@ -114,8 +114,7 @@ TopK select_topk(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k
   constexpr uint32_t kBins = 1u << (31 - kShift);
   return select_per_chunk(coeffs, plan, k, [&](int64_t keep) {
     return [=, mag = std::vector<uint32_t>(n), hist = std::vector<uint32_t>(kBins),
-            ties = std::vector<uint64_t>()](const float* base,
-                                            std::vector<int64_t>& kept) mutable {
+            ties = std::vector<uint64_t>()](const float* base, std::vector<int64_t>& kept) mutable {
       std::fill(hist.begin(), hist.end(), 0u);
       for (int64_t u = 0; u < h; ++u) {
         const float* row = base + u * stride;

@@ -133,7 +133,8 @@ void chunked_dct_accumulate(const at::Tensor& x, const ChunkPlan& plan, double b
   const auto device = out.device();
   const at::Tensor bh = dct_basis(h, at::kFloat, device);
   const at::Tensor bw_t = dct_basis(w, at::kFloat, device).t();
-  const at::Tensor work = h > 1 ? scratch_for(plan, scratch, out, "chunked_dct").view({R, C}) : samples;
+  const at::Tensor work =
+      h > 1 ? scratch_for(plan, scratch, out, "chunked_dct").view({R, C}) : samples;
   // Bands of chunk rows in parallel; inside, one band is B_h @ [h, C] per chunk row (batched),
   // then (.) @ B_w^T fused with the accumulation out = beta*out + alpha*(...).
   SingleThreadedBlas one_blas_thread;
@@ -170,8 +171,8 @@ void chunked_idct_into(const at::Tensor& coeffs, const ChunkPlan& plan, const at
   const auto device = coeffs.device();
   const at::Tensor bw = dct_basis(w, at::kFloat, device);
   const at::Tensor bh_t = dct_basis(h, at::kFloat, device).t();
-  const at::Tensor work =
-      h > 1 ? scratch_for(plan, scratch, coeffs, "chunked_idct").view({R, C}) : samples.view({R, C});
+  const at::Tensor work = h > 1 ? scratch_for(plan, scratch, coeffs, "chunked_idct").view({R, C})
+                                : samples.view({R, C});
   // x = B_h^T C B_w per chunk: columns first (one GEMM per band), then rows (batched).
   SingleThreadedBlas one_blas_thread;
   at::parallel_for(0, R / h, 1, [&](int64_t begin, int64_t end) {

@@ -54,9 +54,13 @@ model::T5Config t5_config(const TrainConfig& cfg, int64_t vocab) {
   return tc;
 }
 
-bool is_t5(const TrainConfig& cfg) { return cfg.model.rfind("t5-", 0) == 0; }
+bool is_t5(const TrainConfig& cfg) {
+  return cfg.model.rfind("t5-", 0) == 0;
+}
 
-std::string str(double v) { return fmt::format("{}", v); }
+std::string str(double v) {
+  return fmt::format("{}", v);
+}
 
 }  // namespace
 
@@ -120,8 +124,8 @@ void TrainConfig::validate() const {
   if (values != "fp32" && values != "bf16" && values != "int8" && values != "1bit") {
     fail("unknown --values '" + values + "'; accepted: fp32, bf16, int8, 1bit");
   }
-  if (!replicator.empty() && replicator != "demo" && replicator != "full" &&
-      replicator != "none" && replicator != "random") {
+  if (!replicator.empty() && replicator != "demo" && replicator != "full" && replicator != "none" &&
+      replicator != "random") {
     fail("unknown --replicator '" + replicator + "'; accepted: demo, full, none, random");
   }
   if (replicate_every < 1) {
@@ -146,8 +150,7 @@ void TrainConfig::validate() const {
     const model::GptConfig mc = gpt_config(*this, 260);
     mc.validate();
     if (seq > mc.context) {
-      fail(fmt::format("--seq {} exceeds the model's context {} (set --context)", seq,
-                       mc.context));
+      fail(fmt::format("--seq {} exceeds the model's context {} (set --context)", seq, mc.context));
     }
   }
   if (keep_checkpoints < 1) {
@@ -343,8 +346,8 @@ std::unique_ptr<Session> open_session(const TrainConfig& config,
   raise_on_every_rank(*world, error, bad_input);
   if (!root) s->tokens = data::load_token_data(cfg.data, cfg.tokenizer, cfg.vocab, helper);
   comm::set_collective_timeout(cfg.comm_timeout);
-  for (const auto& [part, tokens] : {std::pair{"training", &s->tokens.train},
-                                     std::pair{"validation", &s->tokens.val}}) {
+  for (const auto& [part, tokens] :
+       {std::pair{"training", &s->tokens.train}, std::pair{"validation", &s->tokens.val}}) {
     if (int64_t(tokens->size()) < cfg.seq + 1) {
       throw std::invalid_argument(fmt::format(
           "--data {} holds {} {} tokens, fewer than one sequence of --seq {} + 1 (every 20th "
@@ -363,8 +366,8 @@ std::unique_ptr<Session> open_session(const TrainConfig& config,
     tc.eot = s->tokens.eot;
     s->lm = model::make_t5(tc, s->topo.shard_group, so, cfg.seed);
   } else {
-    s->lm = model::make_gpt(gpt_config(cfg, s->tokens.vocab_size), s->topo.shard_group, so,
-                            cfg.seed);
+    s->lm =
+        model::make_gpt(gpt_config(cfg, s->tokens.vocab_size), s->topo.shard_group, so, cfg.seed);
   }
   for (const auto& unit : s->lm->units()) {
     for (const auto& p : unit->optim_params()) s->params.push_back(p);
@@ -398,7 +401,9 @@ void sync_file(const std::filesystem::path& path) {  // a file's or a folder's c
 // A checkpoint is written into step-N.tmp/ and renamed into place: it is whole or absent.
 namespace fs = std::filesystem;
 
-fs::path checkpoints_root(const std::string& out) { return fs::path(out) / "checkpoints"; }
+fs::path checkpoints_root(const std::string& out) {
+  return fs::path(out) / "checkpoints";
+}
 
 nlohmann::json read_manifest(const fs::path& dir) {
   std::ifstream in(dir / "manifest.json");
@@ -406,7 +411,8 @@ nlohmann::json read_manifest(const fs::path& dir) {
   try {
     return nlohmann::json::parse(in);
   } catch (const std::exception&) {
-    throw std::invalid_argument("checkpoint " + dir.string() + " is damaged: manifest.json is not JSON");
+    throw std::invalid_argument("checkpoint " + dir.string() +
+                                " is damaged: manifest.json is not JSON");
   }
 }
 
@@ -485,18 +491,18 @@ fs::path find_checkpoint(const std::string& where, bool report) {
     skipped.push_back("skipping damaged checkpoint " + dir.string() + ": " + damage);
     reasons += "; " + dir.filename().string() + ": " + damage;
   }
-  throw std::invalid_argument("no valid checkpoint in " + where +
-                              (reasons.empty() ? " (expected checkpoints/step-N/ folders)"
-                                               : reasons));
+  throw std::invalid_argument(
+      "no valid checkpoint in " + where +
+      (reasons.empty() ? " (expected checkpoints/step-N/ folders)" : reasons));
 }
 
 // The options a resumed run must share with the run that wrote the checkpoint: they define
 // the model, the data order and the optimizer state.
-const char* const kResumeKeys[] = {"model",   "width",     "layers",    "heads",     "context",
-                                   "data",    "tokenizer", "vocab",     "batch",     "seq",
-                                   "optimizer", "replicator", "sign",   "topk",      "chunk",
-                                   "decay",   "values",    "replicate_every", "weight_decay", "overlap_step",
-                                   "seed",    "micro_batch"};
+const char* const kResumeKeys[] = {
+    "model",        "width",        "layers", "heads",      "context",   "data",
+    "tokenizer",    "vocab",        "batch",  "seq",        "optimizer", "replicator",
+    "sign",         "topk",         "chunk",  "decay",      "values",    "replicate_every",
+    "weight_decay", "overlap_step", "seed",   "micro_batch"};
 
 void check_resumable(const nlohmann::json& manifest, const nlohmann::ordered_json& run,
                      const std::string& where) {
