@@ -2,7 +2,7 @@
 # ctest: row N of docs/errors.md, a bad input and the one line it must produce. The command
 # (`flexdemo ...` or `mpirun -np P flexdemo ...`) must exit with code 2, print exactly the
 # documented line on stderr (once per rank under mpirun) and leave no --out folder behind.
-# Placeholders in a row, made here: $DATA (a small text corpus), $EMPTY (an empty file),
+# Files a row may name, made here: $DATA (a small text corpus), $EMPTY (an empty file),
 # $BINARY (random bytes), $TINY (a corpus of 17 bytes), $EMPTYDIR, $TOML (a config file setting
 # steps = 0), $TOML_UNKNOWN (a config with an unknown key), $RUN (a run with two valid
 # checkpoints), $OTHER (a run of another model), $DAMAGED (a run whose checkpoints all fail
@@ -41,7 +41,7 @@ case "$command" in
     ;;
 esac
 
-expand() { # the placeholders and the launcher in a documented string
+expand() { # the named files and the launcher in a documented string
   local s=$1
   for v in DATA EMPTYDIR EMPTY BINARY TINY TOML_UNKNOWN TOML OUT RUN OTHER DAMAGED; do s=${s//\$$v/${!v}}; done
   printf '%s' "$s"

@@ -9,7 +9,10 @@ build=$1
 mode=$2
 work=$(mktemp -d)
 victim=""
-trap '[ -z "$victim" ] || kill -9 "$victim" 2>/dev/null || true; rm -rf "$work"' EXIT
+# On any failure the job's log is printed, so that a rare one can be diagnosed from CI.
+trap 'rc=$?; [ -z "$victim" ] || kill -9 "$victim" 2>/dev/null || true
+      [ $rc -eq 0 ] || { echo "--- job log:"; grep -v "^step" "$work/log" 2>/dev/null | tail -30; }
+      rm -rf "$work"' EXIT
 mkdir -p "$work/corpus"
 for d in $(seq 1 300); do printf 'document %d: text for the dead-rank test.\n%%\n' "$d"; done \
   > "$work/corpus/text"

@@ -15,22 +15,29 @@ namespace {
 using SetThreads = void (*)(int);
 using GetThreads = int (*)();
 
-SetThreads blas_setter() {
-  return reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+// OpenBLAS's thread controls, looked up once (null when another BLAS is loaded): the guard
+// below runs around every chunked DCT of the optimizer step.
+struct BlasThreads {
+  SetThreads set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  GetThreads get = reinterpret_cast<GetThreads>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+};
+const BlasThreads& blas_threads() {
+  static const BlasThreads controls;
+  return controls;
 }
 
 }  // namespace
 
 SingleThreadedBlas::SingleThreadedBlas() {
-  auto get = reinterpret_cast<GetThreads>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
-  if (get != nullptr && blas_setter() != nullptr) {
-    saved_ = get();
-    if (saved_ > 1) blas_setter()(1);
+  const BlasThreads& blas = blas_threads();
+  if (blas.get != nullptr && blas.set != nullptr) {
+    saved_ = blas.get();
+    if (saved_ > 1) blas.set(1);
   }
 }
 
 SingleThreadedBlas::~SingleThreadedBlas() {
-  if (saved_ > 1) blas_setter()(saved_);
+  if (saved_ > 1) blas_threads().set(saved_);
 }
 
 void set_num_threads(int threads) {
@@ -38,7 +45,7 @@ void set_num_threads(int threads) {
     throw std::invalid_argument("threads must be >= 1, got " + std::to_string(threads));
   }
   at::set_num_threads(threads);
-  if (SetThreads set_blas = blas_setter()) set_blas(threads);
+  if (blas_threads().set != nullptr) blas_threads().set(threads);
 }
 
 }  // namespace flexdemo
