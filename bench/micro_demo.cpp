@@ -1,14 +1,18 @@
 // Google Benchmark microbenchmarks of a DeMo step's parts, each fast path against its plain-path
 // equivalent, on GPT-2's MLP weight (768 x 3072, 576 chunks of 64 x 64, k = 32):
-//   encode  the gradient's DCT folded into the residual (banded GEMMs; plain: one whole-tensor
-//           pass, as before) -- measured at the threads given by --threads (default 1)
-//   select  per-chunk top-k: histogram partial selection against a bounded heap
-//   pack    the top-k into the wire payload (bf16 values), then error feedback
-//   decode  two replicas' payloads to the mean coefficients and the inverse DCT: the sparse
-//           inverse against the dense GEMMs
+//   encode         the gradient's DCT folded into the residual: the per-chunk factorised kernel
+//                  against the banded GEMMs
+//   select         per-chunk top-k: partial selection against a bounded heap
+//   encode_select  both in one pass over the chunks (the optimizer's fast path) against the two
+//                  plain ones after each other
+//   pack           the top-k into the wire payload (bf16 values), then error feedback
+//   decode         two replicas' payloads to per-chunk coefficient lists and the sparse inverse,
+//                  against dense mean coefficients and the GEMM inverse
+// Threads: --threads=N (default 1).
 // After the table it prints, per part, plain / fast measured in this run.
 #include "flexdemo/compress.h"
 #include "flexdemo/dct.h"
+#include "flexdemo/kernels.h"
 #include "flexdemo/runtime.h"
 
 #include <ATen/ATen.h>
@@ -39,7 +43,7 @@ struct Fixture {
   Fixture() {
     const size_t bytes = compress::wire_payload_bytes(plan, k, compress::ValueEncoding::Bf16);
     for (auto& p : payloads) {
-      compress::TopK topk = compress::select_topk(at::randn({768, 3072}), plan, k);
+      compress::TopK topk = kernels::select_topk(at::randn({768, 3072}), plan, k);
       p.resize(bytes);
       compress::encode_payload(plan, topk, compress::ValueEncoding::Bf16, p.data());
     }
@@ -48,20 +52,31 @@ struct Fixture {
 
 void BM_encode_fast(benchmark::State& state) {
   Fixture& f = Fixture::get();
-  for (auto _ : state)
-    dct::chunked_dct_accumulate(f.grad, f.plan, 0.999, 1e-3, f.residual, &f.scratch);
+  for (auto _ : state) kernels::dct_accumulate(f.grad, f.plan, 0.999, 1e-3, f.residual);
 }
 void BM_encode_plain(benchmark::State& state) {
   Fixture& f = Fixture::get();
-  const int threads = at::get_num_threads();
-  at::set_num_threads(1);  // the plain path: one pass, no bands
   for (auto _ : state)
     dct::chunked_dct_accumulate(f.grad, f.plan, 0.999, 1e-3, f.residual, &f.scratch);
-  at::set_num_threads(threads);
+}
+// The fast path's encode and select in one pass, against the two plain ones after each other.
+void BM_encode_select_fast(benchmark::State& state) {
+  Fixture& f = Fixture::get();
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(
+        kernels::dct_accumulate_topk(f.grad, f.plan, 0.999, 1e-3, f.residual, f.k));
+  }
+}
+void BM_encode_select_plain(benchmark::State& state) {
+  Fixture& f = Fixture::get();
+  for (auto _ : state) {
+    dct::chunked_dct_accumulate(f.grad, f.plan, 0.999, 1e-3, f.residual, &f.scratch);
+    benchmark::DoNotOptimize(compress::select_topk_plain(f.residual, f.plan, f.k));
+  }
 }
 void BM_select_fast(benchmark::State& state) {
   Fixture& f = Fixture::get();
-  for (auto _ : state) benchmark::DoNotOptimize(compress::select_topk(f.residual, f.plan, f.k));
+  for (auto _ : state) benchmark::DoNotOptimize(kernels::select_topk(f.residual, f.plan, f.k));
 }
 void BM_select_plain(benchmark::State& state) {
   Fixture& f = Fixture::get();
@@ -70,7 +85,7 @@ void BM_select_plain(benchmark::State& state) {
 }
 void BM_pack(benchmark::State& state) {
   Fixture& f = Fixture::get();
-  compress::TopK topk = compress::select_topk(f.residual, f.plan, f.k);
+  compress::TopK topk = kernels::select_topk(f.residual, f.plan, f.k);
   std::vector<uint8_t> wire(
       compress::wire_payload_bytes(f.plan, f.k, compress::ValueEncoding::Bf16));
   for (auto _ : state) {
@@ -82,12 +97,15 @@ void BM_pack(benchmark::State& state) {
 void decode(benchmark::State& state, bool fast) {
   Fixture& f = Fixture::get();
   const at::Tensor decoded = at::empty({768 * 3072});
+  const std::vector<const uint8_t*> payloads = {f.payloads[0].data(), f.payloads[1].data()};
+  const size_t size = f.payloads[0].size();
   for (auto _ : state) {
-    compress::decode_mean({f.payloads[0].data(), f.payloads[1].data()}, f.payloads[0].size(),
-                          f.plan, f.k, compress::ValueEncoding::Bf16, decoded);
     if (fast) {
-      dct::chunked_idct_sparse_into(decoded, f.plan, f.samples, &f.scratch);
+      kernels::idct_sparse(compress::decode_mean_sparse(payloads, size, f.plan, f.k,
+                                                        compress::ValueEncoding::Bf16),
+                           f.plan, f.samples);
     } else {
+      compress::decode_mean(payloads, size, f.plan, f.k, compress::ValueEncoding::Bf16, decoded);
       dct::chunked_idct_into(decoded, f.plan, f.samples, &f.scratch);
     }
   }
@@ -102,6 +120,8 @@ void BM_decode_plain(benchmark::State& state) {
 BENCHMARK(BM_encode_plain)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_encode_fast)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_select_plain)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_encode_select_plain)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_encode_select_fast)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_select_fast)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_pack)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_decode_plain)->Unit(benchmark::kMicrosecond);
@@ -136,11 +156,12 @@ int main(int argc, char** argv) {
   RatioReporter reporter;
   benchmark::RunSpecifiedBenchmarks(&reporter);
   std::printf("\nthreads %d; plain / fast, measured in this run:\n", threads);
-  for (const char* part : {"encode", "select", "decode"}) {
+  std::printf("(fast path kernels: %s)\n", kernels::to_string(kernels::active_isa()).c_str());
+  for (const char* part : {"encode", "select", "encode_select", "decode"}) {
     const std::string fast = std::string("BM_") + part + "_fast",
                       plain = std::string("BM_") + part + "_plain";
     if (reporter.us.count(fast) && reporter.us.count(plain)) {
-      std::printf("  %-7s %9.1f us / %9.1f us = %.2fx\n", part, reporter.us[plain],
+      std::printf("  %-14s %9.1f us / %9.1f us = %.2fx\n", part, reporter.us[plain],
                   reporter.us[fast], reporter.us[plain] / reporter.us[fast]);
     }
   }

@@ -4,6 +4,7 @@
 // Anything but a WireFormatError, or a read out of bounds, is a finding.
 #include "flexdemo/compress.h"
 #include "flexdemo/dct.h"
+#include "flexdemo/kernels.h"
 
 #include <ATen/ATen.h>
 #include <zlib.h>
@@ -60,7 +61,7 @@ void write_seeds(const std::string& dir) {
       const uint8_t b0 = uint8_t(shape + kNumShapes * 3), b1 = uint8_t(e | 4);
       Receiver r = receiver_for(b0, b1);
       const at::Tensor coeffs = at::randn({r.plan.padded_rows, r.plan.padded_cols});
-      compress::TopK topk = compress::select_topk(coeffs, r.plan, r.k);
+      compress::TopK topk = kernels::select_topk(coeffs, r.plan, r.k);
       std::vector<uint8_t> input = {b0, b1};
       input.resize(2 + compress::wire_payload_bytes(r.plan, r.k, r.encoding));
       compress::encode_payload(r.plan, topk, r.encoding, input.data() + 2);

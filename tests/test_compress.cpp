@@ -1,6 +1,8 @@
 // Top-k against a sort-based reference, the wire format's round trip and closed-form size,
 // rejection of malformed payloads, and decode-aggregate against a naive mean.
 #include "flexdemo/compress.h"
+#include "flexdemo/kernels.h"
+#include "isa.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -9,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <vector>
 
 using namespace flexdemo;
 using compress::ValueEncoding;
@@ -65,9 +68,13 @@ TEST(TopK, MatchesSortBasedReference) {
     dct::ChunkPlan plan = dct::make_chunk_plan({24, 40}, 16, mode);
     at::Tensor coeffs = at::randn({plan.padded_rows, plan.padded_cols});
     for (int64_t k : {1, 5, 37}) {
-      for (auto select : {&compress::select_topk, &compress::select_topk_plain}) {
-        compress::TopK t = select(coeffs, plan, k);
-        auto want = reference_topk(coeffs, plan, k);
+      std::vector<compress::TopK> results = {compress::select_topk_plain(coeffs, plan, k)};
+      for (kernels::Isa isa : isa_testing::supported_isas()) {
+        isa_testing::ScopedIsa scoped(isa);
+        results.push_back(kernels::select_topk(coeffs, plan, k));
+      }
+      const auto want = reference_topk(coeffs, plan, k);
+      for (const compress::TopK& t : results) {
         ASSERT_EQ(t.indices.size(0), int64_t(want.size()));
         for (size_t c = 0; c < want.size(); ++c) {
           for (int64_t j = 0; j < k; ++j) {
@@ -84,17 +91,29 @@ TEST(TopK, MatchesSortBasedReference) {
 }
 
 TEST(TopK, FastSelectionEqualsHeapOnTiesAndZeros) {
-  // Few distinct magnitudes (many ties, whole chunks of zeros): the histogram selection must
-  // break ties like the heap, by the lower position.
+  // Few distinct magnitudes (many ties, whole chunks of zeros), and Gaussian values with a few
+  // huge ones, infinities and NaN: the partial selection must pick what the heap picks, ties
+  // broken by the lower position, in every instruction set.
   at::manual_seed(11);
   dct::ChunkPlan plan = dct::make_chunk_plan({64, 128}, 64, dct::ChunkMode::Divisor);
-  at::Tensor coeffs = at::randint(-3, 4, {64, 128}).to(at::kFloat);
-  coeffs.narrow(1, 64, 64).zero_();
-  for (int64_t k : {1, 32, 1000, 4096}) {
-    compress::TopK fast = compress::select_topk(coeffs, plan, k);
-    compress::TopK plain = compress::select_topk_plain(coeffs, plan, k);
-    EXPECT_TRUE(at::equal(fast.indices, plain.indices)) << "k " << k;
-    EXPECT_TRUE(at::equal(fast.values, plain.values)) << "k " << k;
+  at::Tensor ties = at::randint(-3, 4, {64, 128}).to(at::kFloat);
+  ties.narrow(1, 64, 64).zero_();
+  at::Tensor spiky = at::randn({64, 128});
+  spiky.view(-1).index_put_({at::randint(0, 64 * 128, {40})}, 1e30f);
+  spiky[3][5] = INFINITY;
+  spiky[40][100] = -INFINITY;
+  spiky[7][70] = NAN;
+  for (const at::Tensor& coeffs : {ties, spiky}) {
+    for (int64_t k : {1, 32, 511, 1000, 4096}) {
+      compress::TopK plain = compress::select_topk_plain(coeffs, plan, k);
+      for (kernels::Isa isa : isa_testing::supported_isas()) {
+        isa_testing::ScopedIsa scoped(isa);
+        compress::TopK fast = kernels::select_topk(coeffs, plan, k);
+        EXPECT_TRUE(at::equal(fast.indices, plain.indices)) << "k " << k << " " << to_string(isa);
+        EXPECT_TRUE(at::allclose(fast.values, plain.values, 0, 0, /*equal_nan=*/true))
+            << "k " << k << " " << to_string(isa);
+      }
+    }
   }
 }
 
@@ -103,9 +122,9 @@ TEST(TopK, ClampsKAndBreaksTiesByLowerIndex) {
   EXPECT_EQ(compress::clamp_topk(100, plan), 8);
   EXPECT_EQ(compress::clamp_topk(0, plan), 1);
   at::Tensor ties = at::tensor({1.f, -1.f, 1.f, 0.5f, -1.f, 1.f, 0.f, 1.f}).view({1, 8});
-  compress::TopK t = compress::select_topk(ties, plan, 3);
+  compress::TopK t = kernels::select_topk(ties, plan, 3);
   EXPECT_TRUE(at::equal(t.indices, at::tensor({0L, 1L, 2L}).view({1, 3})));
-  compress::TopK all = compress::select_topk(ties, plan, 100);
+  compress::TopK all = kernels::select_topk(ties, plan, 100);
   EXPECT_EQ(all.k, 8);
 }
 
@@ -133,7 +152,7 @@ TEST(WireFormat, RoundTripEveryEncoding) {
   dct::ChunkPlan plan = dct::make_chunk_plan({40, 72}, 16, dct::ChunkMode::Padded);
   at::Tensor coeffs = at::randn({plan.padded_rows, plan.padded_cols});
   for (ValueEncoding e : kAllEncodings) {
-    compress::TopK t = compress::select_topk(coeffs, plan, 7);
+    compress::TopK t = kernels::select_topk(coeffs, plan, 7);
     const at::Tensor original = t.values.clone();
     std::vector<uint8_t> bytes = encode(plan, t, e);
     at::Tensor out = at::empty({plan.padded_numel()});
@@ -176,7 +195,7 @@ TEST(WireFormat, RejectsMalformedPayloads) {
   at::manual_seed(12);
   dct::ChunkPlan plan = dct::make_chunk_plan({32, 32}, 16, dct::ChunkMode::Divisor);
   at::Tensor coeffs = at::randn({32, 32});
-  compress::TopK t = compress::select_topk(coeffs, plan, 4);
+  compress::TopK t = kernels::select_topk(coeffs, plan, 4);
   const std::vector<uint8_t> good = encode(plan, t, ValueEncoding::Bf16);
   auto expect_reject = [&](const std::vector<uint8_t>& bytes, const std::string& why) {
     try {
@@ -210,7 +229,7 @@ TEST(WireFormat, RejectsMalformedPayloads) {
   expect_reject(corrupt, "checksum");
   // Chunks of 1024 coefficients use 2-byte indices, so an index outside its chunk is expressible.
   dct::ChunkPlan wide = dct::make_chunk_plan({32, 32}, 32, dct::ChunkMode::Divisor);
-  compress::TopK tw = compress::select_topk(at::randn({32, 32}), wide, 4);
+  compress::TopK tw = kernels::select_topk(at::randn({32, 32}), wide, 4);
   std::vector<uint8_t> bad_index = encode(wide, tw, ValueEncoding::Fp32);
   put_u32(bad_index.data() + compress::kWireHeaderBytes, 1024);  // 2-byte index 1024 >= 1024
   refresh_checksum(bad_index);
@@ -236,7 +255,7 @@ TEST(DecodeMean, AveragesOverReplicasThatSelectedEachCoefficient) {
   for (int r = 0; r < replicas; ++r) {
     at::Tensor coeffs = at::randn({16, 24});
     coeffs.view(-1)[0] = 100.0f;  // every replica selects coefficient 0 of chunk 0
-    compress::TopK t = compress::select_topk(coeffs, plan, k);
+    compress::TopK t = kernels::select_topk(coeffs, plan, k);
     payloads.push_back(encode(plan, t, ValueEncoding::Fp32));
     for (int64_t c = 0; c < plan.num_chunks(); ++c)
       for (int64_t j = 0; j < k; ++j)

@@ -1,10 +1,13 @@
 // Chunk plans and the chunked DCT against the direct float64 formula.
 #include "flexdemo/dct.h"
+#include "flexdemo/kernels.h"
+#include "isa.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <vector>
 
 using flexdemo::dct::ChunkMode;
 using flexdemo::dct::ChunkPlan;
@@ -140,28 +143,113 @@ TEST(Dct, AccumulateScalesAndAdds) {
   EXPECT_TRUE(at::allclose(out.to(at::kDouble), want, 1e-5, 1e-6));
 }
 
-TEST(Dct, SparseInverseMatchesDenseInverse) {
+// ====== The fast path's kernels, in every instruction set this CPU has ======
+namespace {
+
+// Direct inverse of every chunk in float64 (x = B_h^T X B_w), from block-layout coefficients.
+at::Tensor reference_idct(const at::Tensor& coeffs, const ChunkPlan& plan) {
+  const int64_t h = plan.chunk_rows, w = plan.chunk_cols;
+  const at::Tensor bh = flexdemo::dct::dct_basis(h, at::kDouble, at::kCPU);
+  const at::Tensor bw = flexdemo::dct::dct_basis(w, at::kDouble, at::kCPU);
+  at::Tensor blocks = coeffs.to(at::kDouble)
+                          .view({plan.row_chunks(), h, plan.col_chunks(), w})
+                          .permute({0, 2, 1, 3});
+  at::Tensor x = at::matmul(at::matmul(bh.t(), blocks), bw);
+  return x.permute({0, 2, 1, 3}).reshape({plan.padded_rows, plan.padded_cols});
+}
+
+struct KernelCase {
+  std::vector<int64_t> shape;
+  int64_t chunk;
+  ChunkMode mode;
+};
+// 64 x 64 (three even/odd splits), 26 x 35 (one split, then odd), 48 x 48 (split down to 6),
+// padded 64 x 50, vectors, chunks of 1 and 7, 128 x 128 (four splits).
+const KernelCase kKernelCases[] = {
+    {{256, 192}, 64, ChunkMode::Divisor}, {{130, 70}, 64, ChunkMode::Divisor},
+    {{96, 48}, 64, ChunkMode::Divisor},   {{70, 50}, 64, ChunkMode::Padded},
+    {{97}, 64, ChunkMode::Padded},        {{200}, 64, ChunkMode::Divisor},
+    {{5, 3, 11}, 64, ChunkMode::Divisor}, {{37, 14}, 7, ChunkMode::Divisor},
+    {{128, 128}, 128, ChunkMode::Divisor},
+};
+
+}  // namespace
+
+TEST(Kernels, DctAccumulateMatchesFloat64Reference) {
   at::manual_seed(4);
-  for (ChunkMode mode : {ChunkMode::Divisor, ChunkMode::Padded}) {
-    for (auto shape : std::vector<std::vector<int64_t>>{{130, 70}, {97}, {256, 192}, {1, 64}}) {
-      ChunkPlan plan = make_chunk_plan(shape, 64, mode);
-      // Scattered coefficients (sparse rows, then the dense fallback), and low frequencies only
-      // (the first 4 rows of every chunk: the sparse path).
-      for (double density : {0.0, 0.002, 0.3, 1.0, -1.0}) {
-        at::Tensor coeffs = at::randn({plan.padded_rows, plan.padded_cols});
-        if (density >= 0) {
-          coeffs.mul_(at::rand_like(coeffs) < density);
-        } else {
-          at::Tensor row_in_chunk = at::arange(plan.padded_rows).remainder(plan.chunk_rows);
-          coeffs.mul_((row_in_chunk < 4).unsqueeze(1));
+  for (const KernelCase& c : kKernelCases) {
+    ChunkPlan plan = make_chunk_plan(c.shape, c.chunk, c.mode);
+    at::Tensor x = at::randn(c.shape);
+    at::Tensor base = at::randn({plan.padded_rows, plan.padded_cols});
+    const at::Tensor dct = reference_dct(x, plan);
+    for (flexdemo::kernels::Isa isa : flexdemo::isa_testing::supported_isas()) {
+      flexdemo::isa_testing::ScopedIsa scoped(isa);
+      for (double beta : {0.0, 0.9}) {
+        at::Tensor out = base.clone();
+        if (beta == 0.0) out.view(-1)[0] = NAN;  // beta = 0 overwrites, even NaN
+        flexdemo::kernels::dct_accumulate(x, plan, beta, 0.5, out);
+        const at::Tensor want = base.to(at::kDouble) * beta + 0.5 * dct;
+        EXPECT_TRUE(at::allclose(out.to(at::kDouble), want, 1e-5, 1e-5))
+            << at::IntArrayRef(c.shape) << " " << to_string(isa) << " beta " << beta
+            << " max err " << (out.to(at::kDouble) - want).abs().max().item<double>();
+      }
+      at::Tensor decayed = base.clone();
+      flexdemo::kernels::dct_accumulate(at::Tensor(), plan, 0.5, 1.0, decayed);  // no gradient
+      EXPECT_TRUE(at::equal(decayed, base * 0.5));
+    }
+  }
+}
+
+TEST(Kernels, FusedTopKSelectsFromTheNewResidual) {
+  // dct_accumulate_topk leaves the residual dct_accumulate leaves, and picks what the plain
+  // heap picks from it.
+  at::manual_seed(5);
+  for (const KernelCase& c : kKernelCases) {
+    ChunkPlan plan = make_chunk_plan(c.shape, c.chunk, c.mode);
+    at::Tensor x = at::randn(c.shape);
+    at::Tensor base = at::randn({plan.padded_rows, plan.padded_cols});
+    for (flexdemo::kernels::Isa isa : flexdemo::isa_testing::supported_isas()) {
+      flexdemo::isa_testing::ScopedIsa scoped(isa);
+      at::Tensor fused = base.clone(), separate = base.clone();
+      const flexdemo::compress::TopK got =
+          flexdemo::kernels::dct_accumulate_topk(x, plan, 0.9, 0.1, fused, 9);
+      flexdemo::kernels::dct_accumulate(x, plan, 0.9, 0.1, separate);
+      EXPECT_TRUE(at::equal(fused, separate)) << at::IntArrayRef(c.shape);
+      const flexdemo::compress::TopK want = flexdemo::compress::select_topk_plain(fused, plan, 9);
+      EXPECT_TRUE(at::equal(got.indices, want.indices)) << at::IntArrayRef(c.shape);
+      EXPECT_TRUE(at::equal(got.values, want.values)) << at::IntArrayRef(c.shape);
+    }
+  }
+}
+
+TEST(Kernels, SparseInverseMatchesFloat64Reference) {
+  // Per chunk: no coefficient, a few (the direct column pass), many (the factorised one), all.
+  at::manual_seed(6);
+  for (const KernelCase& c : kKernelCases) {
+    ChunkPlan plan = make_chunk_plan(c.shape, c.chunk, c.mode);
+    const int64_t n = plan.chunk_numel(), chunks = plan.num_chunks();
+    for (int64_t nnz : {int64_t(0), int64_t(3), n / 3, n}) {
+      flexdemo::compress::SparseChunks sparse;
+      sparse.positions = at::empty({chunks, std::max<int64_t>(nnz, 1)}, at::kInt);
+      sparse.values = at::randn({chunks, std::max<int64_t>(nnz, 1)});
+      sparse.counts = at::full({chunks}, nnz, at::kLong);
+      at::Tensor dense = at::zeros({plan.padded_rows, plan.padded_cols});
+      for (int64_t ch = 0; ch < chunks; ++ch) {
+        const at::Tensor pos = at::randperm(n, at::kInt).narrow(0, 0, nnz);
+        sparse.positions[ch].narrow(0, 0, nnz).copy_(pos);
+        for (int64_t e = 0; e < nnz; ++e) {
+          const int64_t p = pos[e].item<int32_t>();
+          dense.view(-1)[plan.chunk_origin(ch) + plan.offset_in_chunk(p)] = sparse.values[ch][e];
         }
-        at::Tensor dense = at::empty({plan.padded_numel()}),
-                   sparse = at::empty({plan.padded_numel()});
-        flexdemo::dct::chunked_idct_into(coeffs, plan, dense);
-        flexdemo::dct::chunked_idct_sparse_into(coeffs, plan, sparse);
-        EXPECT_TRUE(at::allclose(sparse, dense, 1e-5, 1e-6))
-            << at::IntArrayRef(shape) << " density " << density << " max err "
-            << (sparse - dense).abs().max().item<double>();
+      }
+      const at::Tensor want = reference_idct(dense, plan);
+      for (flexdemo::kernels::Isa isa : flexdemo::isa_testing::supported_isas()) {
+        flexdemo::isa_testing::ScopedIsa scoped(isa);
+        at::Tensor got = at::full({plan.padded_rows, plan.padded_cols}, NAN);
+        flexdemo::kernels::idct_sparse(sparse, plan, got);
+        EXPECT_TRUE(at::allclose(got.to(at::kDouble), want, 1e-5, 1e-5))
+            << at::IntArrayRef(c.shape) << " nnz " << nnz << " " << to_string(isa) << " max err "
+            << (got.to(at::kDouble) - want).abs().max().item<double>();
       }
     }
   }

@@ -37,9 +37,8 @@ struct TopK {
   at::Tensor values;   // float32 [num_chunks, k]: the signed coefficients
 };
 int64_t clamp_topk(int64_t k, const dct::ChunkPlan& plan);  // into [1, chunk_numel]
-// coeffs: float32 contiguous block layout (see dct.h). Ties go to the lower index.
-TopK select_topk(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k);
-// The same selection by a bounded heap per chunk: the plain path the fast one is tested against.
+// coeffs: float32 contiguous block layout (see dct.h). Ties go to the lower index. A bounded
+// heap per chunk: the plain path that kernels::select_topk (partial selection) is tested against.
 TopK select_topk_plain(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k);
 // coeffs[selected] += alpha * values: with alpha = -1 this is DeMo's error feedback.
 void add_selected(const at::Tensor& coeffs, const dct::ChunkPlan& plan, const TopK& topk,
@@ -75,5 +74,15 @@ void validate_payload(const uint8_t* data, size_t size, const dct::ChunkPlan& pl
 void decode_mean(const std::vector<const uint8_t*>& payloads, size_t size,
                  const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding,
                  const at::Tensor& out);
+
+// The same means, chunk by chunk as lists: chunk c's distinct positions (u * chunk_cols + v, in
+// the order they first appear, rank by rank) and their means are entries [0, counts[c]) of row c.
+struct SparseChunks {
+  at::Tensor positions;  // int32 [num_chunks, replicas * k]
+  at::Tensor values;     // float32 [num_chunks, replicas * k]
+  at::Tensor counts;     // int64 [num_chunks]
+};
+SparseChunks decode_mean_sparse(const std::vector<const uint8_t*>& payloads, size_t size,
+                                const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding);
 
 }  // namespace flexdemo::compress

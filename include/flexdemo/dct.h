@@ -68,13 +68,6 @@ at::Tensor chunked_dct(const at::Tensor& x, const ChunkPlan& plan);  // new coef
 // rows/cols hold what the inverse gives there). scratch as above.
 void chunked_idct_into(const at::Tensor& coeffs, const ChunkPlan& plan, const at::Tensor& samples,
                        at::Tensor* scratch = nullptr);
-// The same inverse for mostly-zero coefficients (DeMo's decoded top-k), on the CPU: per chunk
-// only the rows holding a non-zero coefficient are transformed, so the cost follows the
-// non-zeros; when more than a quarter of the rows (sampled from the first chunks) hold one, the
-// GEMMs of chunked_idct_into are cheaper and are used. Equal to chunked_idct_into up to float
-// rounding; deterministic (the same coefficients take the same path on every replica).
-void chunked_idct_sparse_into(const at::Tensor& coeffs, const ChunkPlan& plan,
-                              const at::Tensor& samples, at::Tensor* scratch = nullptr);
 // Inverse: float32 [rows, cols] samples (padding cropped) from block-layout coefficients.
 at::Tensor chunked_idct(const at::Tensor& coeffs, const ChunkPlan& plan);
 

@@ -1,6 +1,6 @@
-// Per-chunk top-k by magnitude over block-layout coefficients, and adding values back at the
-// selected positions (error feedback). The plain path keeps a bounded heap per chunk; the fast
-// path a histogram partial selection; both choose the same coefficients.
+// Per-chunk top-k by magnitude over block-layout coefficients (the plain path: a bounded heap per
+// chunk; kernels::select_topk is the fast one), and adding values back at the selected positions
+// (error feedback).
 #include "flexdemo/compress.h"
 
 #include <ATen/ATen.h>
@@ -40,9 +40,9 @@ void check_coeffs(const at::Tensor& coeffs, const dct::ChunkPlan& plan, const ch
   }
 }
 
-// The frame both selections share: the output tensors, chunks in parallel, and each chunk's k
-// positions (ascending) turned into indices and values. make_chooser() is called once per
-// thread and returns choose(base, kept), which fills `kept` with the chunk's k positions.
+// The selection's frame: the output tensors, chunks in parallel, and each chunk's k positions
+// (ascending) turned into indices and values. make_chooser() is called once per thread and
+// returns choose(base, kept), which fills `kept` with the chunk's k positions.
 template <typename MakeChooser>
 TopK select_per_chunk(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k_requested,
                       MakeChooser make_chooser) {
@@ -97,51 +97,6 @@ TopK select_topk_plain(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int
       }
       kept.clear();
       for (uint64_t key : heap) kept.push_back(int64_t(position_of(key)));
-      std::sort(kept.begin(), kept.end());
-    };
-  });
-}
-
-// Partial selection by a histogram of the magnitudes' top bits: one pass counts the chunk's
-// coefficients per bin (|x|'s IEEE bits >> 21: exponent and 2 mantissa bits), the bin holding
-// the k-th largest is found from the top, everything above it is kept, and only that bin's
-// members are ranked exactly (magnitude, then lower position) -- the heap's order, so the same
-// coefficients are chosen.
-TopK select_topk(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k) {
-  const int64_t h = plan.chunk_rows, w = plan.chunk_cols, stride = plan.padded_cols;
-  const int64_t n = plan.chunk_numel();
-  constexpr int kShift = 21;
-  constexpr uint32_t kBins = 1u << (31 - kShift);
-  return select_per_chunk(coeffs, plan, k, [&](int64_t keep) {
-    return [=, mag = std::vector<uint32_t>(n), hist = std::vector<uint32_t>(kBins),
-            ties = std::vector<uint64_t>()](const float* base, std::vector<int64_t>& kept) mutable {
-      std::fill(hist.begin(), hist.end(), 0u);
-      for (int64_t u = 0; u < h; ++u) {
-        const float* row = base + u * stride;
-        uint32_t* m = mag.data() + u * w;
-        for (int64_t v = 0; v < w; ++v) {
-          uint32_t bits;
-          std::memcpy(&bits, row + v, 4);
-          m[v] = bits & 0x7fffffffu;
-        }
-        for (int64_t v = 0; v < w; ++v) hist[m[v] >> kShift] += 1;
-      }
-      uint32_t boundary = kBins - 1;
-      int64_t above = 0;  // coefficients in bins above the boundary bin (< k)
-      while (above + int64_t(hist[boundary]) < keep) above += hist[boundary--];
-      kept.clear();
-      ties.clear();
-      for (int64_t pos = 0; pos < n; ++pos) {
-        const uint32_t bin = mag[pos] >> kShift;
-        if (bin > boundary) {
-          kept.push_back(pos);
-        } else if (bin == boundary) {
-          ties.push_back(uint64_t(mag[pos]) << 32 | (0xffffffffu - uint32_t(pos)));
-        }
-      }
-      const int64_t rest = keep - above;
-      std::nth_element(ties.begin(), ties.begin() + (rest - 1), ties.end(), std::greater<>());
-      for (int64_t j = 0; j < rest; ++j) kept.push_back(int64_t(position_of(ties[j])));
       std::sort(kept.begin(), kept.end());
     };
   });

@@ -278,6 +278,51 @@ void validate_payload(const uint8_t* data, size_t size, const dct::ChunkPlan& pl
   }
 }
 
+SparseChunks decode_mean_sparse(const std::vector<const uint8_t*>& payloads, size_t size,
+                                const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding) {
+  for (const uint8_t* p : payloads) validate_payload(p, size, plan, k, encoding);
+  const Layout l = layout_of(plan, k, encoding);
+  const int64_t capacity = int64_t(payloads.size()) * l.k;
+  SparseChunks out;
+  out.positions = at::empty({l.chunks, capacity}, at::kInt);
+  out.values = at::empty({l.chunks, capacity}, at::kFloat);
+  out.counts = at::empty({l.chunks}, at::kLong);
+  int32_t* positions = out.positions.data_ptr<int32_t>();
+  float* values = out.values.data_ptr<float>();
+  int64_t* counts = out.counts.data_ptr<int64_t>();
+
+  at::parallel_for(0, l.chunks, 16, [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> slot(plan.chunk_numel(), -1);  // per coefficient: its entry, or -1
+    std::vector<uint32_t> seen(capacity);               // per entry: how many replicas sent it
+    for (int64_t c = begin; c < end; ++c) {
+      int32_t* pos_out = positions + c * capacity;
+      float* val_out = values + c * capacity;
+      int64_t count = 0;
+      for (const uint8_t* payload : payloads) {  // rank order: the same sums on every replica
+        const uint8_t* body = payload + kWireHeaderBytes;
+        for (int64_t e = c * l.k; e < (c + 1) * l.k; ++e) {
+          const int64_t pos = read_index(body + e * l.index_bytes, l.index_bytes);
+          int32_t& s = slot[pos];
+          if (s < 0) {
+            s = int32_t(count++);
+            pos_out[s] = int32_t(pos);
+            val_out[s] = 0.0f;
+            seen[s] = 0;
+          }
+          val_out[s] += read_value(body, l, encoding, e);
+          seen[s] += 1;
+        }
+      }
+      for (int64_t s = 0; s < count; ++s) {  // divide once per coefficient, reset the slots
+        if (seen[s] > 1) val_out[s] /= float(seen[s]);
+        slot[pos_out[s]] = -1;
+      }
+      counts[c] = count;
+    }
+  });
+  return out;
+}
+
 void decode_mean(const std::vector<const uint8_t*>& payloads, size_t size,
                  const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding,
                  const at::Tensor& out) {
@@ -286,33 +331,19 @@ void decode_mean(const std::vector<const uint8_t*>& payloads, size_t size,
     throw std::invalid_argument("decode_mean: out must be a contiguous float32 CPU tensor of " +
                                 std::to_string(plan.padded_numel()) + " elements");
   }
-  for (const uint8_t* p : payloads) validate_payload(p, size, plan, k, encoding);
-  const Layout l = layout_of(plan, k, encoding);
+  const SparseChunks sparse = decode_mean_sparse(payloads, size, plan, k, encoding);
+  const int64_t capacity = sparse.positions.size(1);
+  const int32_t* positions = sparse.positions.data_ptr<int32_t>();
+  const float* values = sparse.values.data_ptr<float>();
+  const int64_t* counts = sparse.counts.data_ptr<int64_t>();
   out.zero_();
   float* dst = out.data_ptr<float>();
-
-  at::parallel_for(0, l.chunks, 16, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> count(plan.chunk_numel(), 0);  // per coefficient of one chunk
-    for (int64_t c = begin; c < end; ++c) {
-      float* base = dst + plan.chunk_origin(c);
-      for (const uint8_t* payload : payloads) {  // rank order: the same sums on every replica
-        const uint8_t* body = payload + kWireHeaderBytes;
-        for (int64_t e = c * l.k; e < (c + 1) * l.k; ++e) {
-          const int64_t pos = read_index(body + e * l.index_bytes, l.index_bytes);
-          base[plan.offset_in_chunk(pos)] += read_value(body, l, encoding, e);
-          count[pos] += 1;
-        }
-      }
-      for (const uint8_t* payload : payloads) {  // divide once per coefficient, reset counts
-        const uint8_t* body = payload + kWireHeaderBytes;
-        for (int64_t e = c * l.k; e < (c + 1) * l.k; ++e) {
-          const int64_t pos = read_index(body + e * l.index_bytes, l.index_bytes);
-          if (count[pos] > 1) base[plan.offset_in_chunk(pos)] /= float(count[pos]);
-          count[pos] = 0;
-        }
-      }
+  for (int64_t c = 0; c < plan.num_chunks(); ++c) {
+    float* base = dst + plan.chunk_origin(c);
+    for (int64_t e = c * capacity; e < c * capacity + counts[c]; ++e) {
+      base[plan.offset_in_chunk(positions[e])] = values[e];
     }
-  });
+  }
 }
 
 }  // namespace flexdemo::compress

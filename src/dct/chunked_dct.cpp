@@ -1,6 +1,6 @@
 // Chunk plans, the cached DCT basis and the separable chunked DCT over whole tensors.
 // Each transform is two GEMMs on the block layout (rows of chunks, then columns of chunks), run
-// over bands of chunk rows in parallel; the inverse of sparse coefficients skips the zeros.
+// over bands of chunk rows in parallel. (The fast path's per-chunk kernels are in kernels/.)
 #include "flexdemo/dct.h"
 
 #include "flexdemo/runtime.h"
@@ -183,76 +183,6 @@ void chunked_idct_into(const at::Tensor& coeffs, const ChunkPlan& plan, const at
     if (h > 1) {
       at::Tensor band = samples.view({R, C}).narrow(0, begin * h, rows).view({end - begin, h, C});
       at::bmm_out(band, bh_t.expand({end - begin, h, h}), cols_done.view({end - begin, h, C}));
-    }
-  });
-}
-
-namespace {
-
-// The share of chunk rows holding a non-zero coefficient, from the first chunks (up to 16).
-double nonzero_row_share(const float* src, const ChunkPlan& plan) {
-  const int64_t h = plan.chunk_rows, w = plan.chunk_cols, C = plan.padded_cols;
-  const int64_t chunks = std::min<int64_t>(plan.num_chunks(), 16);
-  int64_t rows = 0;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const float* in = src + plan.chunk_origin(c);
-    for (int64_t u = 0; u < h; ++u) {
-      const float* row = in + u * C;
-      rows += std::any_of(row, row + w, [](float a) { return a != 0.0f; }) ? 1 : 0;
-    }
-  }
-  return double(rows) / double(chunks * h);
-}
-
-}  // namespace
-
-void chunked_idct_sparse_into(const at::Tensor& coeffs, const ChunkPlan& plan,
-                              const at::Tensor& samples, at::Tensor* scratch) {
-  check_floats(coeffs, plan.padded_numel(), "chunked_idct_sparse", "coefficients");
-  check_floats(samples, plan.padded_numel(), "chunked_idct_sparse", "samples");
-  if (!coeffs.is_cpu() || !samples.is_cpu()) {
-    throw std::invalid_argument("chunked_idct_sparse: CPU tensors only");
-  }
-  // Per chunk the sparse inverse costs h * w per non-zero row against the GEMMs' 2 h * w * w
-  // at several times the speed: it wins only when few rows hold coefficients.
-  if (nonzero_row_share(coeffs.data_ptr<float>(), plan) > 0.25) {
-    chunked_idct_into(coeffs, plan, samples, scratch);
-    return;
-  }
-  const int64_t h = plan.chunk_rows, w = plan.chunk_cols, C = plan.padded_cols;
-  const at::Tensor bh = dct_basis(h, at::kFloat, at::kCPU), bw = dct_basis(w, at::kFloat, at::kCPU);
-  const float* Bh = bh.data_ptr<float>();
-  const float* Bw = bw.data_ptr<float>();
-  const float* src = coeffs.data_ptr<float>();
-  float* dst = samples.data_ptr<float>();
-  at::parallel_for(0, plan.num_chunks(), 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> t(size_t(h * w));  // C[u, :] @ B_w for the chunk's non-zero rows u
-    std::vector<int64_t> nonzero_rows;
-    for (int64_t c = begin; c < end; ++c) {
-      const float* in = src + plan.chunk_origin(c);
-      float* out = dst + plan.chunk_origin(c);
-      nonzero_rows.clear();
-      for (int64_t u = 0; u < h; ++u) {
-        float* trow = t.data() + nonzero_rows.size() * w;
-        bool any = false;
-        for (int64_t v = 0; v < w; ++v) {
-          const float a = in[u * C + v];
-          if (a == 0.0f) continue;
-          if (!any) std::fill(trow, trow + w, 0.0f), any = true;
-          const float* b = Bw + v * w;
-          for (int64_t j = 0; j < w; ++j) trow[j] += a * b[j];
-        }
-        if (any) nonzero_rows.push_back(u);
-      }
-      for (int64_t i = 0; i < h; ++i) {  // x[i, :] = sum over u of B_h[u, i] * t[u, :]
-        float* orow = out + i * C;
-        std::fill(orow, orow + w, 0.0f);
-        for (size_t r = 0; r < nonzero_rows.size(); ++r) {
-          const float s = Bh[nonzero_rows[r] * h + i];
-          const float* trow = t.data() + r * w;
-          for (int64_t j = 0; j < w; ++j) orow[j] += s * trow[j];
-        }
-      }
     }
   });
 }

@@ -4,6 +4,7 @@
 #include "replicator.h"
 
 #include "flexdemo/comm.h"
+#include "flexdemo/kernels.h"
 
 #include <ATen/ATen.h>
 
@@ -43,25 +44,17 @@ class DemoReplicator final : public Replicator {
   }
 
   void accumulate(const std::vector<at::Tensor>& grads, double lr) override {
-    for (size_t i = 0; i < plans_.size(); ++i) {
-      if (grads[i].defined()) {
-        dct::chunked_dct_accumulate(grads[i], plans_[i], options_.decay, lr, residuals_[i],
-                                    &scratch_);
-      } else {
-        residuals_[i].mul_(options_.decay);
-      }
-    }
+    for (size_t i = 0; i < plans_.size(); ++i) accumulate_one(i, grads[i], lr);
   }
 
   void exchange(const std::vector<at::Tensor>& grads, double lr,
                 const DirectionSink& sink) override {
-    accumulate(grads, lr);
     if (options_.overlap_step) {
       // One step stale: apply what the previous step's exchange brought (it travelled during
       // this step's forward and backward), then start this step's.
       finish_in_flight();
       if (pending_.item<int64_t>() != 0) decode(recv_bucket_.data_ptr<uint8_t>(), sink);
-      encode();
+      encode(grads, lr);
       if (replicas() > 1) {
         in_flight_ = group_->iall_gather(send_bucket_, recv_bucket_);
       } else {
@@ -70,7 +63,7 @@ class DemoReplicator final : public Replicator {
       pending_.fill_(1);
       return;
     }
-    encode();
+    encode(grads, lr);
     const uint8_t* gathered = send_bucket_.data_ptr<uint8_t>();
     if (replicas() > 1) {
       group_->all_gather(send_bucket_, recv_bucket_);
@@ -101,13 +94,30 @@ class DemoReplicator final : public Replicator {
     }
   }
 
-  // Top-k extraction with error feedback, every tensor's payload into the one send bucket.
-  void encode() {
+  // residual = decay * residual + lr * DCT(grad)
+  void accumulate_one(size_t i, const at::Tensor& grad, double lr) {
+    if (options_.fast_path) {
+      kernels::dct_accumulate(grad, plans_[i], options_.decay, lr, residuals_[i]);
+    } else if (grad.defined()) {
+      dct::chunked_dct_accumulate(grad, plans_[i], options_.decay, lr, residuals_[i], &scratch_);
+    } else {
+      residuals_[i].mul_(options_.decay);
+    }
+  }
+
+  // The residual update, top-k extraction with error feedback, every tensor's payload into the
+  // one send bucket. The fast path does the first two chunk by chunk in one pass.
+  void encode(const std::vector<at::Tensor>& grads, double lr) {
     uint8_t* send = send_bucket_.data_ptr<uint8_t>();
     for (size_t i = 0; i < plans_.size(); ++i) {
-      compress::TopK topk =
-          options_.fast_path ? compress::select_topk(residuals_[i], plans_[i], options_.topk)
-                             : compress::select_topk_plain(residuals_[i], plans_[i], options_.topk);
+      compress::TopK topk;
+      if (options_.fast_path) {
+        topk = kernels::dct_accumulate_topk(grads[i], plans_[i], options_.decay, lr,
+                                            residuals_[i], options_.topk);
+      } else {
+        accumulate_one(i, grads[i], lr);
+        topk = compress::select_topk_plain(residuals_[i], plans_[i], options_.topk);
+      }
       compress::encode_payload(plans_[i], topk, options_.values, send + payload_offsets_[i]);
       compress::add_selected(residuals_[i], plans_[i], topk, -1.0f);  // sent leaves the residual
     }
@@ -123,13 +133,15 @@ class DemoReplicator final : public Replicator {
       for (int r = 0; r < replicas(); ++r) {
         payloads[r] = gathered + r * bucket + payload_offsets_[i];
       }
-      const at::Tensor decoded = decoded_.narrow(0, 0, plan.padded_numel());
-      compress::decode_mean(payloads, payload_bytes_[i], plan, options_.topk, options_.values,
-                            decoded);
       const at::Tensor samples = samples_.narrow(0, 0, plan.padded_numel());
-      if (options_.fast_path) {  // only the rows of each chunk that hold a coefficient
-        dct::chunked_idct_sparse_into(decoded, plan, samples, &scratch_);
+      if (options_.fast_path) {  // per chunk, only the coefficients received
+        kernels::idct_sparse(compress::decode_mean_sparse(payloads, payload_bytes_[i], plan,
+                                                          options_.topk, options_.values),
+                             plan, samples);
       } else {
+        const at::Tensor decoded = decoded_.narrow(0, 0, plan.padded_numel());
+        compress::decode_mean(payloads, payload_bytes_[i], plan, options_.topk, options_.values,
+                              decoded);
         dct::chunked_idct_into(decoded, plan, samples, &scratch_);
       }
       at::Tensor direction = samples.view({plan.padded_rows, plan.padded_cols});

@@ -1,0 +1,42 @@
+// flexdemo/kernels.h — DeMo's CPU fast path: fused per-chunk kernels for the chunked DCT, the
+// residual update and top-k, and the inverse DCT of sparse coefficients. Each kernel exists for
+// several instruction sets (chosen at run time: the best this CPU has, or FLEXDEMO_ISA) and is
+// checked against the plain path (dct.h's matrix products, compress.h's heap top-k).
+#pragma once
+
+#include "flexdemo/compress.h"
+#include "flexdemo/dct.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+#include <vector>
+
+namespace flexdemo::kernels {
+
+enum class Isa { Baseline, Avx2 };
+std::string to_string(Isa isa);   // "baseline" "avx2"
+Isa parse_isa(const std::string& name);  // inverse of to_string
+bool supported(Isa isa);  // whether this CPU runs it
+// The instruction set the kernels use: at start the best supported one, or FLEXDEMO_ISA when set.
+Isa active_isa();
+void set_active_isa(Isa isa);  // throws std::invalid_argument if this CPU lacks it
+
+// residual = beta * residual + alpha * DCT(x) (dct::chunked_dct_accumulate's contract, float32
+// residual in block layout); x undefined scales the residual only. beta = 0 overwrites.
+void dct_accumulate(const at::Tensor& x, const dct::ChunkPlan& plan, double beta, double alpha,
+                    const at::Tensor& residual);
+// The same, then every chunk's top-k of the new residual (compress::select_topk's result),
+// chunk by chunk while it is in cache.
+compress::TopK dct_accumulate_topk(const at::Tensor& x, const dct::ChunkPlan& plan, double beta,
+                                   double alpha, const at::Tensor& residual, int64_t k);
+// Per-chunk top-k of block-layout coefficients by partial selection.
+compress::TopK select_topk(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k);
+
+// Inverse DCT of per-chunk sparse coefficients (compress::decode_mean_sparse's result) into
+// samples: a contiguous float32 [padded_rows, padded_cols] tensor, overwritten. Equal to
+// dct::chunked_idct_into of the dense coefficients up to float rounding; deterministic.
+void idct_sparse(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan,
+                 const at::Tensor& samples);
+
+}  // namespace flexdemo::kernels

@@ -1,0 +1,374 @@
+// The per-chunk kernels (see chunk_kernels.h), written once with GCC vector extensions (8 float
+// lanes) and compiled once per instruction set: FLEXDEMO_KERNEL_ISA names the copy's namespace.
+// Everything here has internal linkage but the table, so copies built for different instruction
+// sets never share an out-of-line function (no ODR mix-up between AVX2 and baseline code).
+//
+// Layout inside a chunk: rows of 8-lane vectors. A 1-D transform along the rows of an [n][L]
+// block (L lanes, a multiple of 8) is a handful of small matrix products over rows, vectorised
+// across the lanes; the 2-D DCT is the column transform, an 8x8-block transpose, the column
+// transform again and a transpose back.
+#include "chunk_kernels.h"
+
+#include <algorithm>
+#include <cstring>
+
+#if defined(__AVX__) || defined(__SSE__)
+#include <immintrin.h>
+#endif
+
+#ifndef FLEXDEMO_KERNEL_ISA
+#error "chunk_kernels.cpp is compiled with -DFLEXDEMO_KERNEL_ISA=<namespace>"
+#endif
+
+namespace flexdemo::kernels::FLEXDEMO_KERNEL_ISA {
+namespace {
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
+
+inline v8 load(const float* p) {
+  return *reinterpret_cast<const v8u*>(p);
+}
+inline void store(float* p, v8 v) {
+  *reinterpret_cast<v8u*>(p) = v;
+}
+inline v8 splat(float s) {
+  return v8{s, s, s, s, s, s, s, s};
+}
+inline v8i splat_i(int32_t s) {
+  return v8i{s, s, s, s, s, s, s, s};
+}
+// Lanes of (a, b) picked by eight constant indices (0-7: a, 8-15: b).
+#if defined(__clang__)
+#define SHUFFLE8(a, b, i0, i1, i2, i3, i4, i5, i6, i7) \
+  __builtin_shufflevector(a, b, i0, i1, i2, i3, i4, i5, i6, i7)
+#else
+#define SHUFFLE8(a, b, i0, i1, i2, i3, i4, i5, i6, i7) \
+  __builtin_shuffle(a, b, v8i{i0, i1, i2, i3, i4, i5, i6, i7})
+#endif
+
+inline int round8(int n) {
+  return (n + 7) / 8 * 8;
+}
+
+// ====== Small matrix products over rows of lanes ======
+// out[i] = sum_j mat[i * cols + j] * in[j] for i < rows: in rows at in + j * in_stride, out rows
+// at out + i * out_stride, L lanes each. Blocks of R rows x G vectors keep their sums in registers.
+template <int R, int G>
+inline void matvec_block(const float* mat, int cols, const float* in, int64_t in_stride,
+                         float* out, int64_t out_stride, int i, int g) {
+  v8 acc[R][G] = {};
+  for (int j = 0; j < cols; ++j) {
+    v8 x[G];
+    for (int q = 0; q < G; ++q) x[q] = load(in + j * in_stride + g + 8 * q);
+    for (int r = 0; r < R; ++r) {
+      const v8 m = splat(mat[(i + r) * cols + j]);
+      for (int q = 0; q < G; ++q) acc[r][q] += m * x[q];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int q = 0; q < G; ++q) store(out + (i + r) * out_stride + g + 8 * q, acc[r][q]);
+  }
+}
+
+template <int R>
+inline void matvec_rows(const float* mat, int cols, const float* in, int64_t in_stride, float* out,
+                        int64_t out_stride, int i, int L) {
+  int g = 0;
+  for (; g + 16 <= L; g += 16) {
+    matvec_block<R, 2>(mat, cols, in, in_stride, out, out_stride, i, g);
+  }
+  if (g < L) matvec_block<R, 1>(mat, cols, in, in_stride, out, out_stride, i, g);
+}
+
+void matvec(const float* mat, int rows, int cols, const float* in, int64_t in_stride, float* out,
+            int64_t out_stride, int L) {
+  int i = 0;
+  for (; i + 4 <= rows; i += 4) matvec_rows<4>(mat, cols, in, in_stride, out, out_stride, i, L);
+  for (; i < rows; ++i) matvec_rows<1>(mat, cols, in, in_stride, out, out_stride, i, L);
+}
+
+// ====== 1-D transforms along rows ======
+const float kHalfSqrt2 = 0.70710678118654752f;
+
+// DCT-II of the n = p.n >> level rows of `in` (row stride L; destroyed), results to out rows at
+// out + k * out_stride. Butterflies store sums in rows [0, m) and differences in rows [m, n) in
+// reverse order, which forward_odd expects.
+void forward(const Dct1d& p, int level, float* in, int L, float* out, int64_t out_stride) {
+  const int n = p.n >> level;
+  if (level == p.splits) {
+    matvec(p.base, n, n, in, L, out, out_stride, L);
+    return;
+  }
+  const int m = n / 2;
+  const v8 s = splat(kHalfSqrt2);
+  for (int i = 0; i < m; ++i) {
+    float* a = in + int64_t(i) * L;
+    float* b = in + int64_t(n - 1 - i) * L;
+    for (int g = 0; g < L; g += 8) {
+      const v8 x = load(a + g), y = load(b + g);
+      store(a + g, (x + y) * s);
+      store(b + g, (x - y) * s);
+    }
+  }
+  matvec(p.forward_odd[level], m, m, in + int64_t(m) * L, L, out + out_stride, 2 * out_stride, L);
+  forward(p, level + 1, in, L, out, 2 * out_stride);
+}
+
+// DCT-III (the inverse) of the n = p.n >> level rows at X + k * x_stride, results to out rows at
+// out + i * out_stride.
+void inverse(const Dct1d& p, int level, const float* X, int64_t x_stride, float* out,
+             int64_t out_stride, int L) {
+  const int n = p.n >> level;
+  if (level == p.splits) {
+    matvec(p.base_t, n, n, X, x_stride, out, out_stride, L);
+    return;
+  }
+  const int m = n / 2;
+  inverse(p, level + 1, X, 2 * x_stride, out, out_stride, L);
+  matvec(p.inverse_odd[level], m, m, X + x_stride, 2 * x_stride, out + m * out_stride, out_stride,
+         L);
+  const v8 s = splat(kHalfSqrt2);
+  for (int i = 0; i < m; ++i) {
+    float* a = out + i * out_stride;
+    float* b = out + (n - 1 - i) * out_stride;
+    for (int g = 0; g < L; g += 8) {
+      const v8 x = load(a + g), y = load(b + g);
+      store(a + g, (x + y) * s);
+      store(b + g, (x - y) * s);
+    }
+  }
+}
+
+// ====== Transposes ======
+inline void transpose8(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
+  v8 r[8];
+  for (int i = 0; i < 8; ++i) r[i] = load(src + i * src_stride);
+  v8 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {  // pairs of rows interleaved
+    t[i] = SHUFFLE8(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[i + 1] = SHUFFLE8(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int i = 0; i < 8; i += 4) {  // then pairs of pairs
+    u[i] = SHUFFLE8(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+    u[i + 1] = SHUFFLE8(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    u[i + 2] = SHUFFLE8(t[i + 1], t[i + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+    u[i + 3] = SHUFFLE8(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  for (int i = 0; i < 4; ++i) {  // then the 128-bit halves
+    store(dst + i * dst_stride, SHUFFLE8(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11));
+    store(dst + (i + 4) * dst_stride, SHUFFLE8(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15));
+  }
+}
+
+// src: rows x cols (both multiples of 8, row stride cols) -> dst: cols x rows.
+void transpose(const float* src, int rows, int cols, float* dst) {
+  for (int i = 0; i < rows; i += 8) {
+    for (int j = 0; j < cols; j += 8) {
+      transpose8(src + int64_t(i) * cols + j, cols, dst + int64_t(j) * rows + i, rows);
+    }
+  }
+}
+
+// ====== The fused forward kernel ======
+void dct_accumulate(const ChunkShape& shape, const float* src, int64_t src_stride, int valid_h,
+                    int valid_w, float* out, int64_t out_stride, float beta, float alpha,
+                    float* fresh, float* scratch) {
+  const int h = shape.h, w = shape.w, H8 = round8(h), W8 = round8(w);
+  const int64_t block = int64_t(H8) * W8;
+  float* a = scratch;
+  float* b = scratch + block;
+  // Samples into a (h rows of W8 lanes), zeros outside the tensor and in the padding lanes.
+  for (int u = 0; u < H8; ++u) {
+    float* row = a + int64_t(u) * W8;
+    const int have = u < valid_h && u < h ? valid_w : 0;
+    if (have > 0) std::memcpy(row, src + u * src_stride, sizeof(float) * size_t(have));
+    std::memset(row + have, 0, sizeof(float) * size_t(W8 - have));
+  }
+  float* y = a;  // the column transform (h rows, W8 lanes), then transposed into the other buffer
+  if (h > 1) {
+    forward(*shape.along_rows, 0, a, W8, b, W8);
+    std::memset(b + int64_t(h) * W8, 0, sizeof(float) * size_t((H8 - h) * W8));
+    y = b;
+  }
+  float* yt = y == a ? b : a;
+  transpose(y, H8, W8, yt);                      // yt: W8 rows x H8 lanes
+  forward(*shape.along_cols, 0, yt, H8, y, H8);  // y: the row transform, transposed
+  transpose(y, W8, H8, yt);                      // yt: H8 rows x W8 lanes, the chunk's DCT
+  const v8 va = splat(alpha), vb = splat(beta);
+  for (int u = 0; u < h; ++u) {
+    float* o = out + u * out_stride;
+    const float* z = yt + int64_t(u) * W8;
+    float* f = fresh != nullptr ? fresh + int64_t(u) * w : nullptr;
+    int v = 0;
+    for (; v + 8 <= w; v += 8) {
+      const v8 r = beta == 0.0f ? va * load(z + v) : vb * load(o + v) + va * load(z + v);
+      store(o + v, r);
+      if (f != nullptr) store(f + v, r);
+    }
+    for (; v < w; ++v) {
+      const float r = beta == 0.0f ? alpha * z[v] : beta * o[v] + alpha * z[v];
+      o[v] = r;
+      if (f != nullptr) f[v] = r;
+    }
+  }
+}
+
+// ====== Top-k by partial selection ======
+struct Greater {
+  bool operator()(uint64_t x, uint64_t y) const { return x > y; }
+};
+struct Less {
+  bool operator()(int64_t x, int64_t y) const { return x < y; }
+};
+
+inline uint32_t magnitude(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  return bits & 0x7fffffffu;  // IEEE bits of |x|: they compare like |x| (NaN above infinity)
+}
+// The plain path's order: magnitude, then the lower position.
+inline uint64_t key_of(uint32_t mag, int64_t pos) {
+  return uint64_t(mag) << 32 | (0xffffffffu - uint32_t(pos));
+}
+
+inline v8i magnitudes(const float* p) {
+  return (v8i)load(p) & splat_i(0x7fffffff);
+}
+// Bit q set where lane q of a comparison result is true.
+inline unsigned lane_mask(v8i m) {
+#if defined(__AVX__)
+  return unsigned(_mm256_movemask_ps(reinterpret_cast<__m256>(m)));
+#elif defined(__SSE__)
+  __m128 half[2];
+  std::memcpy(half, &m, sizeof m);
+  return unsigned(_mm_movemask_ps(half[0]) | _mm_movemask_ps(half[1]) << 4);
+#else
+  unsigned bits = 0;
+  for (int q = 0; q < 8; ++q) bits |= unsigned(m[q] != 0) << q;
+  return bits;
+#endif
+}
+
+// Keys of every entry whose magnitude is >= t; returns how many.
+int64_t collect_at_least(const float* x, int64_t n, uint32_t t, uint64_t* keys) {
+  const v8i vt = splat_i(int32_t(t));
+  int64_t count = 0, i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (unsigned bits = lane_mask(magnitudes(x + i) >= vt); bits != 0; bits &= bits - 1) {
+      const int64_t q = i + __builtin_ctz(bits);
+      keys[count++] = key_of(magnitude(x[q]), q);
+    }
+  }
+  for (; i < n; ++i) {
+    const uint32_t mag = magnitude(x[i]);
+    if (mag >= t) keys[count++] = key_of(mag, i);
+  }
+  return count;
+}
+
+// The r-th largest magnitude among every stride-th entry (r <= n / stride, r <= 16).
+uint32_t sampled_rank(const float* x, int64_t n, int64_t stride, int r) {
+  uint32_t top[16] = {};  // descending
+  for (int64_t i = 0; i < n; i += stride) {
+    const uint32_t mag = magnitude(x[i]);
+    if (mag <= top[r - 1]) continue;
+    int j = r - 1;
+    for (; j > 0 && top[j - 1] < mag; --j) top[j] = top[j - 1];
+    top[j] = mag;
+  }
+  return top[r - 1];
+}
+
+// The k largest magnitudes are found among the entries >= a threshold t taken from a sample
+// (the r-th largest of every 16th entry: about 2k entries pass), lowering it until at least k
+// pass; t = 0 takes every entry. Then an exact selection among those.
+void select_topk(const float* values, int64_t n, int64_t k, int64_t* positions, float* selected,
+                 uint64_t* keys) {
+  constexpr int64_t kStride = 16;
+  int64_t count = 0;
+  int r = int((2 * k + kStride - 1) / kStride);
+  if (n >= 256 && k * 8 <= n) {
+    for (; r <= 16; r *= 2) {
+      const uint32_t t = sampled_rank(values, n, kStride, r);
+      if (t == 0) break;
+      count = collect_at_least(values, n, t, keys);
+      if (count >= k) break;
+    }
+  }
+  if (count < k) count = collect_at_least(values, n, 0, keys);
+  std::nth_element(keys, keys + (k - 1), keys + count, Greater());
+  for (int64_t j = 0; j < k; ++j) positions[j] = int64_t(0xffffffffu - (keys[j] & 0xffffffffu));
+  std::sort(positions, positions + k, Less());
+  for (int64_t j = 0; j < k; ++j) selected[j] = values[positions[j]];
+}
+
+// ====== The sparse inverse ======
+// x = B_h^T X B_w: first t[u] = sum_v X[u][v] B_w[v] for the rows u holding a coefficient (one
+// multiply-add per coefficient and lane), then along the columns either directly over those
+// rows or, when they are many, by the factorised inverse (whichever costs fewer multiply-adds).
+void idct_sparse(const ChunkShape& shape, const int32_t* positions, const float* values,
+                 int64_t nnz, float* out, int64_t out_stride, float* scratch) {
+  const int h = shape.h, w = shape.w, W8 = round8(w);
+  const int64_t block = int64_t(round8(h)) * W8;
+  const Dct1d& cols = *shape.along_cols;
+  const Dct1d& rows = *shape.along_rows;
+  float* t = scratch;              // one row per row holding a coefficient, in first-seen order
+  float* x = scratch + block;      // the result (h rows of W8 lanes) unless it goes to out
+  float* mat = scratch + 2 * block;  // h x (rows used): B_h restricted to those rows, transposed
+  int32_t* slot_of = reinterpret_cast<int32_t*>(mat + int64_t(h) * std::max(h, W8));
+  int32_t* row_of = slot_of + h;
+  int used = 0;
+  std::fill(slot_of, slot_of + h, -1);
+  for (int64_t e = 0; e < nnz; ++e) {
+    const int u = positions[e] / w, v = positions[e] % w;
+    if (slot_of[u] < 0) {
+      slot_of[u] = used;
+      row_of[used] = u;
+      std::memset(t + int64_t(used) * W8, 0, sizeof(float) * size_t(W8));
+      ++used;
+    }
+    float* row = t + int64_t(slot_of[u]) * W8;
+    const float* basis = cols.full + int64_t(v) * cols.full_stride;
+    const v8 c = splat(values[e]);
+    for (int g = 0; g < W8; g += 8) store(row + g, load(row + g) + c * load(basis + g));
+  }
+  // Straight into out when whole vectors fit its rows; otherwise through x.
+  float* dst = w % 8 == 0 ? out : x;
+  const int64_t dst_stride = w % 8 == 0 ? out_stride : W8;
+  if (used == 0) {
+    for (int i = 0; i < h; ++i) std::memset(dst + i * dst_stride, 0, sizeof(float) * size_t(W8));
+  } else if (h == 1) {
+    std::memcpy(dst, t, sizeof(float) * size_t(W8));
+  } else if (int64_t(used) * h <= rows.macs) {
+    for (int i = 0; i < h; ++i) {
+      for (int r = 0; r < used; ++r) mat[i * used + r] = rows.full[row_of[r] * rows.full_stride + i];
+    }
+    matvec(mat, h, used, t, W8, dst, dst_stride, W8);
+  } else {
+    float* full = mat;  // every row of X B_w, zeros where no coefficient
+    std::memset(full, 0, sizeof(float) * size_t(h) * size_t(W8));
+    for (int r = 0; r < used; ++r) {
+      std::memcpy(full + int64_t(row_of[r]) * W8, t + int64_t(r) * W8, sizeof(float) * size_t(W8));
+    }
+    inverse(rows, 0, full, W8, dst, dst_stride, W8);
+  }
+  if (dst == x) {
+    for (int i = 0; i < h; ++i) std::memcpy(out + i * out_stride, x + i * W8, sizeof(float) * w);
+  }
+}
+
+}  // namespace
+
+extern const KernelTable table;
+const KernelTable table = {
+#define FLEXDEMO_STR2(x) #x
+#define FLEXDEMO_STR(x) FLEXDEMO_STR2(x)
+    FLEXDEMO_STR(FLEXDEMO_KERNEL_ISA),
+    dct_accumulate,
+    select_topk,
+    idct_sparse,
+};
+
+}  // namespace flexdemo::kernels::FLEXDEMO_KERNEL_ISA

@@ -1,0 +1,69 @@
+// The per-chunk CPU kernels of DeMo's fast path, free of ATen: the chunked 2-D DCT fused with the
+// residual update, top-k by partial selection, and the inverse DCT of sparse coefficients.
+// chunk_kernels.cpp is compiled once per instruction set (baseline x86-64, AVX2 + FMA), each
+// copy in its own namespace; kernels.cpp picks the best one this CPU runs (runtime dispatch).
+#pragma once
+
+#include <cstdint>
+
+namespace flexdemo::kernels {
+
+// One orthonormal 1-D DCT-II of size n, factorised: `splits` even/odd levels (level l works on
+// size n >> l: the sums x[i] + x[m-1-i] go on to the next level, the differences through a dense
+// DCT-IV of half the size), then a dense DCT-II of size n >> splits. Every matrix is orthonormal,
+// so the factorisation is as accurate as the dense product and costs `macs` multiply-adds per
+// transformed vector instead of n * n. Built once per size and never freed (kernels.cpp).
+struct Dct1d {
+  static constexpr int kMaxSplits = 8;
+  int n = 0;
+  int splits = 0;
+  int64_t macs = 0;
+  // Level l, half size m = (n >> l) / 2, row-major m x m: the DCT-IV D with its input (forward)
+  // or output (inverse) order reversed, which is how the in-place butterflies store it:
+  // forward odd[i][j] = D[i][m-1-j], inverse odd[j][i] = D[m-1-j][i].
+  const float* forward_odd[kMaxSplits] = {};
+  const float* inverse_odd[kMaxSplits] = {};
+  const float* base = nullptr;    // DCT-II of size b = n >> splits, row-major [k][i]
+  const float* base_t = nullptr;  // its transpose [i][k]
+  const float* full = nullptr;    // the dense DCT-II of size n, rows padded to a multiple of 8
+  int full_stride = 0;            // (row k = basis vector k: the inverse of coefficient k)
+};
+
+// A chunk of h x w coefficients; along_rows transforms columns (size h), along_cols rows (w).
+struct ChunkShape {
+  int h = 1, w = 1;
+  const Dct1d* along_rows = nullptr;
+  const Dct1d* along_cols = nullptr;
+};
+
+// Floats of scratch the kernels need per thread for a chunk shape (32-byte aligned).
+int64_t scratch_floats(const ChunkShape& shape);
+
+struct KernelTable {
+  const char* isa;
+  // out[u][v] = beta * out[u][v] + alpha * DCT(x)[u][v] over the chunk (beta == 0: overwrite),
+  // x read from src (row stride src_stride) where u < valid_h and v < valid_w, 0 elsewhere;
+  // out has row stride out_stride. If fresh is not null, the new values are also written there
+  // contiguously (position u * w + v) for select_topk.
+  void (*dct_accumulate)(const ChunkShape& shape, const float* src, int64_t src_stride,
+                         int valid_h, int valid_w, float* out, int64_t out_stride, float beta,
+                         float alpha, float* fresh, float* scratch);
+  // The k (<= n) entries of largest magnitude in values[0, n) (ties: the lower position), in
+  // ascending position order, as the bounded heap of the plain path orders them. keys needs
+  // n entries. Writes positions and their values.
+  void (*select_topk)(const float* values, int64_t n, int64_t k, int64_t* positions,
+                      float* selected, uint64_t* keys);
+  // The inverse DCT of a chunk holding nnz coefficients (position u * w + v, value), written to
+  // out (row stride out_stride). Positions must be distinct and inside the chunk.
+  void (*idct_sparse)(const ChunkShape& shape, const int32_t* positions, const float* values,
+                      int64_t nnz, float* out, int64_t out_stride, float* scratch);
+};
+
+namespace baseline {
+extern const KernelTable table;
+}
+namespace avx2 {
+extern const KernelTable table;
+}
+
+}  // namespace flexdemo::kernels

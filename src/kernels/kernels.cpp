@@ -1,0 +1,305 @@
+// The fast path's tensor-level entry points: factorised DCT plans, the choice of instruction set,
+// and the loops over chunks (in parallel, one scratch area per task) around the chunk kernels.
+#include "flexdemo/kernels.h"
+
+#include "chunk_kernels.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <stdexcept>
+
+namespace flexdemo::kernels {
+
+// ====== Instruction sets ======
+std::string to_string(Isa isa) {
+  return isa == Isa::Avx2 ? "avx2" : "baseline";
+}
+
+Isa parse_isa(const std::string& name) {
+  if (name == "baseline") return Isa::Baseline;
+  if (name == "avx2") return Isa::Avx2;
+  throw std::invalid_argument("unknown instruction set '" + name + "'; accepted: baseline, avx2");
+}
+
+bool supported(Isa isa) {
+  if (isa == Isa::Baseline) return true;
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+namespace {
+
+Isa initial_isa() {
+  if (const char* env = std::getenv("FLEXDEMO_ISA"); env != nullptr && *env != '\0') {
+    const Isa isa = parse_isa(env);
+    if (!supported(isa)) {
+      throw std::invalid_argument("FLEXDEMO_ISA=" + std::string(env) + ": this CPU lacks it");
+    }
+    return isa;
+  }
+  return supported(Isa::Avx2) ? Isa::Avx2 : Isa::Baseline;
+}
+
+std::atomic<Isa>& isa_setting() {
+  static std::atomic<Isa> isa{initial_isa()};
+  return isa;
+}
+
+const KernelTable& table() {
+  return active_isa() == Isa::Avx2 ? avx2::table : baseline::table;
+}
+
+}  // namespace
+
+Isa active_isa() {
+  return isa_setting().load();
+}
+
+void set_active_isa(Isa isa) {
+  if (!supported(isa)) {
+    throw std::invalid_argument("instruction set " + to_string(isa) + ": this CPU lacks it");
+  }
+  isa_setting().store(isa);
+}
+
+// ====== Factorised DCT plans ======
+namespace {
+
+struct Dct1dStorage {
+  Dct1d plan;
+  std::vector<std::vector<float>> matrices;
+  const float* keep(std::vector<float> m) {
+    matrices.push_back(std::move(m));
+    return matrices.back().data();
+  }
+};
+
+// Orthonormal DCT-II (kind 2) or DCT-IV (kind 4) of size n, entry [k][i], in double.
+double dct_entry(int kind, int n, int k, int i) {
+  const double pi = std::acos(-1.0);
+  if (kind == 2) {
+    return std::sqrt((k == 0 ? 1.0 : 2.0) / n) * std::cos(pi * (2 * i + 1) * k / (2.0 * n));
+  }
+  return std::sqrt(2.0 / n) * std::cos(pi * (2 * i + 1) * (2 * k + 1) / (4.0 * n));
+}
+
+std::unique_ptr<Dct1dStorage> build_dct1d(int n) {
+  auto s = std::make_unique<Dct1dStorage>();
+  Dct1d& p = s->plan;
+  p.n = n;
+  int size = n;
+  while (size % 2 == 0 && size > 8 && p.splits < Dct1d::kMaxSplits) {
+    const int m = size / 2;
+    std::vector<float> fwd(size_t(m) * m), inv(size_t(m) * m);
+    for (int i = 0; i < m; ++i) {
+      for (int j = 0; j < m; ++j) {
+        fwd[size_t(i) * m + j] = float(dct_entry(4, m, i, m - 1 - j));
+        inv[size_t(j) * m + i] = float(dct_entry(4, m, m - 1 - j, i));
+      }
+    }
+    p.forward_odd[p.splits] = s->keep(std::move(fwd));
+    p.inverse_odd[p.splits] = s->keep(std::move(inv));
+    p.macs += int64_t(m) * m;
+    size = m;
+    ++p.splits;
+  }
+  std::vector<float> base(size_t(size) * size), base_t(size_t(size) * size);
+  for (int k = 0; k < size; ++k) {
+    for (int i = 0; i < size; ++i) {
+      base[size_t(k) * size + i] = base_t[size_t(i) * size + k] = float(dct_entry(2, size, k, i));
+    }
+  }
+  p.base = s->keep(std::move(base));
+  p.base_t = s->keep(std::move(base_t));
+  p.macs += int64_t(size) * size;
+  p.full_stride = (n + 7) / 8 * 8;
+  std::vector<float> full(size_t(n) * p.full_stride, 0.0f);
+  for (int k = 0; k < n; ++k) {
+    for (int i = 0; i < n; ++i) full[size_t(k) * p.full_stride + i] = float(dct_entry(2, n, k, i));
+  }
+  p.full = s->keep(std::move(full));
+  return s;
+}
+
+const Dct1d& dct1d(int64_t n) {
+  static std::mutex mutex;
+  static std::map<int64_t, std::unique_ptr<Dct1dStorage>> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& slot = cache[n];
+  if (!slot) slot = build_dct1d(int(n));
+  return slot->plan;
+}
+
+ChunkShape shape_of(const dct::ChunkPlan& plan) {
+  ChunkShape s;
+  s.h = int(plan.chunk_rows);
+  s.w = int(plan.chunk_cols);
+  s.along_rows = &dct1d(plan.chunk_rows);
+  s.along_cols = &dct1d(plan.chunk_cols);
+  return s;
+}
+
+// A task's scratch: 32-byte aligned floats, freed when the task ends.
+struct Scratch {
+  explicit Scratch(int64_t floats)
+      : data(static_cast<float*>(::operator new[](sizeof(float) * size_t(floats),
+                                                  std::align_val_t(64)))) {}
+  ~Scratch() { ::operator delete[](data, std::align_val_t(64)); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  float* data;
+};
+
+void check_block(const at::Tensor& t, const dct::ChunkPlan& plan, const char* who,
+                 const char* what) {
+  if (t.scalar_type() != at::kFloat || !t.is_contiguous() || !t.is_cpu() ||
+      t.numel() != plan.padded_numel()) {
+    throw std::invalid_argument(std::string(who) + ": " + what +
+                                " must be a contiguous float32 CPU tensor of " +
+                                std::to_string(plan.padded_numel()) + " elements");
+  }
+}
+
+// The samples as a contiguous float32 CPU tensor (converted only if they are not one already).
+at::Tensor float_samples(const at::Tensor& x, const dct::ChunkPlan& plan, const char* who) {
+  if (x.numel() != plan.numel()) {
+    throw std::invalid_argument(std::string(who) + ": tensor has " + std::to_string(x.numel()) +
+                                " elements, plan expects " + std::to_string(plan.numel()));
+  }
+  if (!x.is_cpu()) throw std::invalid_argument(std::string(who) + ": CPU tensors only");
+  return x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
+}
+
+// Runs per_chunk(c, kernels, shape, scratch) for every chunk, in parallel.
+template <typename PerChunk>
+void for_each_chunk(const dct::ChunkPlan& plan, int64_t extra_floats, PerChunk per_chunk) {
+  const ChunkShape shape = shape_of(plan);
+  const KernelTable& k = table();
+  const int64_t floats = scratch_floats(shape) + extra_floats;
+  at::parallel_for(0, plan.num_chunks(), 4, [&](int64_t begin, int64_t end) {
+    Scratch scratch(floats);
+    for (int64_t c = begin; c < end; ++c) per_chunk(c, k, shape, scratch.data);
+  });
+}
+
+// Where a chunk's uint64 selection keys start after its n floats (8-byte aligned).
+int64_t key_offset(int64_t n) {
+  return (n + 1) / 2 * 2;
+}
+
+compress::TopK empty_topk(const dct::ChunkPlan& plan, int64_t k) {
+  compress::TopK out;
+  out.k = compress::clamp_topk(k, plan);
+  out.indices = at::empty({plan.num_chunks(), out.k}, at::kLong);
+  out.values = at::empty({plan.num_chunks(), out.k}, at::kFloat);
+  return out;
+}
+
+// The shared loop of dct_accumulate and dct_accumulate_topk (topk may be null).
+void accumulate(const at::Tensor& x, const dct::ChunkPlan& plan, double beta, double alpha,
+                const at::Tensor& residual, compress::TopK* topk) {
+  const char* who = topk != nullptr ? "dct_accumulate_topk" : "dct_accumulate";
+  check_block(residual, plan, who, "residual");
+  if (!x.defined()) {
+    residual.mul_(beta);
+    if (topk != nullptr) *topk = select_topk(residual, plan, topk->k);
+    return;
+  }
+  const at::Tensor samples = float_samples(x, plan, who);
+  const float* src = samples.data_ptr<float>();
+  float* dst = residual.data_ptr<float>();
+  const int64_t h = plan.chunk_rows, w = plan.chunk_cols, n = plan.chunk_numel();
+  int64_t* idx = topk != nullptr ? topk->indices.data_ptr<int64_t>() : nullptr;
+  float* val = topk != nullptr ? topk->values.data_ptr<float>() : nullptr;
+  // With top-k: the chunk's new values contiguously (n floats), then keys (n uint64).
+  const int64_t extra = topk != nullptr ? key_offset(n) + 2 * n : 0;
+  for_each_chunk(plan, extra, [&](int64_t c, const KernelTable& kern, const ChunkShape& shape,
+                                  float* scratch) {
+    const int64_t ci = c / plan.col_chunks(), cj = c % plan.col_chunks();
+    const int valid_h = int(std::min(h, plan.rows - ci * h));
+    const int valid_w = int(std::min(w, plan.cols - cj * w));
+    float* fresh = topk != nullptr ? scratch + scratch_floats(shape) : nullptr;
+    kern.dct_accumulate(shape, src + ci * h * plan.cols + cj * w, plan.cols, valid_h, valid_w,
+                        dst + plan.chunk_origin(c), plan.padded_cols, float(beta), float(alpha),
+                        fresh, scratch);
+    if (topk != nullptr) {
+      const int64_t k = topk->k;
+      kern.select_topk(fresh, n, k, idx + c * k, val + c * k,
+                       reinterpret_cast<uint64_t*>(fresh + key_offset(n)));
+    }
+  });
+}
+
+}  // namespace
+
+int64_t scratch_floats(const ChunkShape& shape) {
+  const int64_t h8 = (shape.h + 7) / 8 * 8, w8 = (shape.w + 7) / 8 * 8;
+  // two blocks, then (idct_sparse) an h x max(h, w8) matrix and 2h int32 slots; keep 32-byte steps
+  return (2 * h8 * w8 + shape.h * std::max<int64_t>(shape.h, w8) + 2 * shape.h + 7) / 8 * 8;
+}
+
+// ====== Entry points ======
+void dct_accumulate(const at::Tensor& x, const dct::ChunkPlan& plan, double beta, double alpha,
+                    const at::Tensor& residual) {
+  accumulate(x, plan, beta, alpha, residual, nullptr);
+}
+
+compress::TopK dct_accumulate_topk(const at::Tensor& x, const dct::ChunkPlan& plan, double beta,
+                                   double alpha, const at::Tensor& residual, int64_t k) {
+  compress::TopK topk = empty_topk(plan, k);
+  accumulate(x, plan, beta, alpha, residual, &topk);
+  return topk;
+}
+
+compress::TopK select_topk(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k) {
+  check_block(coeffs, plan, "select_topk", "coefficients");
+  compress::TopK topk = empty_topk(plan, k);
+  const int64_t h = plan.chunk_rows, w = plan.chunk_cols, n = plan.chunk_numel();
+  const float* src = coeffs.data_ptr<float>();
+  int64_t* idx = topk.indices.data_ptr<int64_t>();
+  float* val = topk.values.data_ptr<float>();
+  const KernelTable& kern = table();
+  at::parallel_for(0, plan.num_chunks(), 4, [&](int64_t begin, int64_t end) {
+    Scratch scratch(key_offset(n) + 2 * n);  // the chunk contiguously, then keys
+    for (int64_t c = begin; c < end; ++c) {
+      const float* base = src + plan.chunk_origin(c);
+      for (int64_t u = 0; u < h; ++u) {
+        std::copy(base + u * plan.padded_cols, base + u * plan.padded_cols + w,
+                  scratch.data + u * w);
+      }
+      kern.select_topk(scratch.data, n, topk.k, idx + c * topk.k, val + c * topk.k,
+                       reinterpret_cast<uint64_t*>(scratch.data + key_offset(n)));
+    }
+  });
+  return topk;
+}
+
+void idct_sparse(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan,
+                 const at::Tensor& samples) {
+  check_block(samples, plan, "idct_sparse", "samples");
+  if (coeffs.counts.numel() != plan.num_chunks()) {
+    throw std::invalid_argument("idct_sparse: " + std::to_string(coeffs.counts.numel()) +
+                                " chunks given, the plan has " +
+                                std::to_string(plan.num_chunks()));
+  }
+  const int64_t capacity = coeffs.positions.size(1);
+  const int32_t* positions = coeffs.positions.data_ptr<int32_t>();
+  const float* values = coeffs.values.data_ptr<float>();
+  const int64_t* counts = coeffs.counts.data_ptr<int64_t>();
+  float* dst = samples.data_ptr<float>();
+  for_each_chunk(plan, 0, [&](int64_t c, const KernelTable& kern, const ChunkShape& shape,
+                              float* scratch) {
+    kern.idct_sparse(shape, positions + c * capacity, values + c * capacity, counts[c],
+                     dst + plan.chunk_origin(c), plan.padded_cols, scratch);
+  });
+}
+
+}  // namespace flexdemo::kernels
