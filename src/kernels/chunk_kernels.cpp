@@ -91,33 +91,67 @@ void matvec(const float* mat, int rows, int cols, const float* in, int64_t in_st
 
 // ====== 1-D transforms along rows ======
 const float kHalfSqrt2 = 0.70710678118654752f;
+const float kSqrt2 = 1.41421356237309505f;
 
-// DCT-II of the n = p.n >> level rows of `in` (row stride L; destroyed), results to out rows at
-// out + k * out_stride. Butterflies store sums in rows [0, m) and differences in rows [m, n) in
-// reverse order, which forward_odd expects.
-void forward(const Dct1d& p, int level, float* in, int L, float* out, int64_t out_stride) {
+// The m rows at z + i * stride hold the orthonormal DCT-II Z of scaled differences; replaced by
+// the DCT-IV they give: Z'[i] + Z'[i+1], with Z'[0] = sqrt(2) Z[0] and Z'[m] = 0.
+void odd_from_dct2(float* z, int64_t stride, int m, int L) {
+  const v8 r2 = splat(kSqrt2);
+  for (int i = 0; i < m; ++i) {
+    float* row = z + i * stride;
+    const float* next = i + 1 < m ? row + stride : nullptr;
+    for (int g = 0; g < L; g += 8) {
+      v8 v = load(row + g);
+      if (i == 0) v *= r2;
+      if (next != nullptr) v += load(next + g);
+      store(row + g, v);
+    }
+  }
+}
+
+// DCT-II of the n = p.n >> level rows at in + i * in_stride (destroyed), results to the rows at
+// out + k * out_stride. Even outputs are the DCT-II of the sums x[i] + x[n-1-i]; odd ones the
+// DCT-IV of the differences, computed (Lee) as the DCT-II of the differences scaled by
+// 1 / (2 cos(pi (2i+1) / (2n))), whose neighbouring outputs are then added.
+// The input rows come from src (row stride src_stride), which may be `in` itself; the first
+// level's butterflies move them into `in`, so a chunk can be read straight from the tensor.
+void forward(const Dct1d& p, int level, const float* src, int64_t src_stride, float* in,
+             int64_t in_stride, float* out, int64_t out_stride, int L) {
   const int n = p.n >> level;
   if (level == p.splits) {
-    matvec(p.base, n, n, in, L, out, out_stride, L);
+    matvec(p.base, n, n, src, src_stride, out, out_stride, L);
     return;
   }
   const int m = n / 2;
   const v8 s = splat(kHalfSqrt2);
+  const float* f = p.lee[level] ? p.lee_scale[level] : nullptr;
   for (int i = 0; i < m; ++i) {
-    float* a = in + int64_t(i) * L;
-    float* b = in + int64_t(n - 1 - i) * L;
+    const float* sa = src + i * src_stride;
+    const float* sb = src + (n - 1 - i) * src_stride;
+    float* a = in + i * in_stride;
+    float* b = in + (n - 1 - i) * in_stride;
+    const v8 fi = f != nullptr ? splat(f[i]) : s;
     for (int g = 0; g < L; g += 8) {
-      const v8 x = load(a + g), y = load(b + g);
+      const v8 x = load(sa + g), y = load(sb + g);
       store(a + g, (x + y) * s);
-      store(b + g, (x - y) * s);
+      store(b + g, (x - y) * fi);
     }
   }
-  matvec(p.forward_odd[level], m, m, in + int64_t(m) * L, L, out + out_stride, 2 * out_stride, L);
-  forward(p, level + 1, in, L, out, 2 * out_stride);
+  // The differences sit in rows n-1, n-2, ..., m.
+  if (p.lee[level]) {
+    float* odd = in + (n - 1) * in_stride;
+    forward(p, level + 1, odd, -in_stride, odd, -in_stride, out + out_stride, 2 * out_stride, L);
+    odd_from_dct2(out + out_stride, 2 * out_stride, m, L);
+  } else {
+    matvec(p.forward_odd[level], m, m, in + m * in_stride, in_stride, out + out_stride,
+           2 * out_stride, L);
+  }
+  forward(p, level + 1, in, in_stride, in, in_stride, out, 2 * out_stride, L);
 }
 
-// DCT-III (the inverse) of the n = p.n >> level rows at X + k * x_stride, results to out rows at
-// out + i * out_stride.
+// DCT-III (the inverse) of the n = p.n >> level rows at X + k * x_stride, results to the rows at
+// out + i * out_stride. The odd half is a dense DCT-IV (its own inverse) at every level: Lee's
+// form needs a scaled copy and more passes over the rows, which cost more than they save here.
 void inverse(const Dct1d& p, int level, const float* X, int64_t x_stride, float* out,
              int64_t out_stride, int L) {
   const int n = p.n >> level;
@@ -126,17 +160,17 @@ void inverse(const Dct1d& p, int level, const float* X, int64_t x_stride, float*
     return;
   }
   const int m = n / 2;
-  inverse(p, level + 1, X, 2 * x_stride, out, out_stride, L);
   matvec(p.inverse_odd[level], m, m, X + x_stride, 2 * x_stride, out + m * out_stride, out_stride,
          L);
+  inverse(p, level + 1, X, 2 * x_stride, out, out_stride, L);
   const v8 s = splat(kHalfSqrt2);
   for (int i = 0; i < m; ++i) {
     float* a = out + i * out_stride;
     float* b = out + (n - 1 - i) * out_stride;
-    for (int g = 0; g < L; g += 8) {
-      const v8 x = load(a + g), y = load(b + g);
-      store(a + g, (x + y) * s);
-      store(b + g, (x - y) * s);
+    for (int q = 0; q < L; q += 8) {
+      const v8 x = load(a + q), y = load(b + q);
+      store(a + q, (x + y) * s);
+      store(b + q, (x - y) * s);
     }
   }
 }
@@ -179,8 +213,11 @@ void dct_accumulate(const ChunkShape& shape, const float* src, int64_t src_strid
   const int64_t block = int64_t(H8) * W8;
   float* a = scratch;
   float* b = scratch + block;
-  // Samples into a (h rows of W8 lanes), zeros outside the tensor and in the padding lanes.
-  for (int u = 0; u < H8; ++u) {
+  // The column transform reads a whole chunk of whole vectors straight from the tensor; other
+  // chunks are copied into a first (h rows of W8 lanes), zeros outside the tensor and in the
+  // padding lanes.
+  const bool direct = h > 1 && valid_h == h && valid_w == w && w % 8 == 0;
+  for (int u = 0; u < H8 && !direct; ++u) {
     float* row = a + int64_t(u) * W8;
     const int have = u < valid_h && u < h ? valid_w : 0;
     if (have > 0) std::memcpy(row, src + u * src_stride, sizeof(float) * size_t(have));
@@ -188,13 +225,13 @@ void dct_accumulate(const ChunkShape& shape, const float* src, int64_t src_strid
   }
   float* y = a;  // the column transform (h rows, W8 lanes), then transposed into the other buffer
   if (h > 1) {
-    forward(*shape.along_rows, 0, a, W8, b, W8);
+    forward(*shape.along_rows, 0, direct ? src : a, direct ? src_stride : W8, a, W8, b, W8, W8);
     std::memset(b + int64_t(h) * W8, 0, sizeof(float) * size_t((H8 - h) * W8));
     y = b;
   }
   float* yt = y == a ? b : a;
   transpose(y, H8, W8, yt);                      // yt: W8 rows x H8 lanes
-  forward(*shape.along_cols, 0, yt, H8, y, H8);  // y: the row transform, transposed
+  forward(*shape.along_cols, 0, yt, H8, yt, H8, y, H8, H8);  // y: the row transform, transposed
   transpose(y, W8, H8, yt);                      // yt: H8 rows x W8 lanes, the chunk's DCT
   const v8 va = splat(alpha), vb = splat(beta);
   for (int u = 0; u < h; ++u) {
@@ -341,7 +378,7 @@ void idct_sparse(const ChunkShape& shape, const int32_t* positions, const float*
     for (int i = 0; i < h; ++i) std::memset(dst + i * dst_stride, 0, sizeof(float) * size_t(W8));
   } else if (h == 1) {
     std::memcpy(dst, t, sizeof(float) * size_t(W8));
-  } else if (int64_t(used) * h <= rows.macs) {
+  } else if (int64_t(used) * h <= rows.inverse_cost) {
     for (int i = 0; i < h; ++i) {
       for (int r = 0; r < used; ++r) mat[i * used + r] = rows.full[row_of[r] * rows.full_stride + i];
     }

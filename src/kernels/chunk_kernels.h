@@ -8,19 +8,24 @@
 
 namespace flexdemo::kernels {
 
-// One orthonormal 1-D DCT-II of size n, factorised: `splits` even/odd levels (level l works on
-// size n >> l: the sums x[i] + x[m-1-i] go on to the next level, the differences through a dense
-// DCT-IV of half the size), then a dense DCT-II of size n >> splits. Every matrix is orthonormal,
-// so the factorisation is as accurate as the dense product and costs `macs` multiply-adds per
-// transformed vector instead of n * n. Built once per size and never freed (kernels.cpp).
+// One orthonormal 1-D DCT-II of size n, factorised: `splits` levels of even/odd splitting
+// (level l works on size n >> l: the DCT-II of the sums x[i] + x[m-1-i] gives the even outputs,
+// the DCT-IV of the differences the odd ones), down to a dense DCT-II of size n >> splits.
+// `inverse_cost` estimates the inverse's multiply-adds per transformed lane. Built once per size and
+// never freed (kernels.cpp).
 struct Dct1d {
-  static constexpr int kMaxSplits = 8;
+  static constexpr int kMaxSplits = 12;
   int n = 0;
   int splits = 0;
-  int64_t macs = 0;
-  // Level l, half size m = (n >> l) / 2, row-major m x m: the DCT-IV D with its input (forward)
-  // or output (inverse) order reversed, which is how the in-place butterflies store it:
-  // forward odd[i][j] = D[i][m-1-j], inverse odd[j][i] = D[m-1-j][i].
+  int64_t inverse_cost = 0;
+  // Level l, half size m = (n >> l) / 2. The differences' DCT-IV as a dense m x m matrix D,
+  // stored with its input (forward) or output (inverse) order reversed, as the in-place
+  // butterflies leave the differences: forward_odd[i][j] = D[i][m-1-j], inverse_odd[j][i] =
+  // D[m-1-j][i]. Where lee[l], the forward transform uses Lee's form instead: the differences
+  // scaled by lee_scale[i] = 1 / (2 cos(pi (2i+1) / (4m))) / sqrt(2) (with the butterfly's
+  // 1/sqrt(2)), a DCT-II of size m, and neighbouring outputs added.
+  bool lee[kMaxSplits] = {};
+  const float* lee_scale[kMaxSplits] = {};
   const float* forward_odd[kMaxSplits] = {};
   const float* inverse_odd[kMaxSplits] = {};
   const float* base = nullptr;    // DCT-II of size b = n >> splits, row-major [k][i]
