@@ -250,6 +250,17 @@ TEST(Kernels, SparseInverseMatchesFloat64Reference) {
         EXPECT_TRUE(at::allclose(got.to(at::kDouble), want, 1e-5, 1e-5))
             << at::IntArrayRef(c.shape) << " nnz " << nnz << " " << to_string(isa) << " max err "
             << (got.to(at::kDouble) - want).abs().max().item<double>();
+        // The fused sign-SGD step: p = keep * p - lr * sign(x) where x is not within rounding
+        // of 0, p itself where x = 0 exactly (no coefficient in its chunk).
+        const at::Tensor param = at::randn({plan.rows, plan.cols});
+        flexdemo::kernels::SignStep step{param.clone(), 0.25f, 0.5f};
+        flexdemo::kernels::idct_sparse_sign_step(sparse, plan, step);
+        const at::Tensor x = want.narrow(0, 0, plan.rows).narrow(1, 0, plan.cols);
+        const at::Tensor expect = param.to(at::kDouble) * 0.5 - 0.25 * x.sign();
+        const at::Tensor clear = (x.abs() > 1e-4) | (x == 0);
+        EXPECT_TRUE(at::allclose(step.param.to(at::kDouble).masked_select(clear),
+                                 expect.masked_select(clear), 1e-6, 1e-6))
+            << at::IntArrayRef(c.shape) << " nnz " << nnz << " " << to_string(isa);
       }
     }
   }

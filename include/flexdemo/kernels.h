@@ -39,4 +39,15 @@ compress::TopK select_topk(const at::Tensor& coeffs, const dct::ChunkPlan& plan,
 void idct_sparse(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan,
                  const at::Tensor& samples);
 
+// DeMo's sign-SGD step with decoupled weight decay, param = keep * param - lr * sign(direction),
+// where direction is what idct_sparse would write: applied chunk by chunk as it is made, so the
+// direction never goes through memory. param: float32 [plan.rows, plan.cols], rows contiguous.
+struct SignStep {
+  at::Tensor param;
+  float lr = 0.0f;
+  float keep = 1.0f;  // 1 - lr * weight_decay
+};
+void idct_sparse_sign_step(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan,
+                           const SignStep& step);
+
 }  // namespace flexdemo::kernels

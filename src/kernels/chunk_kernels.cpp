@@ -56,9 +56,13 @@ inline int round8(int n) {
 // out[i] = sum_j mat[i * cols + j] * in[j] for i < rows: in rows at in + j * in_stride, out rows
 // at out + i * out_stride, L lanes each. Blocks of R rows x G vectors keep their sums in registers.
 template <int R, int G>
-inline void matvec_block(const float* mat, int cols, const float* in, int64_t in_stride,
-                         float* out, int64_t out_stride, int i, int g) {
-  v8 acc[R][G] = {};
+[[gnu::always_inline]] inline void matvec_block(const float* mat, int cols, const float* in,
+                                                int64_t in_stride, float* out,
+                                                int64_t out_stride, int i, int g) {
+  v8 acc[R][G];  // in registers once inlined (no memset, no stack round trip)
+  for (int r = 0; r < R; ++r) {
+    for (int q = 0; q < G; ++q) acc[r][q] = v8{};
+  }
   for (int j = 0; j < cols; ++j) {
     v8 x[G];
     for (int q = 0; q < G; ++q) x[q] = load(in + j * in_stride + g + 8 * q);
@@ -73,7 +77,7 @@ inline void matvec_block(const float* mat, int cols, const float* in, int64_t in
 }
 
 template <int R>
-inline void matvec_rows(const float* mat, int cols, const float* in, int64_t in_stride, float* out,
+[[gnu::always_inline]] inline void matvec_rows(const float* mat, int cols, const float* in, int64_t in_stride, float* out,
                         int64_t out_stride, int i, int L) {
   int g = 0;
   for (; g + 16 <= L; g += 16) {
@@ -86,7 +90,11 @@ void matvec(const float* mat, int rows, int cols, const float* in, int64_t in_st
             int64_t out_stride, int L) {
   int i = 0;
   for (; i + 4 <= rows; i += 4) matvec_rows<4>(mat, cols, in, in_stride, out, out_stride, i, L);
-  for (; i < rows; ++i) matvec_rows<1>(mat, cols, in, in_stride, out, out_stride, i, L);
+  if (i + 2 <= rows) {
+    matvec_rows<2>(mat, cols, in, in_stride, out, out_stride, i, L);
+    i += 2;
+  }
+  if (i < rows) matvec_rows<1>(mat, cols, in, in_stride, out, out_stride, i, L);
 }
 
 // ====== 1-D transforms along rows ======
@@ -256,9 +264,6 @@ void dct_accumulate(const ChunkShape& shape, const float* src, int64_t src_strid
 struct Greater {
   bool operator()(uint64_t x, uint64_t y) const { return x > y; }
 };
-struct Less {
-  bool operator()(int64_t x, int64_t y) const { return x < y; }
-};
 
 inline uint32_t magnitude(float x) {
   uint32_t bits;
@@ -288,110 +293,242 @@ inline unsigned lane_mask(v8i m) {
 #endif
 }
 
-// Keys of every entry whose magnitude is >= t; returns how many.
-int64_t collect_at_least(const float* x, int64_t n, uint32_t t, uint64_t* keys) {
+#if defined(__AVX2__)
+// For each 8-bit mask, the lanes whose bit is set, packed to the front.
+struct PackedLanes {
+  int32_t lanes[256][8] = {};
+  constexpr PackedLanes() {
+    for (int mask = 0; mask < 256; ++mask) {
+      int used = 0;
+      for (int lane = 0; lane < 8; ++lane) {
+        if (mask & (1 << lane)) lanes[mask][used++] = lane;
+      }
+    }
+  }
+};
+constexpr PackedLanes kPackedLanes{};
+#endif
+
+// Positions of the entries whose magnitude is >= t, ascending; returns how many. positions
+// needs room for n + 8 (whole vectors are stored).
+int64_t collect_at_least(const float* x, int64_t n, uint32_t t, int32_t* positions) {
   const v8i vt = splat_i(int32_t(t));
   int64_t count = 0, i = 0;
   for (; i + 8 <= n; i += 8) {
-    for (unsigned bits = lane_mask(magnitudes(x + i) >= vt); bits != 0; bits &= bits - 1) {
-      const int64_t q = i + __builtin_ctz(bits);
-      keys[count++] = key_of(magnitude(x[q]), q);
-    }
+    const unsigned bits = lane_mask(magnitudes(x + i) >= vt);
+#if defined(__AVX2__)  // without a branch per hit: store the packed lanes, count them
+    const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kPackedLanes.lanes[bits]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(positions + count),
+                        _mm256_add_epi32(lanes, _mm256_set1_epi32(int32_t(i))));
+    count += __builtin_popcount(bits);
+#else
+    for (unsigned b = bits; b != 0; b &= b - 1) positions[count++] = int32_t(i + __builtin_ctz(b));
+#endif
   }
   for (; i < n; ++i) {
-    const uint32_t mag = magnitude(x[i]);
-    if (mag >= t) keys[count++] = key_of(mag, i);
+    if (magnitude(x[i]) >= t) positions[count++] = int32_t(i);
   }
   return count;
 }
 
-// The r-th largest magnitude among every stride-th entry (r <= n / stride, r <= 16).
-uint32_t sampled_rank(const float* x, int64_t n, int64_t stride, int r) {
-  uint32_t top[16] = {};  // descending
-  for (int64_t i = 0; i < n; i += stride) {
-    const uint32_t mag = magnitude(x[i]);
-    if (mag <= top[r - 1]) continue;
-    int j = r - 1;
-    for (; j > 0 && top[j - 1] < mag; --j) top[j] = top[j - 1];
-    top[j] = mag;
+// The r-th largest magnitude (r <= 16) in a sample: 8 consecutive entries out of every 128,
+// each lane keeping its r largest in vectors (no branches), then the r-th largest of those.
+// 0 when the sample has fewer than r entries.
+uint32_t sampled_rank(const float* x, int64_t n, int r) {
+  v8i top[16];
+  for (int j = 0; j < r; ++j) top[j] = splat_i(-1);
+  for (int64_t i = 0; i + 8 <= n; i += 128) {
+    v8i m = magnitudes(x + i);
+    for (int j = 0; j < r; ++j) {
+      const v8i above = m > top[j];
+      const v8i kept = (m & above) | (top[j] & ~above);
+      m = (top[j] & above) | (m & ~above);
+      top[j] = kept;
+    }
   }
-  return top[r - 1];
+  int32_t values[16 * 8];
+  for (int j = 0; j < r; ++j) {
+    for (int q = 0; q < 8; ++q) values[j * 8 + q] = top[j][q];
+  }
+  int32_t largest = 0;
+  for (int pass = 0; pass < r; ++pass) {  // take the largest out, r times
+    int at = 0;
+    for (int q = 1; q < 8 * r; ++q) at = values[q] > values[at] ? q : at;
+    largest = values[at];
+    values[at] = -1;
+  }
+  return largest > 0 ? uint32_t(largest) : 0;
+}
+
+// Marks in `chosen` (a bitmap over positions) the k largest of count distinct keys, by counting
+// for each key how many are larger: count^2 comparisons, but vectorised and without the
+// mispredicted branches of a partition, which cost more for the few dozen candidates here.
+void choose_by_rank(uint64_t* keys, int64_t count, int64_t k, uint64_t* chosen) {
+  typedef int64_t v4l __attribute__((vector_size(32)));
+  typedef int64_t v4lu __attribute__((vector_size(32), aligned(8), may_alias));
+  const int64_t padded = (count + 3) / 4 * 4;
+  for (int64_t j = count; j < padded; ++j) keys[j] = 0;  // below every key (keys are > 0)
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t key = int64_t(keys[i]);  // < 2^63: magnitudes have no sign bit
+    const v4l mine = {key, key, key, key};
+    v4l larger = {};
+    for (int64_t j = 0; j < padded; j += 4) {
+      larger += *reinterpret_cast<const v4lu*>(keys + j) > mine;  // true lanes are -1
+    }
+    const int64_t rank = -(larger[0] + larger[1] + larger[2] + larger[3]);
+    const uint64_t pos = 0xffffffffu - (uint64_t(key) & 0xffffffffu);
+    chosen[pos / 64] |= uint64_t(rank < k) << (pos % 64);
+  }
 }
 
 // The k largest magnitudes are found among the entries >= a threshold t taken from a sample
-// (the r-th largest of every 16th entry: about 2k entries pass), lowering it until at least k
-// pass; t = 0 takes every entry. Then an exact selection among those.
+// (the r-th largest of one entry in 16: about 1.5k entries pass), lowered until at least k
+// pass (t = 0 takes every entry); then an exact selection among those, and a bitmap of the
+// chosen positions puts them in ascending order.
 void select_topk(const float* values, int64_t n, int64_t k, int64_t* positions, float* selected,
-                 uint64_t* keys) {
-  constexpr int64_t kStride = 16;
+                 uint64_t* scratch) {
+  uint64_t* keys = scratch;                                          // n + 4
+  int32_t* candidates = reinterpret_cast<int32_t*>(scratch + n + 4);  // n + 8
+  uint64_t* chosen = scratch + n + 4 + (n + 9) / 2;                   // n bits
   int64_t count = 0;
-  int r = int((2 * k + kStride - 1) / kStride);
   if (n >= 256 && k * 8 <= n) {
-    for (; r <= 16; r *= 2) {
-      const uint32_t t = sampled_rank(values, n, kStride, r);
+    for (int r = int((3 * k + 31) / 32); r <= 16; r *= 2) {  // 1/16 sampled: ~1.5k pass
+      const uint32_t t = sampled_rank(values, n, r);
       if (t == 0) break;
-      count = collect_at_least(values, n, t, keys);
+      count = collect_at_least(values, n, t, candidates);
       if (count >= k) break;
     }
   }
-  if (count < k) count = collect_at_least(values, n, 0, keys);
-  std::nth_element(keys, keys + (k - 1), keys + count, Greater());
-  for (int64_t j = 0; j < k; ++j) positions[j] = int64_t(0xffffffffu - (keys[j] & 0xffffffffu));
-  std::sort(positions, positions + k, Less());
-  for (int64_t j = 0; j < k; ++j) selected[j] = values[positions[j]];
+  if (count < k) count = collect_at_least(values, n, 0, candidates);
+  for (int64_t j = 0; j < count; ++j) {
+    keys[j] = key_of(magnitude(values[candidates[j]]), candidates[j]);
+  }
+  const int64_t words = (n + 63) / 64;
+  std::fill(chosen, chosen + words, uint64_t(0));
+  if (count <= 128) {
+    choose_by_rank(keys, count, k, chosen);
+  } else {
+    std::nth_element(keys, keys + (k - 1), keys + count, Greater());
+    for (int64_t j = 0; j < k; ++j) {
+      const uint64_t pos = 0xffffffffu - (keys[j] & 0xffffffffu);
+      chosen[pos / 64] |= uint64_t(1) << (pos % 64);
+    }
+  }
+  int64_t j = 0;
+  for (int64_t word = 0; word < words; ++word) {
+    for (uint64_t bits = chosen[word]; bits != 0; bits &= bits - 1) {
+      positions[j++] = word * 64 + __builtin_ctzll(bits);
+    }
+  }
+  for (j = 0; j < k; ++j) selected[j] = values[positions[j]];
 }
 
 // ====== The sparse inverse ======
+// p = keep * p - lr * sign(x) over the update's rows and columns (sign(0) = sign(NaN) = 0).
+void sign_step(const float* x, int64_t x_stride, const SignUpdate& update, float* p,
+               int64_t p_stride) {
+  const v8 keep = splat(update.keep);
+  const v8i lr = (v8i)splat(update.lr);
+  const v8 zero = {};
+  for (int u = 0; u < update.valid_h; ++u) {
+    const float* xr = x + u * x_stride;
+    float* pr = p + u * p_stride;
+    int v = 0;
+    for (; v + 8 <= update.valid_w; v += 8) {
+      const v8 d = load(xr + v);
+      const v8 up = (v8)((d > zero) & lr), down = (v8)((d < zero) & lr);
+      store(pr + v, keep * load(pr + v) - up + down);
+    }
+    for (; v < update.valid_w; ++v) {
+      const float step = update.lr * float((xr[v] > 0.0f) - (xr[v] < 0.0f));
+      pr[v] = update.keep * pr[v] - step;
+    }
+  }
+}
+
 // x = B_h^T X B_w: first t[u] = sum_v X[u][v] B_w[v] for the rows u holding a coefficient (one
 // multiply-add per coefficient and lane), then along the columns either directly over those
 // rows or, when they are many, by the factorised inverse (whichever costs fewer multiply-adds).
 void idct_sparse(const ChunkShape& shape, const int32_t* positions, const float* values,
-                 int64_t nnz, float* out, int64_t out_stride, float* scratch) {
+                 int64_t nnz, float* out, int64_t out_stride, const SignUpdate* update,
+                 float* scratch) {
   const int h = shape.h, w = shape.w, W8 = round8(w);
   const int64_t block = int64_t(round8(h)) * W8;
   const Dct1d& cols = *shape.along_cols;
   const Dct1d& rows = *shape.along_rows;
-  float* t = scratch;              // one row per row holding a coefficient, in first-seen order
-  float* x = scratch + block;      // the result (h rows of W8 lanes) unless it goes to out
-  float* mat = scratch + 2 * block;  // h x (rows used): B_h restricted to those rows, transposed
+  // t: one row per row u holding a coefficient, X[u] B_w. For even h the rows of even u fill t
+  // from the top and those of odd u from the bottom, so that the direct column pass can use
+  // B[u][h-1-i] = (-1)^u B[u][i]: half the multiply-adds.
+  const bool halves = h % 2 == 0;
+  float* t = scratch;
+  float* x = scratch + block;        // the result (h rows of W8 lanes) unless it goes to out
+  float* mat = scratch + 2 * block;  // the column pass restricted to the rows used
   int32_t* slot_of = reinterpret_cast<int32_t*>(mat + int64_t(h) * std::max(h, W8));
-  int32_t* row_of = slot_of + h;
-  int used = 0;
+  int32_t* row_of = slot_of + h;  // by slot
+  int even = 0, odd = 0;
   std::fill(slot_of, slot_of + h, -1);
   for (int64_t e = 0; e < nnz; ++e) {
     const int u = positions[e] / w, v = positions[e] % w;
     if (slot_of[u] < 0) {
-      slot_of[u] = used;
-      row_of[used] = u;
-      std::memset(t + int64_t(used) * W8, 0, sizeof(float) * size_t(W8));
-      ++used;
+      slot_of[u] = halves && u % 2 == 1 ? h - 1 - odd++ : even++;
+      row_of[slot_of[u]] = u;
+      std::memset(t + int64_t(slot_of[u]) * W8, 0, sizeof(float) * size_t(W8));
     }
     float* row = t + int64_t(slot_of[u]) * W8;
     const float* basis = cols.full + int64_t(v) * cols.full_stride;
     const v8 c = splat(values[e]);
     for (int g = 0; g < W8; g += 8) store(row + g, load(row + g) + c * load(basis + g));
   }
-  // Straight into out when whole vectors fit its rows; otherwise through x.
-  float* dst = w % 8 == 0 ? out : x;
-  const int64_t dst_stride = w % 8 == 0 ? out_stride : W8;
+  const int used = even + odd;
+  // Straight into out when whole vectors fit its rows; otherwise (or for a sign step) through x.
+  const bool direct = w % 8 == 0 && update == nullptr;
+  float* dst = direct ? out : x;
+  const int64_t dst_stride = direct ? out_stride : W8;
+  const float* basis = rows.full;
+  const int bs = rows.full_stride;
   if (used == 0) {
     for (int i = 0; i < h; ++i) std::memset(dst + i * dst_stride, 0, sizeof(float) * size_t(W8));
   } else if (h == 1) {
     std::memcpy(dst, t, sizeof(float) * size_t(W8));
-  } else if (int64_t(used) * h <= rows.inverse_cost) {
+  } else if (halves && int64_t(used) * h / 2 <= rows.inverse_cost) {
+    // x[i] = E[i] + O[i], x[h-1-i] = E[i] - O[i] (i < h/2), E and O the even and odd rows' sums.
+    const int m = h / 2;
+    float* me = mat;
+    float* mo = mat + m * even;
+    for (int i = 0; i < m; ++i) {
+      for (int r = 0; r < even; ++r) me[i * even + r] = basis[row_of[r] * bs + i];
+      for (int r = 0; r < odd; ++r) mo[i * odd + r] = basis[row_of[h - 1 - r] * bs + i];
+    }
+    matvec(me, m, even, t, W8, dst, dst_stride, W8);
+    float* last = dst + (h - 1) * dst_stride;
+    matvec(mo, m, odd, t + int64_t(h - 1) * W8, -W8, last, -dst_stride, W8);
+    for (int i = 0; i < m; ++i) {
+      float* a = dst + i * dst_stride;
+      float* b = dst + (h - 1 - i) * dst_stride;
+      for (int g = 0; g < W8; g += 8) {
+        const v8 e = load(a + g), o = load(b + g);
+        store(a + g, e + o);
+        store(b + g, e - o);
+      }
+    }
+  } else if (!halves && int64_t(used) * h <= rows.inverse_cost) {
     for (int i = 0; i < h; ++i) {
-      for (int r = 0; r < used; ++r) mat[i * used + r] = rows.full[row_of[r] * rows.full_stride + i];
+      for (int r = 0; r < used; ++r) mat[i * used + r] = basis[row_of[r] * bs + i];
     }
     matvec(mat, h, used, t, W8, dst, dst_stride, W8);
   } else {
     float* full = mat;  // every row of X B_w, zeros where no coefficient
     std::memset(full, 0, sizeof(float) * size_t(h) * size_t(W8));
-    for (int r = 0; r < used; ++r) {
-      std::memcpy(full + int64_t(row_of[r]) * W8, t + int64_t(r) * W8, sizeof(float) * size_t(W8));
+    for (int u = 0; u < h; ++u) {
+      if (slot_of[u] >= 0) {
+        std::memcpy(full + int64_t(u) * W8, t + int64_t(slot_of[u]) * W8, sizeof(float) * W8);
+      }
     }
     inverse(rows, 0, full, W8, dst, dst_stride, W8);
   }
-  if (dst == x) {
+  if (update != nullptr) {
+    sign_step(x, W8, *update, out, out_stride);
+  } else if (dst == x) {
     for (int i = 0; i < h; ++i) std::memcpy(out + i * out_stride, x + i * W8, sizeof(float) * w);
   }
 }

@@ -41,6 +41,19 @@ struct ChunkShape {
   const Dct1d* along_cols = nullptr;
 };
 
+// Instead of writing the inverse: out[u][v] = keep * out[u][v] - lr * sign(x[u][v]) for
+// u < valid_h, v < valid_w (DeMo's sign-SGD step on the parameters, fused).
+struct SignUpdate {
+  float lr = 0.0f;
+  float keep = 1.0f;
+  int valid_h = 0, valid_w = 0;
+};
+
+// Entries of scratch select_topk needs for n values.
+inline int64_t select_scratch(int64_t n) {
+  return n + 4 + (n + 9) / 2 + (n + 63) / 64;
+}
+
 // Floats of scratch the kernels need per thread for a chunk shape (32-byte aligned).
 int64_t scratch_floats(const ChunkShape& shape);
 
@@ -54,14 +67,16 @@ struct KernelTable {
                          int valid_h, int valid_w, float* out, int64_t out_stride, float beta,
                          float alpha, float* fresh, float* scratch);
   // The k (<= n) entries of largest magnitude in values[0, n) (ties: the lower position), in
-  // ascending position order, as the bounded heap of the plain path orders them. keys needs
-  // n entries. Writes positions and their values.
+  // ascending position order, as the bounded heap of the plain path orders them. scratch needs
+  // select_scratch(n) entries. Writes positions and their values.
   void (*select_topk)(const float* values, int64_t n, int64_t k, int64_t* positions,
-                      float* selected, uint64_t* keys);
-  // The inverse DCT of a chunk holding nnz coefficients (position u * w + v, value), written to
-  // out (row stride out_stride). Positions must be distinct and inside the chunk.
+                      float* selected, uint64_t* scratch);
+  // The inverse DCT x of a chunk holding nnz coefficients (position u * w + v, value), written to
+  // out (row stride out_stride), or, given update, applied to out as a sign step. Positions must
+  // be distinct and inside the chunk.
   void (*idct_sparse)(const ChunkShape& shape, const int32_t* positions, const float* values,
-                      int64_t nnz, float* out, int64_t out_stride, float* scratch);
+                      int64_t nnz, float* out, int64_t out_stride, const SignUpdate* update,
+                      float* scratch);
 };
 
 namespace baseline {

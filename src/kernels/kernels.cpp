@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
@@ -101,9 +102,10 @@ std::unique_ptr<Dct1dStorage> build_dct1d(int n) {
   const double pi = std::acos(-1.0);
   int size = n;
   std::vector<int> halves;
-  static const int base_max = std::getenv("FLEXDEMO_BASE") ? std::atoi(std::getenv("FLEXDEMO_BASE")) : 8;
-  static const int lee_min = std::getenv("FLEXDEMO_LEE") ? std::atoi(std::getenv("FLEXDEMO_LEE")) : 16;
-  while (size % 2 == 0 && size > base_max && p.splits < Dct1d::kMaxSplits) {
+  // Measured on the encode microbenchmark (AVX2): splitting down to a dense base of at most 8,
+  // Lee's DCT-IV where the half is >= 16, dense DCT-IVs below, is the fastest mix.
+  constexpr int kBaseMax = 8, kLeeMin = 16;
+  while (size % 2 == 0 && size > kBaseMax && p.splits < Dct1d::kMaxSplits) {
     const int m = size / 2;
     std::vector<float> fwd(size_t(m) * m), inv(size_t(m) * m);
     for (int i = 0; i < m; ++i) {
@@ -114,7 +116,7 @@ std::unique_ptr<Dct1dStorage> build_dct1d(int n) {
     }
     p.forward_odd[p.splits] = s->keep(std::move(fwd));
     p.inverse_odd[p.splits] = s->keep(std::move(inv));
-    if (m >= lee_min) {
+    if (m >= kLeeMin) {
       std::vector<float> scale(m);
       for (int i = 0; i < m; ++i) {
         scale[i] = float(1.0 / (2.0 * std::cos(pi * (2 * i + 1) / (4.0 * m))) / std::sqrt(2.0));
@@ -194,6 +196,15 @@ at::Tensor float_samples(const at::Tensor& x, const dct::ChunkPlan& plan, const 
   return x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
 }
 
+void check_chunks(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan,
+                  const char* who) {
+  if (coeffs.counts.numel() != plan.num_chunks()) {
+    throw std::invalid_argument(std::string(who) + ": " + std::to_string(coeffs.counts.numel()) +
+                                " chunks given, the plan has " +
+                                std::to_string(plan.num_chunks()));
+  }
+}
+
 // Runs per_chunk(c, kernels, shape, scratch) for every chunk, in parallel.
 template <typename PerChunk>
 void for_each_chunk(const dct::ChunkPlan& plan, int64_t extra_floats, PerChunk per_chunk) {
@@ -236,7 +247,7 @@ void accumulate(const at::Tensor& x, const dct::ChunkPlan& plan, double beta, do
   int64_t* idx = topk != nullptr ? topk->indices.data_ptr<int64_t>() : nullptr;
   float* val = topk != nullptr ? topk->values.data_ptr<float>() : nullptr;
   // With top-k: the chunk's new values contiguously (n floats), then keys (n uint64).
-  const int64_t extra = topk != nullptr ? key_offset(n) + 2 * n : 0;
+  const int64_t extra = topk != nullptr ? key_offset(n) + 2 * select_scratch(n) : 0;
   for_each_chunk(plan, extra, [&](int64_t c, const KernelTable& kern, const ChunkShape& shape,
                                   float* scratch) {
     const int64_t ci = c / plan.col_chunks(), cj = c % plan.col_chunks();
@@ -284,7 +295,7 @@ compress::TopK select_topk(const at::Tensor& coeffs, const dct::ChunkPlan& plan,
   float* val = topk.values.data_ptr<float>();
   const KernelTable& kern = table();
   at::parallel_for(0, plan.num_chunks(), 4, [&](int64_t begin, int64_t end) {
-    Scratch scratch(key_offset(n) + 2 * n);  // the chunk contiguously, then keys
+    Scratch scratch(key_offset(n) + 2 * select_scratch(n));  // the chunk, then selection's
     for (int64_t c = begin; c < end; ++c) {
       const float* base = src + plan.chunk_origin(c);
       for (int64_t u = 0; u < h; ++u) {
@@ -301,11 +312,7 @@ compress::TopK select_topk(const at::Tensor& coeffs, const dct::ChunkPlan& plan,
 void idct_sparse(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan,
                  const at::Tensor& samples) {
   check_block(samples, plan, "idct_sparse", "samples");
-  if (coeffs.counts.numel() != plan.num_chunks()) {
-    throw std::invalid_argument("idct_sparse: " + std::to_string(coeffs.counts.numel()) +
-                                " chunks given, the plan has " +
-                                std::to_string(plan.num_chunks()));
-  }
+  check_chunks(coeffs, plan, "idct_sparse");
   const int64_t capacity = coeffs.positions.size(1);
   const int32_t* positions = coeffs.positions.data_ptr<int32_t>();
   const float* values = coeffs.values.data_ptr<float>();
@@ -314,7 +321,37 @@ void idct_sparse(const compress::SparseChunks& coeffs, const dct::ChunkPlan& pla
   for_each_chunk(plan, 0, [&](int64_t c, const KernelTable& kern, const ChunkShape& shape,
                               float* scratch) {
     kern.idct_sparse(shape, positions + c * capacity, values + c * capacity, counts[c],
-                     dst + plan.chunk_origin(c), plan.padded_cols, scratch);
+                     dst + plan.chunk_origin(c), plan.padded_cols, nullptr, scratch);
+  });
+}
+
+void idct_sparse_sign_step(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan,
+                           const SignStep& step) {
+  const at::Tensor& param = step.param;
+  if (param.scalar_type() != at::kFloat || !param.is_cpu() || param.dim() != 2 ||
+      param.size(0) != plan.rows || param.size(1) != plan.cols || param.stride(1) != 1 ||
+      param.stride(0) != plan.cols) {
+    throw std::invalid_argument("idct_sparse_sign_step: param must be a float32 CPU tensor [" +
+                                std::to_string(plan.rows) + ", " + std::to_string(plan.cols) +
+                                "] with contiguous rows");
+  }
+  check_chunks(coeffs, plan, "idct_sparse_sign_step");
+  const int64_t capacity = coeffs.positions.size(1);
+  const int32_t* positions = coeffs.positions.data_ptr<int32_t>();
+  const float* values = coeffs.values.data_ptr<float>();
+  const int64_t* counts = coeffs.counts.data_ptr<int64_t>();
+  float* dst = param.data_ptr<float>();
+  const int64_t h = plan.chunk_rows, w = plan.chunk_cols;
+  for_each_chunk(plan, 0, [&](int64_t c, const KernelTable& kern, const ChunkShape& shape,
+                              float* scratch) {
+    const int64_t ci = c / plan.col_chunks(), cj = c % plan.col_chunks();
+    SignUpdate update;
+    update.lr = step.lr;
+    update.keep = step.keep;
+    update.valid_h = int(std::min(h, plan.rows - ci * h));
+    update.valid_w = int(std::min(w, plan.cols - cj * w));
+    kern.idct_sparse(shape, positions + c * capacity, values + c * capacity, counts[c],
+                     dst + ci * h * plan.cols + cj * w, plan.cols, &update, scratch);
   });
 }
 

@@ -146,7 +146,7 @@ void DemoOptimizer::step() {
     return;
   }
   s.inner->begin_step(lr);
-  s.replicator->exchange(grads, lr, [&](size_t i, const at::Tensor& d) { s.inner->apply(i, d); });
+  s.replicator->exchange(grads, lr, *s.inner);
 }
 
 void DemoOptimizer::zero_grad() {

@@ -1,6 +1,7 @@
 // The DeMo replicator (DESIGN.md §1): residual momentum kept in the DCT domain, per-chunk top-k
 // with error feedback, every tensor's payload in ONE all-gather, deterministic decode, inverse DCT.
 // With overlap_step the all-gather is non-blocking and its result is applied one step later.
+#include "inner.h"
 #include "replicator.h"
 
 #include "flexdemo/comm.h"
@@ -8,6 +9,7 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <stdexcept>
 
 namespace flexdemo::optim {
@@ -48,12 +50,12 @@ class DemoReplicator final : public Replicator {
   }
 
   void exchange(const std::vector<at::Tensor>& grads, double lr,
-                const DirectionSink& sink) override {
+                InnerOptimizer& inner) override {
     if (options_.overlap_step) {
       // One step stale: apply what the previous step's exchange brought (it travelled during
       // this step's forward and backward), then start this step's.
       finish_in_flight();
-      if (pending_.item<int64_t>() != 0) decode(recv_bucket_.data_ptr<uint8_t>(), sink);
+      if (pending_.item<int64_t>() != 0) decode(recv_bucket_.data_ptr<uint8_t>(), inner);
       encode(grads, lr);
       if (replicas() > 1) {
         in_flight_ = group_->iall_gather(send_bucket_, recv_bucket_);
@@ -69,7 +71,7 @@ class DemoReplicator final : public Replicator {
       group_->all_gather(send_bucket_, recv_bucket_);
       gathered = recv_bucket_.data_ptr<uint8_t>();
     }
-    decode(gathered, sink);
+    decode(gathered, inner);
   }
 
   DemoTraffic traffic() const override { return traffic_; }
@@ -124,8 +126,9 @@ class DemoReplicator final : public Replicator {
   }
 
   // The mean over replicas of the gathered payloads (bit-identical everywhere), inverse-
-  // transformed, handed to the sink tensor by tensor.
-  void decode(const uint8_t* gathered, const DirectionSink& sink) {
+  // transformed and applied by the inner optimizer tensor by tensor. The fast path with sign-SGD
+  // updates the parameters in the same pass as the inverse.
+  void decode(const uint8_t* gathered, InnerOptimizer& inner) {
     const size_t bucket = traffic_.wire_bytes;
     std::vector<const uint8_t*> payloads(replicas());
     for (size_t i = 0; i < plans_.size(); ++i) {
@@ -135,9 +138,13 @@ class DemoReplicator final : public Replicator {
       }
       const at::Tensor samples = samples_.narrow(0, 0, plan.padded_numel());
       if (options_.fast_path) {  // per chunk, only the coefficients received
-        kernels::idct_sparse(compress::decode_mean_sparse(payloads, payload_bytes_[i], plan,
-                                                          options_.topk, options_.values),
-                             plan, samples);
+        const compress::SparseChunks coeffs = compress::decode_mean_sparse(
+            payloads, payload_bytes_[i], plan, options_.topk, options_.values);
+        if (const std::optional<kernels::SignStep> step = inner.sign_step(i)) {
+          kernels::idct_sparse_sign_step(coeffs, plan, *step);
+          continue;
+        }
+        kernels::idct_sparse(coeffs, plan, samples);
       } else {
         const at::Tensor decoded = decoded_.narrow(0, 0, plan.padded_numel());
         compress::decode_mean(payloads, payload_bytes_[i], plan, options_.topk, options_.values,
@@ -146,7 +153,7 @@ class DemoReplicator final : public Replicator {
       }
       at::Tensor direction = samples.view({plan.padded_rows, plan.padded_cols});
       if (plan.is_padded()) direction = direction.narrow(0, 0, plan.rows).narrow(1, 0, plan.cols);
-      sink(i, direction);
+      inner.apply(i, direction);
     }
   }
 

@@ -1,6 +1,7 @@
 // The dense replicators: Full (all-reduce average of the gradient, plain HSDP), None (local
 // only) and Random (a seeded random subset of rows of a residual, dense-averaged). Each sends a
 // step's tensors in one flat bucket.
+#include "inner.h"
 #include "replicator.h"
 
 #include "flexdemo/comm.h"
@@ -45,14 +46,14 @@ class DenseReplicator final : public Replicator {
   }
 
   void exchange(const std::vector<at::Tensor>& grads, double lr,
-                const DirectionSink& sink) override {
+                InnerOptimizer& inner) override {
     accumulate(grads, lr);
     if (pending_ > 1) bucket_.div_(double(pending_));  // the mean gradient since the last one
     if (exchange_ && group_ && group_->size() > 1) {
       group_->all_reduce(bucket_, comm::ReduceOp::Avg);
     }
     for (size_t i = 0; i < plans_.size(); ++i) {
-      sink(i, slice(i).view({plans_[i].rows, plans_[i].cols}));
+      inner.apply(i, slice(i).view({plans_[i].rows, plans_[i].cols}));
     }
     bucket_.zero_();
     pending_ = 0;
@@ -130,7 +131,7 @@ class RandomReplicator final : public Replicator {
   }
 
   void exchange(const std::vector<at::Tensor>& grads, double lr,
-                const DirectionSink& sink) override {
+                InnerOptimizer& inner) override {
     accumulate(grads, lr);
     std::vector<at::Tensor> indices;
     int64_t offset = 0;
@@ -155,7 +156,7 @@ class RandomReplicator final : public Replicator {
           0, indices[i],
           bucket_.narrow(0, offset, picked_[i] * u.length).view({picked_[i], u.length}));
       offset += picked_[i] * u.length;
-      sink(i, direction.view({plans_[i].rows, plans_[i].cols}));
+      inner.apply(i, direction.view({plans_[i].rows, plans_[i].cols}));
     }
     ++exchanges_;
   }

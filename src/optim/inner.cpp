@@ -67,6 +67,14 @@ void InnerOptimizer::apply(size_t i, const at::Tensor& direction) {
   p.addcdiv_(m, denom, -lr_ / bias_correction1);
 }
 
+std::optional<kernels::SignStep> InnerOptimizer::sign_step(size_t i) const {
+  const at::Tensor& p = params_.at(i);
+  if (options_.inner != InnerKind::SignSgd || !options_.sign || p.scalar_type() != at::kFloat) {
+    return std::nullopt;
+  }
+  return kernels::SignStep{p, float(lr_), float(1.0 - lr_ * options_.weight_decay)};
+}
+
 std::vector<std::pair<std::string, at::Tensor>> InnerOptimizer::state_tensors() const {
   std::vector<std::pair<std::string, at::Tensor>> state;
   for (size_t i = 0; i < exp_avg_.size(); ++i) {

@@ -2,10 +2,12 @@
 // AdamW (the same formula as torch.optim.AdamW), with decoupled weight decay.
 #pragma once
 
+#include "flexdemo/kernels.h"
 #include "flexdemo/optim.h"
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -18,6 +20,9 @@ class InnerOptimizer {
   void begin_step(double lr);  // once per applied step, before the apply() calls
   // Tensor i: p *= 1 - lr*wd, then the update from direction ([rows, cols] float32).
   void apply(size_t i, const at::Tensor& direction);
+  // Where this step is sign-SGD on a float32 tensor: its parameters and factors, for a
+  // replicator that applies the step itself while making the direction (the same update).
+  std::optional<kernels::SignStep> sign_step(size_t i) const;
   // AdamW's moments, named for files (handles: loading copies into them).
   std::vector<std::pair<std::string, at::Tensor>> state_tensors() const;
   void restore_step(int64_t applied_steps) { step_ = applied_steps; }

@@ -6,7 +6,6 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -25,8 +24,7 @@ inline NamedTensors numbered(const std::string& prefix, const std::vector<at::Te
   return named;
 }
 
-// Receives tensor i's direction: float32, [plan.rows, plan.cols] (possibly a strided view).
-using DirectionSink = std::function<void(size_t i, const at::Tensor& direction)>;
+class InnerOptimizer;
 
 class Replicator {
  public:
@@ -34,10 +32,11 @@ class Replicator {
   // Folds this step's gradients (plan.numel() elements each; undefined = zero) into the state
   // without exchanging: the steps between two exchanges. lr: this step's learning rate.
   virtual void accumulate(const std::vector<at::Tensor>& grads, double lr) = 0;
-  // Folds them in, exchanges over the replica group, and hands each tensor's direction to sink.
-  // The directions are bit-identical on every replica.
+  // Folds them in, exchanges over the replica group, and has `inner` apply each tensor's
+  // direction (inner.apply, or the fused sign step where it offers one). The directions are
+  // bit-identical on every replica.
   virtual void exchange(const std::vector<at::Tensor>& grads, double lr,
-                        const DirectionSink& sink) = 0;
+                        InnerOptimizer& inner) = 0;
   virtual DemoTraffic traffic() const = 0;
   // The state carried from step to step (handles: loading copies into them), named for files.
   virtual NamedTensors state_tensors() const = 0;
