@@ -210,8 +210,10 @@ TEST(Demo, FastPathEqualsPlainPath) {
 }
 
 TEST(Demo, OverlapStepAppliesEachUpdateOneStepLater) {
-  // With the same gradients and a constant lr, the overlapped optimizer after step t + 1 holds
-  // exactly the parameters the plain one held after step t (its residual is never stale).
+  // With the same gradients and a constant lr, the overlapped optimizer's committed parameters
+  // after step t + 1 are exactly the plain one's after step t (its residual is never stale);
+  // the parameters in use carry the preview of update t + 1: one replica's own payloads are all
+  // of it, so they equal the plain step but for its weight decay.
   at::manual_seed(24);
   optim::DemoOptions plain = test_options(dct::ChunkMode::Divisor, true), overlap = plain;
   overlap.overlap_step = true;
@@ -227,8 +229,12 @@ TEST(Demo, OverlapStepAppliesEachUpdateOneStepLater) {
     a.step();
     b.step();
     EXPECT_TRUE(at::equal(a.residual(0), b.residual(0))) << "step " << step;
-    EXPECT_TRUE(at::equal(q.detach(), step == 0 ? init : after_plain.back())) << "step " << step;
+    const at::Tensor committed = b.replicated_params().at(0);
+    EXPECT_TRUE(at::equal(committed, step == 0 ? init : after_plain.back())) << "step " << step;
+    const double decay = plain.lr * plain.weight_decay;
+    EXPECT_TRUE(at::allclose(q.detach(), p.detach() + decay * committed, 1e-6, 1e-7))
+        << "step " << step;
     after_plain.push_back(p.detach().clone());
   }
-  EXPECT_FALSE(at::equal(q.detach(), p.detach()));  // the overlapped run is one update behind
+  EXPECT_FALSE(at::equal(b.replicated_params().at(0), p.detach()));  // one update behind
 }

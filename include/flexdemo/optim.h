@@ -60,7 +60,9 @@ struct DemoOptions {
   int64_t replicate_every = 1;        // exchange and update every N steps (>= 1); the steps in
                                       // between only fold their gradients into the state
   bool overlap_step = false;          // Demo: the exchange runs non-blocking through the next
-                                      // step and its update is applied there (one step stale)
+                                      // step and its update is applied there (one step stale);
+                                      // with sign-SGD the replica's own part of it is applied
+                                      // at once as a preview, replaced when the update arrives
   double random_fraction = 1.0 / 32;  // Random: fraction of rows exchanged, in (0, 1]
   uint64_t seed = 0;                  // Random: selection seed, the same on every replica
 
@@ -115,6 +117,10 @@ class DemoOptimizer {
   const dct::ChunkPlan& chunk_plan(size_t i) const;
   // Demo: parameter i's residual momentum in the DCT domain (block layout, see dct.h).
   const at::Tensor& residual(size_t i) const;
+  // What is identical on every replica after a step: the parameters ([rows, cols] views), or
+  // with --overlap-step and sign-SGD the committed parameters (the ones in the model also carry
+  // this replica's preview of the update in flight).
+  std::vector<at::Tensor> replicated_params() const;
 
  private:
   struct Impl;

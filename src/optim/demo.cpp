@@ -191,6 +191,16 @@ void DemoOptimizer::restore_steps(int64_t steps) {
 const dct::ChunkPlan& DemoOptimizer::chunk_plan(size_t i) const {
   return impl_->plans.at(i);
 }
+std::vector<at::Tensor> DemoOptimizer::replicated_params() const {
+  std::vector<at::Tensor> committed = impl_->replicator->committed_params();
+  if (!committed.empty()) return committed;
+  std::vector<at::Tensor> views;
+  for (const OptimParam& p : impl_->params) {
+    views.push_back(p.leaf.view(-1).narrow(0, 0, p.plan.numel()).view({p.plan.rows, p.plan.cols}));
+  }
+  return views;
+}
+
 const at::Tensor& DemoOptimizer::residual(size_t i) const {
   return impl_->replicator->residual(i);
 }

@@ -40,6 +40,11 @@ class DemoReplicator final : public Replicator {
     traffic_.wire_bytes = offset;
     send_bucket_ = at::empty({int64_t(offset)}, at::kByte);
     recv_bucket_ = at::empty({int64_t(offset) * replicas()}, at::kByte);
+    if (previews()) {
+      for (const dct::ChunkPlan& plan : plans_) {
+        committed_.push_back(at::empty({plan.rows, plan.cols}, at::kFloat));
+      }
+    }
     decoded_ = at::empty({largest}, at::kFloat);
     samples_ = at::empty({largest}, at::kFloat);
     scratch_ = at::empty({largest}, at::kFloat);
@@ -53,9 +58,15 @@ class DemoReplicator final : public Replicator {
                 InnerOptimizer& inner) override {
     if (options_.overlap_step) {
       // One step stale: apply what the previous step's exchange brought (it travelled during
-      // this step's forward and backward), then start this step's.
+      // this step's forward and backward) to the committed parameters, then start this step's.
+      // Until it arrives, the parameters also carry this replica's own part of it (a preview),
+      // so the next gradient is not taken a whole update behind.
       finish_in_flight();
-      if (pending_.item<int64_t>() != 0) decode(recv_bucket_.data_ptr<uint8_t>(), inner);
+      if (pending_.item<int64_t>() != 0) {
+        if (previews()) restore_committed(inner);
+        decode(recv_bucket_.data_ptr<uint8_t>(), inner);
+      }
+      if (previews()) save_committed(inner);
       encode(grads, lr);
       if (replicas() > 1) {
         in_flight_ = group_->iall_gather(send_bucket_, recv_bucket_);
@@ -63,6 +74,7 @@ class DemoReplicator final : public Replicator {
         recv_bucket_.copy_(send_bucket_);
       }
       pending_.fill_(1);
+      if (previews()) preview(lr, inner);
       return;
     }
     encode(grads, lr);
@@ -81,13 +93,51 @@ class DemoReplicator final : public Replicator {
       finish_in_flight();
       state.push_back({"pending", pending_});
       state.push_back({"pending_payloads", recv_bucket_});
+      for (auto& t : numbered("committed", committed_)) state.push_back(t);
     }
     return state;
   }
+  std::vector<at::Tensor> committed_params() const override { return committed_; }
   const at::Tensor& residual(size_t i) const override { return residuals_.at(i); }
 
  private:
   int replicas() const { return group_ ? group_->size() : 1; }
+
+  // --overlap-step with sign-SGD previews this replica's own update (see exchange()).
+  bool previews() const {
+    return options_.overlap_step && options_.inner == InnerKind::SignSgd && options_.sign;
+  }
+  void save_committed(InnerOptimizer& inner) {
+    for (size_t i = 0; i < plans_.size(); ++i) committed_[i].copy_(inner.param(i));
+  }
+  void restore_committed(InnerOptimizer& inner) {
+    for (size_t i = 0; i < plans_.size(); ++i) inner.param(i).copy_(committed_[i]);
+  }
+  // The parameters step by -lr * sign(direction) of this replica's own payloads alone (no
+  // weight decay: that comes with the committed update).
+  void preview(double lr, InnerOptimizer& inner) {
+    const uint8_t* own = send_bucket_.data_ptr<uint8_t>();
+    for (size_t i = 0; i < plans_.size(); ++i) {
+      const dct::ChunkPlan& plan = plans_[i];
+      const std::vector<const uint8_t*> payload = {own + payload_offsets_[i]};
+      at::Tensor param = inner.param(i);
+      if (options_.fast_path && param.scalar_type() == at::kFloat) {
+        kernels::idct_sparse_sign_step(compress::decode_mean_sparse(payload, payload_bytes_[i],
+                                                                    plan, options_.topk,
+                                                                    options_.values),
+                                       plan, kernels::SignStep{param, float(lr), 1.0f});
+        continue;
+      }
+      const at::Tensor decoded = decoded_.narrow(0, 0, plan.padded_numel());
+      const at::Tensor samples = samples_.narrow(0, 0, plan.padded_numel());
+      compress::decode_mean(payload, payload_bytes_[i], plan, options_.topk, options_.values,
+                            decoded);
+      dct::chunked_idct_into(decoded, plan, samples, &scratch_);
+      at::Tensor direction = samples.view({plan.padded_rows, plan.padded_cols});
+      if (plan.is_padded()) direction = direction.narrow(0, 0, plan.rows).narrow(1, 0, plan.cols);
+      param.sub_(direction.sign(), lr);
+    }
+  }
 
   void finish_in_flight() const {
     if (in_flight_) {
@@ -172,6 +222,7 @@ class DemoReplicator final : public Replicator {
   // --overlap-step: the exchange started last step, and whether recv_bucket_ holds payloads
   // not yet applied (a tensor, so that checkpoints carry it).
   mutable std::unique_ptr<comm::Work> in_flight_;
+  std::vector<at::Tensor> committed_;  // the parameters without the preview (float32)
   at::Tensor pending_ = at::zeros({1}, at::kLong);
 };
 

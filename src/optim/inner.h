@@ -23,6 +23,7 @@ class InnerOptimizer {
   // Where this step is sign-SGD on a float32 tensor: its parameters and factors, for a
   // replicator that applies the step itself while making the direction (the same update).
   std::optional<kernels::SignStep> sign_step(size_t i) const;
+  at::Tensor param(size_t i) const { return params_.at(i); }  // [rows, cols] view of tensor i
   // AdamW's moments, named for files (handles: loading copies into them).
   std::vector<std::pair<std::string, at::Tensor>> state_tensors() const;
   void restore_step(int64_t applied_steps) { step_ = applied_steps; }

@@ -46,6 +46,9 @@ class Replicator {
     (void)pending;
   }
   virtual const at::Tensor& residual(size_t i) const;  // throws unless the kind keeps one
+  // Where the parameters carry a replica's own preview (--overlap-step): the committed ones,
+  // identical on every replica. Empty otherwise.
+  virtual std::vector<at::Tensor> committed_params() const { return {}; }
 };
 
 std::unique_ptr<Replicator> make_replicator(const std::vector<dct::ChunkPlan>& plans,

@@ -785,9 +785,7 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
     }
     if (!skip) optimizer.step();
     if (cfg.check_replicas > 0 && (step + 1) % cfg.check_replicas == 0) {
-      std::vector<at::Tensor> leaves;
-      for (const auto& p : params) leaves.push_back(p.leaf);
-      check_replicas(leaves, topo.replica_group, world, step + 1);
+      check_replicas(optimizer.replicated_params(), topo.replica_group, world, step + 1);
     }
     const comm::StepTraffic traffic = meter.lap();
     const double step_s =
