@@ -265,6 +265,33 @@ std::string invalid_argument_of(Fn&& fn) {
   return "(no std::invalid_argument)";
 }
 
+TEST(Checkpoint, OverlapStepResumesExactly) {
+  // With --overlap-step a checkpoint holds an exchange still in flight, the committed
+  // parameters and the preview in the model: 10 + resume + 10 steps equal 20 straight.
+  auto world = test_world();
+  const fs::path dir = fs::temp_directory_path() / "flexdemo-resume-overlap-test";
+  train::TrainConfig c = tiny_run(dir);
+  c.warmup = 0;
+  c.min_lr_ratio = 1.0;
+  c.overlap_step = true;
+  c.check_replicas = 5;
+  c.checkpoint_every = 10;
+  c.steps = 20;
+  c.out = (dir / "whole").string();
+  ASSERT_EQ(train::run_training(c, world), 0);
+  c.steps = 10;
+  c.out = (dir / "halves").string();
+  ASSERT_EQ(train::run_training(c, world), 0);
+  c.steps = 20;
+  c.resume = c.out;
+  ASSERT_EQ(train::run_training(c, world), 0);
+  world->barrier();
+  const std::vector<double> whole = step_losses(dir / "whole");
+  ASSERT_EQ(whole.size(), 20u);
+  EXPECT_EQ(step_losses(dir / "halves"), whole);
+  expect_same_weights(dir / "whole/checkpoints/step-20", dir / "halves/checkpoints/step-20");
+}
+
 TEST(Checkpoint, ResumedRunEqualsUninterruptedRun) {
   auto world = test_world();
   const bool root = world->rank() == 0;
