@@ -2,6 +2,7 @@
 // same GPT-2-shaped parameters, timed in the same run; prints the ratio and the wire size.
 #include "bench/bench.h"
 
+#include "flexdemo/kernels.h"
 #include "flexdemo/optim.h"
 #include "flexdemo/runtime.h"
 
@@ -125,6 +126,7 @@ int run_bench_optimizer(const OptimizerBenchArgs& args) {
   out["wire_bytes"] = t.wire_bytes;
   out["kept_coefficients"] = t.kept_coefficients;
   out["bytes_per_param"] = double(t.wire_bytes) / double(t.params);
+  out["isa"] = kernels::to_string(kernels::active_isa());
   if (args.json) {
     fmt::print("{}\n", out.dump());
   } else {
@@ -137,6 +139,8 @@ int run_bench_optimizer(const OptimizerBenchArgs& args) {
                double(t.wire_bytes) / double(t.kept_coefficients));
     fmt::print("bytes_per_param    {:.5f}   (dense fp32 all-reduce: 4 bytes per param)\n",
                double(t.wire_bytes) / double(t.params));
+    fmt::print("isa                {}   (the fast path's kernels; FLEXDEMO_ISA to choose)\n",
+               kernels::to_string(kernels::active_isa()));
   }
   return 0;
 }

@@ -101,9 +101,9 @@ void decode(benchmark::State& state, bool fast) {
   const size_t size = f.payloads[0].size();
   for (auto _ : state) {
     if (fast) {
-      kernels::idct_sparse(compress::decode_mean_sparse(payloads, size, f.plan, f.k,
-                                                        compress::ValueEncoding::Bf16),
-                           f.plan, f.samples);
+      kernels::idct_sparse(
+          compress::decode_mean_sparse(payloads, size, f.plan, f.k, compress::ValueEncoding::Bf16),
+          f.plan, f.samples);
     } else {
       compress::decode_mean(payloads, size, f.plan, f.k, compress::ValueEncoding::Bf16, decoded);
       dct::chunked_idct_into(decoded, f.plan, f.samples, &f.scratch);

@@ -166,10 +166,10 @@ struct KernelCase {
 // 64 x 64 (three even/odd splits), 26 x 35 (one split, then odd), 48 x 48 (split down to 6),
 // padded 64 x 50, vectors, chunks of 1 and 7, 128 x 128 (four splits).
 const KernelCase kKernelCases[] = {
-    {{256, 192}, 64, ChunkMode::Divisor}, {{130, 70}, 64, ChunkMode::Divisor},
-    {{96, 48}, 64, ChunkMode::Divisor},   {{70, 50}, 64, ChunkMode::Padded},
-    {{97}, 64, ChunkMode::Padded},        {{200}, 64, ChunkMode::Divisor},
-    {{5, 3, 11}, 64, ChunkMode::Divisor}, {{37, 14}, 7, ChunkMode::Divisor},
+    {{256, 192}, 64, ChunkMode::Divisor},  {{130, 70}, 64, ChunkMode::Divisor},
+    {{96, 48}, 64, ChunkMode::Divisor},    {{70, 50}, 64, ChunkMode::Padded},
+    {{97}, 64, ChunkMode::Padded},         {{200}, 64, ChunkMode::Divisor},
+    {{5, 3, 11}, 64, ChunkMode::Divisor},  {{37, 14}, 7, ChunkMode::Divisor},
     {{128, 128}, 128, ChunkMode::Divisor},
 };
 
@@ -190,8 +190,8 @@ TEST(Kernels, DctAccumulateMatchesFloat64Reference) {
         flexdemo::kernels::dct_accumulate(x, plan, beta, 0.5, out);
         const at::Tensor want = base.to(at::kDouble) * beta + 0.5 * dct;
         EXPECT_TRUE(at::allclose(out.to(at::kDouble), want, 1e-5, 1e-5))
-            << at::IntArrayRef(c.shape) << " " << to_string(isa) << " beta " << beta
-            << " max err " << (out.to(at::kDouble) - want).abs().max().item<double>();
+            << at::IntArrayRef(c.shape) << " " << to_string(isa) << " beta " << beta << " max err "
+            << (out.to(at::kDouble) - want).abs().max().item<double>();
       }
       at::Tensor decayed = base.clone();
       flexdemo::kernels::dct_accumulate(at::Tensor(), plan, 0.5, 1.0, decayed);  // no gradient

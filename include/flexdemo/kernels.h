@@ -15,9 +15,9 @@
 namespace flexdemo::kernels {
 
 enum class Isa { Baseline, Avx2 };
-std::string to_string(Isa isa);   // "baseline" "avx2"
+std::string to_string(Isa isa);          // "baseline" "avx2"
 Isa parse_isa(const std::string& name);  // inverse of to_string
-bool supported(Isa isa);  // whether this CPU runs it
+bool supported(Isa isa);                 // whether this CPU runs it
 // The instruction set the kernels use: at start the best supported one, or FLEXDEMO_ISA when set.
 Isa active_isa();
 void set_active_isa(Isa isa);  // throws std::invalid_argument if this CPU lacks it

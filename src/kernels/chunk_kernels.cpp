@@ -57,8 +57,8 @@ inline int round8(int n) {
 // at out + i * out_stride, L lanes each. Blocks of R rows x G vectors keep their sums in registers.
 template <int R, int G>
 [[gnu::always_inline]] inline void matvec_block(const float* mat, int cols, const float* in,
-                                                int64_t in_stride, float* out,
-                                                int64_t out_stride, int i, int g) {
+                                                int64_t in_stride, float* out, int64_t out_stride,
+                                                int i, int g) {
   v8 acc[R][G];  // in registers once inlined (no memset, no stack round trip)
   for (int r = 0; r < R; ++r) {
     for (int q = 0; q < G; ++q) acc[r][q] = v8{};
@@ -77,8 +77,9 @@ template <int R, int G>
 }
 
 template <int R>
-[[gnu::always_inline]] inline void matvec_rows(const float* mat, int cols, const float* in, int64_t in_stride, float* out,
-                        int64_t out_stride, int i, int L) {
+[[gnu::always_inline]] inline void matvec_rows(const float* mat, int cols, const float* in,
+                                               int64_t in_stride, float* out, int64_t out_stride,
+                                               int i, int L) {
   int g = 0;
   for (; g + 16 <= L; g += 16) {
     matvec_block<R, 2>(mat, cols, in, in_stride, out, out_stride, i, g);
@@ -238,9 +239,9 @@ void dct_accumulate(const ChunkShape& shape, const float* src, int64_t src_strid
     y = b;
   }
   float* yt = y == a ? b : a;
-  transpose(y, H8, W8, yt);                      // yt: W8 rows x H8 lanes
+  transpose(y, H8, W8, yt);                                  // yt: W8 rows x H8 lanes
   forward(*shape.along_cols, 0, yt, H8, yt, H8, y, H8, H8);  // y: the row transform, transposed
-  transpose(y, W8, H8, yt);                      // yt: H8 rows x W8 lanes, the chunk's DCT
+  transpose(y, W8, H8, yt);  // yt: H8 rows x W8 lanes, the chunk's DCT
   const v8 va = splat(alpha), vb = splat(beta);
   for (int u = 0; u < h; ++u) {
     float* o = out + u * out_stride;
@@ -317,7 +318,8 @@ int64_t collect_at_least(const float* x, int64_t n, uint32_t t, int32_t* positio
   for (; i + 8 <= n; i += 8) {
     const unsigned bits = lane_mask(magnitudes(x + i) >= vt);
 #if defined(__AVX2__)  // without a branch per hit: store the packed lanes, count them
-    const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kPackedLanes.lanes[bits]));
+    const __m256i lanes =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kPackedLanes.lanes[bits]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(positions + count),
                         _mm256_add_epi32(lanes, _mm256_set1_epi32(int32_t(i))));
     count += __builtin_popcount(bits);
@@ -387,7 +389,7 @@ void choose_by_rank(uint64_t* keys, int64_t count, int64_t k, uint64_t* chosen) 
 // chosen positions puts them in ascending order.
 void select_topk(const float* values, int64_t n, int64_t k, int64_t* positions, float* selected,
                  uint64_t* scratch) {
-  uint64_t* keys = scratch;                                          // n + 4
+  uint64_t* keys = scratch;                                           // n + 4
   int32_t* candidates = reinterpret_cast<int32_t*>(scratch + n + 4);  // n + 8
   uint64_t* chosen = scratch + n + 4 + (n + 9) / 2;                   // n bits
   int64_t count = 0;

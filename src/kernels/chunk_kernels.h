@@ -11,8 +11,8 @@ namespace flexdemo::kernels {
 // One orthonormal 1-D DCT-II of size n, factorised: `splits` levels of even/odd splitting
 // (level l works on size n >> l: the DCT-II of the sums x[i] + x[m-1-i] gives the even outputs,
 // the DCT-IV of the differences the odd ones), down to a dense DCT-II of size n >> splits.
-// `inverse_cost` estimates the inverse's multiply-adds per transformed lane. Built once per size and
-// never freed (kernels.cpp).
+// `inverse_cost` estimates the inverse's multiply-adds per transformed lane. Built once per size
+// and never freed (kernels.cpp).
 struct Dct1d {
   static constexpr int kMaxSplits = 12;
   int n = 0;
@@ -63,9 +63,9 @@ struct KernelTable {
   // x read from src (row stride src_stride) where u < valid_h and v < valid_w, 0 elsewhere;
   // out has row stride out_stride. If fresh is not null, the new values are also written there
   // contiguously (position u * w + v) for select_topk.
-  void (*dct_accumulate)(const ChunkShape& shape, const float* src, int64_t src_stride,
-                         int valid_h, int valid_w, float* out, int64_t out_stride, float beta,
-                         float alpha, float* fresh, float* scratch);
+  void (*dct_accumulate)(const ChunkShape& shape, const float* src, int64_t src_stride, int valid_h,
+                         int valid_w, float* out, int64_t out_stride, float beta, float alpha,
+                         float* fresh, float* scratch);
   // The k (<= n) entries of largest magnitude in values[0, n) (ties: the lower position), in
   // ascending position order, as the bounded heap of the plain path orders them. scratch needs
   // select_scratch(n) entries. Writes positions and their values.

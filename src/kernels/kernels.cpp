@@ -168,8 +168,8 @@ ChunkShape shape_of(const dct::ChunkPlan& plan) {
 // A task's scratch: 32-byte aligned floats, freed when the task ends.
 struct Scratch {
   explicit Scratch(int64_t floats)
-      : data(static_cast<float*>(::operator new[](sizeof(float) * size_t(floats),
-                                                  std::align_val_t(64)))) {}
+      : data(static_cast<float*>(
+            ::operator new[](sizeof(float) * size_t(floats), std::align_val_t(64)))) {}
   ~Scratch() { ::operator delete[](data, std::align_val_t(64)); }
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
@@ -200,8 +200,7 @@ void check_chunks(const compress::SparseChunks& coeffs, const dct::ChunkPlan& pl
                   const char* who) {
   if (coeffs.counts.numel() != plan.num_chunks()) {
     throw std::invalid_argument(std::string(who) + ": " + std::to_string(coeffs.counts.numel()) +
-                                " chunks given, the plan has " +
-                                std::to_string(plan.num_chunks()));
+                                " chunks given, the plan has " + std::to_string(plan.num_chunks()));
   }
 }
 
@@ -248,21 +247,21 @@ void accumulate(const at::Tensor& x, const dct::ChunkPlan& plan, double beta, do
   float* val = topk != nullptr ? topk->values.data_ptr<float>() : nullptr;
   // With top-k: the chunk's new values contiguously (n floats), then keys (n uint64).
   const int64_t extra = topk != nullptr ? key_offset(n) + 2 * select_scratch(n) : 0;
-  for_each_chunk(plan, extra, [&](int64_t c, const KernelTable& kern, const ChunkShape& shape,
-                                  float* scratch) {
-    const int64_t ci = c / plan.col_chunks(), cj = c % plan.col_chunks();
-    const int valid_h = int(std::min(h, plan.rows - ci * h));
-    const int valid_w = int(std::min(w, plan.cols - cj * w));
-    float* fresh = topk != nullptr ? scratch + scratch_floats(shape) : nullptr;
-    kern.dct_accumulate(shape, src + ci * h * plan.cols + cj * w, plan.cols, valid_h, valid_w,
-                        dst + plan.chunk_origin(c), plan.padded_cols, float(beta), float(alpha),
-                        fresh, scratch);
-    if (topk != nullptr) {
-      const int64_t k = topk->k;
-      kern.select_topk(fresh, n, k, idx + c * k, val + c * k,
-                       reinterpret_cast<uint64_t*>(fresh + key_offset(n)));
-    }
-  });
+  for_each_chunk(plan, extra,
+                 [&](int64_t c, const KernelTable& kern, const ChunkShape& shape, float* scratch) {
+                   const int64_t ci = c / plan.col_chunks(), cj = c % plan.col_chunks();
+                   const int valid_h = int(std::min(h, plan.rows - ci * h));
+                   const int valid_w = int(std::min(w, plan.cols - cj * w));
+                   float* fresh = topk != nullptr ? scratch + scratch_floats(shape) : nullptr;
+                   kern.dct_accumulate(shape, src + ci * h * plan.cols + cj * w, plan.cols, valid_h,
+                                       valid_w, dst + plan.chunk_origin(c), plan.padded_cols,
+                                       float(beta), float(alpha), fresh, scratch);
+                   if (topk != nullptr) {
+                     const int64_t k = topk->k;
+                     kern.select_topk(fresh, n, k, idx + c * k, val + c * k,
+                                      reinterpret_cast<uint64_t*>(fresh + key_offset(n)));
+                   }
+                 });
 }
 
 }  // namespace
@@ -318,11 +317,11 @@ void idct_sparse(const compress::SparseChunks& coeffs, const dct::ChunkPlan& pla
   const float* values = coeffs.values.data_ptr<float>();
   const int64_t* counts = coeffs.counts.data_ptr<int64_t>();
   float* dst = samples.data_ptr<float>();
-  for_each_chunk(plan, 0, [&](int64_t c, const KernelTable& kern, const ChunkShape& shape,
-                              float* scratch) {
-    kern.idct_sparse(shape, positions + c * capacity, values + c * capacity, counts[c],
-                     dst + plan.chunk_origin(c), plan.padded_cols, nullptr, scratch);
-  });
+  for_each_chunk(
+      plan, 0, [&](int64_t c, const KernelTable& kern, const ChunkShape& shape, float* scratch) {
+        kern.idct_sparse(shape, positions + c * capacity, values + c * capacity, counts[c],
+                         dst + plan.chunk_origin(c), plan.padded_cols, nullptr, scratch);
+      });
 }
 
 void idct_sparse_sign_step(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan,
@@ -342,17 +341,17 @@ void idct_sparse_sign_step(const compress::SparseChunks& coeffs, const dct::Chun
   const int64_t* counts = coeffs.counts.data_ptr<int64_t>();
   float* dst = param.data_ptr<float>();
   const int64_t h = plan.chunk_rows, w = plan.chunk_cols;
-  for_each_chunk(plan, 0, [&](int64_t c, const KernelTable& kern, const ChunkShape& shape,
-                              float* scratch) {
-    const int64_t ci = c / plan.col_chunks(), cj = c % plan.col_chunks();
-    SignUpdate update;
-    update.lr = step.lr;
-    update.keep = step.keep;
-    update.valid_h = int(std::min(h, plan.rows - ci * h));
-    update.valid_w = int(std::min(w, plan.cols - cj * w));
-    kern.idct_sparse(shape, positions + c * capacity, values + c * capacity, counts[c],
-                     dst + ci * h * plan.cols + cj * w, plan.cols, &update, scratch);
-  });
+  for_each_chunk(
+      plan, 0, [&](int64_t c, const KernelTable& kern, const ChunkShape& shape, float* scratch) {
+        const int64_t ci = c / plan.col_chunks(), cj = c % plan.col_chunks();
+        SignUpdate update;
+        update.lr = step.lr;
+        update.keep = step.keep;
+        update.valid_h = int(std::min(h, plan.rows - ci * h));
+        update.valid_w = int(std::min(w, plan.cols - cj * w));
+        kern.idct_sparse(shape, positions + c * capacity, values + c * capacity, counts[c],
+                         dst + ci * h * plan.cols + cj * w, plan.cols, &update, scratch);
+      });
 }
 
 }  // namespace flexdemo::kernels

@@ -54,8 +54,7 @@ class DemoReplicator final : public Replicator {
     for (size_t i = 0; i < plans_.size(); ++i) accumulate_one(i, grads[i], lr);
   }
 
-  void exchange(const std::vector<at::Tensor>& grads, double lr,
-                InnerOptimizer& inner) override {
+  void exchange(const std::vector<at::Tensor>& grads, double lr, InnerOptimizer& inner) override {
     if (options_.overlap_step) {
       // One step stale: apply what the previous step's exchange brought (it travelled during
       // this step's forward and backward) to the committed parameters, then start this step's.
@@ -118,24 +117,11 @@ class DemoReplicator final : public Replicator {
   void preview(double lr, InnerOptimizer& inner) {
     const uint8_t* own = send_bucket_.data_ptr<uint8_t>();
     for (size_t i = 0; i < plans_.size(); ++i) {
-      const dct::ChunkPlan& plan = plans_[i];
-      const std::vector<const uint8_t*> payload = {own + payload_offsets_[i]};
       at::Tensor param = inner.param(i);
-      if (options_.fast_path && param.scalar_type() == at::kFloat) {
-        kernels::idct_sparse_sign_step(compress::decode_mean_sparse(payload, payload_bytes_[i],
-                                                                    plan, options_.topk,
-                                                                    options_.values),
-                                       plan, kernels::SignStep{param, float(lr), 1.0f});
-        continue;
-      }
-      const at::Tensor decoded = decoded_.narrow(0, 0, plan.padded_numel());
-      const at::Tensor samples = samples_.narrow(0, 0, plan.padded_numel());
-      compress::decode_mean(payload, payload_bytes_[i], plan, options_.topk, options_.values,
-                            decoded);
-      dct::chunked_idct_into(decoded, plan, samples, &scratch_);
-      at::Tensor direction = samples.view({plan.padded_rows, plan.padded_cols});
-      if (plan.is_padded()) direction = direction.narrow(0, 0, plan.rows).narrow(1, 0, plan.cols);
-      param.sub_(direction.sign(), lr);
+      std::optional<kernels::SignStep> step;
+      if (param.scalar_type() == at::kFloat) step = kernels::SignStep{param, float(lr), 1.0f};
+      const at::Tensor d = direction(i, {own + payload_offsets_[i]}, step);
+      if (d.defined()) param.sub_(d.sign(), lr);
     }
   }
 
@@ -164,8 +150,8 @@ class DemoReplicator final : public Replicator {
     for (size_t i = 0; i < plans_.size(); ++i) {
       compress::TopK topk;
       if (options_.fast_path) {
-        topk = kernels::dct_accumulate_topk(grads[i], plans_[i], options_.decay, lr,
-                                            residuals_[i], options_.topk);
+        topk = kernels::dct_accumulate_topk(grads[i], plans_[i], options_.decay, lr, residuals_[i],
+                                            options_.topk);
       } else {
         accumulate_one(i, grads[i], lr);
         topk = compress::select_topk_plain(residuals_[i], plans_[i], options_.topk);
@@ -176,35 +162,42 @@ class DemoReplicator final : public Replicator {
   }
 
   // The mean over replicas of the gathered payloads (bit-identical everywhere), inverse-
-  // transformed and applied by the inner optimizer tensor by tensor. The fast path with sign-SGD
-  // updates the parameters in the same pass as the inverse.
+  // transformed and applied by the inner optimizer tensor by tensor.
   void decode(const uint8_t* gathered, InnerOptimizer& inner) {
     const size_t bucket = traffic_.wire_bytes;
     std::vector<const uint8_t*> payloads(replicas());
     for (size_t i = 0; i < plans_.size(); ++i) {
-      const dct::ChunkPlan& plan = plans_[i];
       for (int r = 0; r < replicas(); ++r) {
         payloads[r] = gathered + r * bucket + payload_offsets_[i];
       }
-      const at::Tensor samples = samples_.narrow(0, 0, plan.padded_numel());
-      if (options_.fast_path) {  // per chunk, only the coefficients received
-        const compress::SparseChunks coeffs = compress::decode_mean_sparse(
-            payloads, payload_bytes_[i], plan, options_.topk, options_.values);
-        if (const std::optional<kernels::SignStep> step = inner.sign_step(i)) {
-          kernels::idct_sparse_sign_step(coeffs, plan, *step);
-          continue;
-        }
-        kernels::idct_sparse(coeffs, plan, samples);
-      } else {
-        const at::Tensor decoded = decoded_.narrow(0, 0, plan.padded_numel());
-        compress::decode_mean(payloads, payload_bytes_[i], plan, options_.topk, options_.values,
-                              decoded);
-        dct::chunked_idct_into(decoded, plan, samples, &scratch_);
-      }
-      at::Tensor direction = samples.view({plan.padded_rows, plan.padded_cols});
-      if (plan.is_padded()) direction = direction.narrow(0, 0, plan.rows).narrow(1, 0, plan.cols);
-      inner.apply(i, direction);
+      const at::Tensor d = direction(i, payloads, inner.sign_step(i));
+      if (d.defined()) inner.apply(i, d);
     }
+  }
+
+  // Tensor i's direction from its payloads (one per replica, rank order): float32 [rows,
+  // cols]. On the fast path, given a sign step, that step is applied instead in the inverse's
+  // pass (the direction never goes through memory) and an undefined tensor is returned.
+  at::Tensor direction(size_t i, const std::vector<const uint8_t*>& payloads,
+                       const std::optional<kernels::SignStep>& step) {
+    const dct::ChunkPlan& plan = plans_[i];
+    const at::Tensor samples = samples_.narrow(0, 0, plan.padded_numel());
+    if (options_.fast_path) {  // per chunk, only the coefficients received
+      const compress::SparseChunks coeffs = compress::decode_mean_sparse(
+          payloads, payload_bytes_[i], plan, options_.topk, options_.values);
+      if (step) {
+        kernels::idct_sparse_sign_step(coeffs, plan, *step);
+        return {};
+      }
+      kernels::idct_sparse(coeffs, plan, samples);
+    } else {
+      const at::Tensor decoded = decoded_.narrow(0, 0, plan.padded_numel());
+      compress::decode_mean(payloads, payload_bytes_[i], plan, options_.topk, options_.values,
+                            decoded);
+      dct::chunked_idct_into(decoded, plan, samples, &scratch_);
+    }
+    at::Tensor d = samples.view({plan.padded_rows, plan.padded_cols});
+    return plan.is_padded() ? d.narrow(0, 0, plan.rows).narrow(1, 0, plan.cols) : d;
   }
 
   std::vector<dct::ChunkPlan> plans_;

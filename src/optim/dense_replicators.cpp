@@ -45,8 +45,7 @@ class DenseReplicator final : public Replicator {
     ++pending_;
   }
 
-  void exchange(const std::vector<at::Tensor>& grads, double lr,
-                InnerOptimizer& inner) override {
+  void exchange(const std::vector<at::Tensor>& grads, double lr, InnerOptimizer& inner) override {
     accumulate(grads, lr);
     if (pending_ > 1) bucket_.div_(double(pending_));  // the mean gradient since the last one
     if (exchange_ && group_ && group_->size() > 1) {
@@ -130,8 +129,7 @@ class RandomReplicator final : public Replicator {
     }
   }
 
-  void exchange(const std::vector<at::Tensor>& grads, double lr,
-                InnerOptimizer& inner) override {
+  void exchange(const std::vector<at::Tensor>& grads, double lr, InnerOptimizer& inner) override {
     accumulate(grads, lr);
     std::vector<at::Tensor> indices;
     int64_t offset = 0;

@@ -35,8 +35,7 @@ class Replicator {
   // Folds them in, exchanges over the replica group, and has `inner` apply each tensor's
   // direction (inner.apply, or the fused sign step where it offers one). The directions are
   // bit-identical on every replica.
-  virtual void exchange(const std::vector<at::Tensor>& grads, double lr,
-                        InnerOptimizer& inner) = 0;
+  virtual void exchange(const std::vector<at::Tensor>& grads, double lr, InnerOptimizer& inner) = 0;
   virtual DemoTraffic traffic() const = 0;
   // The state carried from step to step (handles: loading copies into them), named for files.
   virtual NamedTensors state_tensors() const = 0;
