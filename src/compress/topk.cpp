@@ -40,54 +40,34 @@ void check_coeffs(const at::Tensor& coeffs, const dct::ChunkPlan& plan, const ch
   }
 }
 
-// The selection's frame: the output tensors, chunks in parallel, and each chunk's k positions
-// (ascending) turned into indices and values. make_chooser() is called once per thread and
-// returns choose(base, kept), which fills `kept` with the chunk's k positions.
-template <typename MakeChooser>
-TopK select_per_chunk(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k_requested,
-                      MakeChooser make_chooser) {
+}  // namespace
+
+// A min-heap of keys per chunk whose top is the weakest coefficient kept so far.
+TopK select_topk_plain(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k_requested) {
   check_coeffs(coeffs, plan, "select_topk");
   const int64_t k = clamp_topk(k_requested, plan);
-  const int64_t chunks = plan.num_chunks();
+  const int64_t h = plan.chunk_rows, w = plan.chunk_cols, stride = plan.padded_cols;
   TopK out;
   out.k = k;
-  out.indices = at::empty({chunks, k}, at::kLong);
-  out.values = at::empty({chunks, k}, at::kFloat);
+  out.indices = at::empty({plan.num_chunks(), k}, at::kLong);
+  out.values = at::empty({plan.num_chunks(), k}, at::kFloat);
   const float* src = coeffs.data_ptr<float>();
   int64_t* idx_out = out.indices.data_ptr<int64_t>();
   float* val_out = out.values.data_ptr<float>();
-  at::parallel_for(0, chunks, 16, [&](int64_t begin, int64_t end) {
-    auto choose = make_chooser(k);
+  at::parallel_for(0, plan.num_chunks(), 16, [&](int64_t begin, int64_t end) {
+    const auto stronger = std::greater<uint64_t>();
+    std::vector<uint64_t> heap(k);
     std::vector<int64_t> kept;
     for (int64_t c = begin; c < end; ++c) {
       const float* base = src + plan.chunk_origin(c);
-      choose(base, kept);
-      for (int64_t j = 0; j < k; ++j) {
-        idx_out[c * k + j] = kept[j];
-        val_out[c * k + j] = base[plan.offset_in_chunk(kept[j])];
-      }
-    }
-  });
-  return out;
-}
-
-}  // namespace
-
-TopK select_topk_plain(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k) {
-  const int64_t h = plan.chunk_rows, w = plan.chunk_cols, stride = plan.padded_cols;
-  return select_per_chunk(coeffs, plan, k, [&](int64_t keep) {
-    // A min-heap of keys whose top is the weakest kept coefficient.
-    return [=, heap = std::vector<uint64_t>(keep)](const float* base,
-                                                   std::vector<int64_t>& kept) mutable {
-      const auto stronger = std::greater<uint64_t>();
       int64_t filled = 0;
       for (int64_t u = 0; u < h; ++u) {
         const float* row = base + u * stride;
         for (int64_t v = 0; v < w; ++v) {
           const uint64_t key = magnitude_key(row[v], u * w + v);
-          if (filled < keep) {
+          if (filled < k) {
             heap[filled++] = key;
-            if (filled == keep) std::make_heap(heap.begin(), heap.end(), stronger);
+            if (filled == k) std::make_heap(heap.begin(), heap.end(), stronger);
           } else if (key > heap.front()) {
             std::pop_heap(heap.begin(), heap.end(), stronger);
             heap.back() = key;
@@ -98,8 +78,13 @@ TopK select_topk_plain(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int
       kept.clear();
       for (uint64_t key : heap) kept.push_back(int64_t(position_of(key)));
       std::sort(kept.begin(), kept.end());
-    };
+      for (int64_t j = 0; j < k; ++j) {
+        idx_out[c * k + j] = kept[j];
+        val_out[c * k + j] = base[plan.offset_in_chunk(kept[j])];
+      }
+    }
   });
+  return out;
 }
 
 void add_selected(const at::Tensor& coeffs, const dct::ChunkPlan& plan, const TopK& topk,

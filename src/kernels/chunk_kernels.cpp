@@ -120,8 +120,8 @@ void odd_from_dct2(float* z, int64_t stride, int m, int L) {
 
 // DCT-II of the n = p.n >> level rows at in + i * in_stride (destroyed), results to the rows at
 // out + k * out_stride. Even outputs are the DCT-II of the sums x[i] + x[n-1-i]; odd ones the
-// DCT-IV of the differences, computed (Lee) as the DCT-II of the differences scaled by
-// 1 / (2 cos(pi (2i+1) / (2n))), whose neighbouring outputs are then added.
+// DCT-IV of the differences: a dense product, or where p.lee[level] (Lee) the DCT-II of the
+// differences scaled by 1 / (2 cos(pi (2i+1) / (2n))), whose neighbouring outputs are added.
 // The input rows come from src (row stride src_stride), which may be `in` itself; the first
 // level's butterflies move them into `in`, so a chunk can be read straight from the tensor.
 void forward(const Dct1d& p, int level, const float* src, int64_t src_stride, float* in,

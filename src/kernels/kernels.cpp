@@ -196,14 +196,6 @@ at::Tensor float_samples(const at::Tensor& x, const dct::ChunkPlan& plan, const 
   return x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
 }
 
-void check_chunks(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan,
-                  const char* who) {
-  if (coeffs.counts.numel() != plan.num_chunks()) {
-    throw std::invalid_argument(std::string(who) + ": " + std::to_string(coeffs.counts.numel()) +
-                                " chunks given, the plan has " + std::to_string(plan.num_chunks()));
-  }
-}
-
 // Runs per_chunk(c, kernels, shape, scratch) for every chunk, in parallel.
 template <typename PerChunk>
 void for_each_chunk(const dct::ChunkPlan& plan, int64_t extra_floats, PerChunk per_chunk) {
@@ -214,6 +206,19 @@ void for_each_chunk(const dct::ChunkPlan& plan, int64_t extra_floats, PerChunk p
     Scratch scratch(floats);
     for (int64_t c = begin; c < end; ++c) per_chunk(c, k, shape, scratch.data);
   });
+}
+
+// Chunk c in the (unpadded) tensor: its first element's offset and the rows and columns of it
+// that lie inside the tensor (the rest is padding).
+struct ChunkPlace {
+  int64_t offset;
+  int valid_h, valid_w;
+};
+ChunkPlace place_of(const dct::ChunkPlan& plan, int64_t c) {
+  const int64_t h = plan.chunk_rows, w = plan.chunk_cols;
+  const int64_t ci = c / plan.col_chunks(), cj = c % plan.col_chunks();
+  return {ci * h * plan.cols + cj * w, int(std::min(h, plan.rows - ci * h)),
+          int(std::min(w, plan.cols - cj * w))};
 }
 
 // Where a chunk's uint64 selection keys start after its n floats (8-byte aligned).
@@ -242,25 +247,53 @@ void accumulate(const at::Tensor& x, const dct::ChunkPlan& plan, double beta, do
   const at::Tensor samples = float_samples(x, plan, who);
   const float* src = samples.data_ptr<float>();
   float* dst = residual.data_ptr<float>();
-  const int64_t h = plan.chunk_rows, w = plan.chunk_cols, n = plan.chunk_numel();
+  const int64_t n = plan.chunk_numel();
   int64_t* idx = topk != nullptr ? topk->indices.data_ptr<int64_t>() : nullptr;
   float* val = topk != nullptr ? topk->values.data_ptr<float>() : nullptr;
-  // With top-k: the chunk's new values contiguously (n floats), then keys (n uint64).
+  // With top-k: the chunk's new values contiguously (n floats), then the selection's scratch
+  // (select_scratch(n) uint64).
   const int64_t extra = topk != nullptr ? key_offset(n) + 2 * select_scratch(n) : 0;
   for_each_chunk(plan, extra,
                  [&](int64_t c, const KernelTable& kern, const ChunkShape& shape, float* scratch) {
-                   const int64_t ci = c / plan.col_chunks(), cj = c % plan.col_chunks();
-                   const int valid_h = int(std::min(h, plan.rows - ci * h));
-                   const int valid_w = int(std::min(w, plan.cols - cj * w));
+                   const ChunkPlace place = place_of(plan, c);
                    float* fresh = topk != nullptr ? scratch + scratch_floats(shape) : nullptr;
-                   kern.dct_accumulate(shape, src + ci * h * plan.cols + cj * w, plan.cols, valid_h,
-                                       valid_w, dst + plan.chunk_origin(c), plan.padded_cols,
+                   kern.dct_accumulate(shape, src + place.offset, plan.cols, place.valid_h,
+                                       place.valid_w, dst + plan.chunk_origin(c), plan.padded_cols,
                                        float(beta), float(alpha), fresh, scratch);
                    if (topk != nullptr) {
                      const int64_t k = topk->k;
                      kern.select_topk(fresh, n, k, idx + c * k, val + c * k,
                                       reinterpret_cast<uint64_t*>(fresh + key_offset(n)));
                    }
+                 });
+}
+
+// The inverse of every chunk's coefficients: into dst, the block-layout samples, or with `step`
+// applied as a sign step to dst, the [rows, cols] parameters.
+void inverse_chunks(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan, float* dst,
+                    const SignStep* step) {
+  const char* who = step != nullptr ? "idct_sparse_sign_step" : "idct_sparse";
+  if (coeffs.counts.numel() != plan.num_chunks()) {
+    throw std::invalid_argument(std::string(who) + ": " + std::to_string(coeffs.counts.numel()) +
+                                " chunks given, the plan has " + std::to_string(plan.num_chunks()));
+  }
+  const int64_t capacity = coeffs.positions.size(1);
+  const int32_t* positions = coeffs.positions.data_ptr<int32_t>();
+  const float* values = coeffs.values.data_ptr<float>();
+  const int64_t* counts = coeffs.counts.data_ptr<int64_t>();
+  for_each_chunk(plan, 0,
+                 [&](int64_t c, const KernelTable& kern, const ChunkShape& shape, float* scratch) {
+                   const int32_t* pos = positions + c * capacity;
+                   const float* val = values + c * capacity;
+                   if (step == nullptr) {
+                     kern.idct_sparse(shape, pos, val, counts[c], dst + plan.chunk_origin(c),
+                                      plan.padded_cols, nullptr, scratch);
+                     return;
+                   }
+                   const ChunkPlace place = place_of(plan, c);
+                   const SignUpdate update{step->lr, step->keep, place.valid_h, place.valid_w};
+                   kern.idct_sparse(shape, pos, val, counts[c], dst + place.offset, plan.cols,
+                                    &update, scratch);
                  });
 }
 
@@ -311,17 +344,7 @@ compress::TopK select_topk(const at::Tensor& coeffs, const dct::ChunkPlan& plan,
 void idct_sparse(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan,
                  const at::Tensor& samples) {
   check_block(samples, plan, "idct_sparse", "samples");
-  check_chunks(coeffs, plan, "idct_sparse");
-  const int64_t capacity = coeffs.positions.size(1);
-  const int32_t* positions = coeffs.positions.data_ptr<int32_t>();
-  const float* values = coeffs.values.data_ptr<float>();
-  const int64_t* counts = coeffs.counts.data_ptr<int64_t>();
-  float* dst = samples.data_ptr<float>();
-  for_each_chunk(
-      plan, 0, [&](int64_t c, const KernelTable& kern, const ChunkShape& shape, float* scratch) {
-        kern.idct_sparse(shape, positions + c * capacity, values + c * capacity, counts[c],
-                         dst + plan.chunk_origin(c), plan.padded_cols, nullptr, scratch);
-      });
+  inverse_chunks(coeffs, plan, samples.data_ptr<float>(), nullptr);
 }
 
 void idct_sparse_sign_step(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan,
@@ -334,24 +357,7 @@ void idct_sparse_sign_step(const compress::SparseChunks& coeffs, const dct::Chun
                                 std::to_string(plan.rows) + ", " + std::to_string(plan.cols) +
                                 "] with contiguous rows");
   }
-  check_chunks(coeffs, plan, "idct_sparse_sign_step");
-  const int64_t capacity = coeffs.positions.size(1);
-  const int32_t* positions = coeffs.positions.data_ptr<int32_t>();
-  const float* values = coeffs.values.data_ptr<float>();
-  const int64_t* counts = coeffs.counts.data_ptr<int64_t>();
-  float* dst = param.data_ptr<float>();
-  const int64_t h = plan.chunk_rows, w = plan.chunk_cols;
-  for_each_chunk(
-      plan, 0, [&](int64_t c, const KernelTable& kern, const ChunkShape& shape, float* scratch) {
-        const int64_t ci = c / plan.col_chunks(), cj = c % plan.col_chunks();
-        SignUpdate update;
-        update.lr = step.lr;
-        update.keep = step.keep;
-        update.valid_h = int(std::min(h, plan.rows - ci * h));
-        update.valid_w = int(std::min(w, plan.cols - cj * w));
-        kern.idct_sparse(shape, positions + c * capacity, values + c * capacity, counts[c],
-                         dst + ci * h * plan.cols + cj * w, plan.cols, &update, scratch);
-      });
+  inverse_chunks(coeffs, plan, param.data_ptr<float>(), &step);
 }
 
 }  // namespace flexdemo::kernels

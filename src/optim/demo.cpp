@@ -195,9 +195,7 @@ std::vector<at::Tensor> DemoOptimizer::replicated_params() const {
   std::vector<at::Tensor> committed = impl_->replicator->committed_params();
   if (!committed.empty()) return committed;
   std::vector<at::Tensor> views;
-  for (const OptimParam& p : impl_->params) {
-    views.push_back(p.leaf.view(-1).narrow(0, 0, p.plan.numel()).view({p.plan.rows, p.plan.cols}));
-  }
+  for (size_t i = 0; i < impl_->params.size(); ++i) views.push_back(impl_->inner->param(i));
   return views;
 }
 
