@@ -186,8 +186,8 @@ TEST(Demo, RejectsInvalidOptions) {
 }
 
 TEST(Demo, FastPathEqualsPlainPath) {
-  // The fast path (histogram top-k, sparse inverse DCT) against the plain one (heap top-k,
-  // dense GEMM inverse) on every case: the same coefficients are chosen, so with sign-SGD every
+  // The fast path (fused kernels: partial-selection top-k, sparse inverse DCT) against the plain
+  // one (whole-tensor transforms, heap top-k) on every case: the same coefficients are chosen, so with sign-SGD every
   // element moves the same way (a differing sign would be off by 2 lr = 0.02).
   at::manual_seed(23);
   for (const Case& c : kCases) {

@@ -145,3 +145,52 @@ TEST(DemoMpi, OverlapStepKeepsReplicasIdenticalAndOneStepBehind) {
   // The last exchange is still in flight; all the earlier ones completed.
   EXPECT_EQ(group->stats().collectives, uint64_t(steps - 1));
 }
+
+TEST(DemoMpi, ExchangeStartedInBucketsEqualsOneBucket) {
+  // start_exchange (a bucket's exchange started as soon as its gradients are final, as the
+  // trainer does in backward) against step() alone: the same parameters, bit for bit, every
+  // step, for sign-SGD and AdamW, exchanging every step or every second one, across the real
+  // ranks and for one replica; one all-gather per bucket, none between exchanges.
+  auto world = test_world();
+  for (auto inner : {optim::InnerKind::SignSgd, optim::InnerKind::AdamW}) {
+    for (int64_t every : {1, 2}) {
+      for (bool replicated : {true, false}) {
+        optim::DemoOptions o;
+        o.lr = 0.01;
+        o.topk = 8;
+        o.chunk = 16;
+        o.values = compress::ValueEncoding::Bf16;
+        o.inner = inner;
+        o.replicate_every = every;
+        const std::string what = optim::to_string(inner) + " every " + std::to_string(every) +
+                                 (replicated ? " replicated" : " alone");
+        auto group_a = replicated ? world->split(0, world->rank()) : nullptr;
+        auto group_b = replicated ? world->split(0, world->rank()) : nullptr;
+        std::vector<at::Tensor> a = make_params(), b = make_params();
+        optim::DemoOptimizer whole(a, o, group_a), buckets(b, o, group_b);
+        const int steps = 6;
+        for (int step = 0; step < steps; ++step) {
+          set_gradients(a, world->rank(), step);
+          set_gradients(b, world->rank(), step);
+          whole.step();
+          buckets.start_exchange({4, 1});  // in a backward's order: the last tensors first
+          buckets.start_exchange({2});
+          buckets.step();  // 0 and 3 in a third bucket
+          for (size_t i = 0; i < a.size(); ++i) {
+            EXPECT_TRUE(at::equal(a[i], b[i])) << what << ": parameter " << i << " step " << step;
+          }
+        }
+        if (replicated) {
+          const uint64_t exchanges = steps / every;
+          EXPECT_EQ(group_a->stats().collectives, exchanges) << what;
+          EXPECT_EQ(group_b->stats().collectives, 3 * exchanges) << what;
+          EXPECT_EQ(group_b->stats().bytes_sent, group_a->stats().bytes_sent) << what;
+        }
+      }
+    }
+  }
+  optim::DemoOptimizer demo(make_params(), optim::DemoOptions{}, nullptr);
+  EXPECT_THROW(demo.start_exchange({5}), std::out_of_range);
+  demo.start_exchange({0});
+  EXPECT_THROW(demo.start_exchange({0}), std::logic_error);  // already started
+}

@@ -362,3 +362,44 @@ TEST(FlexDemo, KeepingGatheredParametersGivesTheSameGradients) {
     }
   }
 }
+
+TEST(FlexDemo, UnitSignalsItsGradientsCompleteOncePerBackward) {
+  // A unit used twice in a forward (tied, like GPT's embeddings) and two more: each unit's
+  // on_gradients_ready runs once per backward, in backward order, after its last use's backward,
+  // when its shards' gradients are already the final ones, which equal a model without the
+  // callbacks; across two accumulated backwards too, with and without resharding.
+  const comm::Topology topo = two_nodes_of_two();
+  const optim::DemoOptions o = demo_options();
+  for (bool reshard : {true, false}) {
+    ShardedMlp model(topo, o, reshard), reference(topo, o, reshard);
+    auto tied_loss = [](ShardedMlp& m, const at::Tensor& x, const at::Tensor& y) {
+      at::Tensor h = m.units[0]->forward(kUnitFns[0], {x});
+      h = m.units[1]->forward(kUnitFns[1], {h});
+      h = m.units[1]->forward(kUnitFns[1], {h});  // the same parameters again
+      return at::mse_loss(m.units[3]->forward(kUnitFns[3], {h}), y);
+    };
+    std::vector<size_t> order;
+    std::vector<std::vector<at::Tensor>> seen(model.units.size());
+    for (size_t u = 0; u < model.units.size(); ++u) {
+      model.units[u]->on_gradients_ready([&, u] {
+        order.push_back(u);
+        seen[u].clear();
+        for (const at::Tensor& s : model.units[u]->shards()) seen[u].push_back(s.grad().clone());
+      });
+    }
+    for (int micro = 0; micro < 2; ++micro) {
+      auto [x, y] = global_batch(micro);
+      order.clear();
+      tied_loss(model, rank_rows(x, topo), rank_rows(y, topo)).backward();
+      tied_loss(reference, rank_rows(x, topo), rank_rows(y, topo)).backward();
+      EXPECT_EQ(order, (std::vector<size_t>{3, 1, 0})) << "reshard " << reshard;  // 2: unused
+      for (size_t u : {0, 1, 3}) {
+        for (size_t i = 0; i < model.units[u]->shards().size(); ++i) {
+          const at::Tensor& grad = model.units[u]->shards()[i].grad();
+          EXPECT_TRUE(at::equal(seen[u].at(i), grad)) << "unit " << u << " micro " << micro;
+          EXPECT_TRUE(at::equal(grad, reference.units[u]->shards()[i].grad()));
+        }
+      }
+    }
+  }
+}

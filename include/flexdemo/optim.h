@@ -1,7 +1,8 @@
 // flexdemo/optim.h — the DeMo / FlexDeMo optimizer over LibTorch parameters or shards of them.
 // A step is: a replicator turns every tensor's gradient into an update direction that is
 // identical on every replica (DeMo's compressed exchange by default, all of a step's payloads in
-// one bucketed collective), then an inner optimizer (sign-SGD or AdamW) applies it.
+// one bucketed collective, or a few started in backward), then an inner optimizer (sign-SGD or
+// AdamW) applies it.
 #pragma once
 
 #include "flexdemo/compress.h"
@@ -102,6 +103,14 @@ class DemoOptimizer {
   // One step from the gradients (a missing gradient counts as zero). Collective over the
   // replica group on exchange steps: every replica calls it with the same shapes and options.
   void step();
+  // Optional, after the backward has made these tensors' gradients final and before step():
+  // their exchange may start now, non-blocking, while the rest of the backward runs (indices
+  // as given to the constructor; each call is one collective). step() starts the tensors not
+  // started, completes every exchange and applies it: the result is the same as step() alone.
+  // A hint, acted on only by the demo replicator without overlap_step, on exchange steps.
+  // Every replica makes the same calls in the same order; the gradients must not change after
+  // this call until step().
+  void start_exchange(const std::vector<size_t>& tensors);
   void zero_grad();  // zeroes the gradients (keeps their storage)
 
   const DemoOptions& options() const;

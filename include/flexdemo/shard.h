@@ -2,7 +2,7 @@
 // Each parameter is cut along dim 0 in whole chunk-rows (a vector: in whole chunks), so every
 // DCT chunk lies in one shard and the optimizer's result does not depend on the shard size.
 // A unit's forward all-gathers its parameters; its backward reduce-scatters (averages) their
-// gradients into the shards as soon as that unit's backward is done.
+// gradients and adds them to the shards' .grad() as soon as that unit's backward is done.
 #pragma once
 
 #include "flexdemo/dct.h"
@@ -62,6 +62,10 @@ class ShardedUnit {
   // Runs fn on the gathered parameters. With grad mode on, gradients reach the shards' .grad()
   // (averaged over the shard group); without, it is a plain gathered evaluation.
   at::Tensor forward(const UnitFn& fn, const std::vector<at::Tensor>& inputs);
+  // fn runs in the backward, each time the backward of the unit's last outstanding forward (in
+  // grad mode) has added its gradients to the shards' .grad(): from then until the next forward
+  // the shards' gradients are complete (e.g. to start their exchange). Empty: none.
+  void on_gradients_ready(std::function<void()> fn);
   // The full parameters, detached (evaluation, checkpoints). Collective over the shard group.
   std::vector<at::Tensor> gather() const;
   // Sets this rank's shards from full parameters (a checkpoint); shapes must match.

@@ -79,6 +79,7 @@ void DemoOptions::validate() const {
 // ====== The driver ======
 struct DemoOptimizer::Impl {
   std::vector<OptimParam> params;  // non-empty tensors only
+  std::vector<int64_t> slot;       // per tensor given: its index in params, -1 if empty
   std::vector<dct::ChunkPlan> plans;
   DemoOptions options;
   std::unique_ptr<Replicator> replicator;
@@ -115,6 +116,7 @@ DemoOptimizer::DemoOptimizer(std::vector<OptimParam> params, DemoOptions options
   s.options = options;
   for (size_t i = 0; i < params.size(); ++i) {
     const OptimParam& p = params[i];
+    s.slot.push_back(-1);
     if (p.plan.numel() == 0) continue;  // an empty shard: nothing to update or send
     if (!p.leaf.defined() || !p.leaf.is_cpu() || !at::isFloatingType(p.leaf.scalar_type()) ||
         !p.leaf.is_contiguous() || p.leaf.numel() < p.plan.numel()) {
@@ -122,6 +124,7 @@ DemoOptimizer::DemoOptimizer(std::vector<OptimParam> params, DemoOptions options
                                   " must be a contiguous floating CPU tensor of at least " +
                                   std::to_string(p.plan.numel()) + " elements");
     }
+    s.slot.back() = int64_t(s.params.size());
     s.params.push_back(p);
     s.plans.push_back(p.plan);
   }
@@ -131,14 +134,39 @@ DemoOptimizer::DemoOptimizer(std::vector<OptimParam> params, DemoOptions options
 
 DemoOptimizer::~DemoOptimizer() = default;
 
+namespace {
+
+// Tensor p's gradient as the replicator takes it: plan.numel() elements, undefined = zero.
+at::Tensor flat_grad(const OptimParam& p) {
+  const at::Tensor& g = p.leaf.grad();
+  return g.defined() ? g.reshape({-1}).narrow(0, 0, p.plan.numel()) : at::Tensor();
+}
+
+}  // namespace
+
+void DemoOptimizer::start_exchange(const std::vector<size_t>& tensors) {
+  Impl& s = *impl_;
+  if ((s.steps + 1) % s.options.replicate_every != 0) return;  // step() only folds them in
+  at::NoGradGuard no_grad;
+  std::vector<size_t> mine;
+  std::vector<at::Tensor> grads;
+  for (size_t t : tensors) {
+    if (t >= s.slot.size()) {
+      throw std::out_of_range("DeMo: start_exchange of tensor " + std::to_string(t) + ", only " +
+                              std::to_string(s.slot.size()) + " given");
+    }
+    if (s.slot[t] < 0) continue;
+    mine.push_back(size_t(s.slot[t]));
+    grads.push_back(flat_grad(s.params[mine.back()]));
+  }
+  s.replicator->start(mine, grads, s.options.lr);
+}
+
 void DemoOptimizer::step() {
   Impl& s = *impl_;
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> grads;
-  for (const OptimParam& p : s.params) {
-    const at::Tensor& g = p.leaf.grad();
-    grads.push_back(g.defined() ? g.reshape({-1}).narrow(0, 0, p.plan.numel()) : at::Tensor());
-  }
+  for (const OptimParam& p : s.params) grads.push_back(flat_grad(p));
   ++s.steps;
   const double lr = s.options.lr;
   if (s.steps % s.options.replicate_every != 0) {

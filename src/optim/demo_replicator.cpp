@@ -1,6 +1,8 @@
 // The DeMo replicator (DESIGN.md §1): residual momentum kept in the DCT domain, per-chunk top-k
-// with error feedback, every tensor's payload in ONE all-gather, deterministic decode, inverse DCT.
-// With overlap_step the all-gather is non-blocking and its result is applied one step later.
+// with error feedback, deterministic decode, inverse DCT. The payloads travel in buckets, one
+// all-gather each: by default one bucket of every tensor per step; tensors whose gradients are
+// final early (start()) go in their own buckets, started at once. With overlap_step the
+// all-gather is non-blocking and its result is applied one step later.
 #include "inner.h"
 #include "replicator.h"
 
@@ -20,26 +22,34 @@ const at::Tensor& Replicator::residual(size_t) const {
 
 namespace {
 
+// Some tensors' payloads, all-gathered in one collective.
+struct Bucket {
+  std::vector<size_t> tensors;  // replicator indices
+  std::vector<size_t> offsets;  // of each tensor's payload in the bucket
+  size_t bytes = 0;             // one replica's payloads
+  at::Tensor send;              // uint8 [bytes]
+  at::Tensor recv;              // uint8 [replicas * bytes], rank order
+  std::unique_ptr<comm::Work> work;
+};
+
 class DemoReplicator final : public Replicator {
  public:
   DemoReplicator(const std::vector<dct::ChunkPlan>& plans, const DemoOptions& options,
                  std::shared_ptr<comm::Communicator> group)
-      : plans_(plans), options_(options), group_(std::move(group)) {
-    size_t offset = 0;
+      : plans_(plans), options_(options), group_(std::move(group)), started_(plans.size(), 0) {
     int64_t largest = 1;
-    for (const dct::ChunkPlan& plan : plans_) {
-      const size_t bytes = compress::wire_payload_bytes(plan, options.topk, options.values);
+    std::vector<size_t> all;
+    for (size_t i = 0; i < plans_.size(); ++i) {
+      const dct::ChunkPlan& plan = plans_[i];
       residuals_.push_back(at::zeros({plan.padded_rows, plan.padded_cols}, at::kFloat));
-      payload_offsets_.push_back(offset);
-      payload_bytes_.push_back(bytes);
-      offset += bytes;
+      payload_bytes_.push_back(compress::wire_payload_bytes(plan, options.topk, options.values));
       largest = std::max(largest, plan.padded_numel());
       traffic_.kept_coefficients += plan.num_chunks() * compress::clamp_topk(options.topk, plan);
       traffic_.params += plan.numel();
+      all.push_back(i);
     }
-    traffic_.wire_bytes = offset;
-    send_bucket_ = at::empty({int64_t(offset)}, at::kByte);
-    recv_bucket_ = at::empty({int64_t(offset) * replicas()}, at::kByte);
+    all_ = make_bucket(all);
+    traffic_.wire_bytes = all_.bytes;
     if (previews()) {
       for (const dct::ChunkPlan& plan : plans_) {
         committed_.push_back(at::empty({plan.rows, plan.cols}, at::kFloat));
@@ -54,6 +64,25 @@ class DemoReplicator final : public Replicator {
     for (size_t i = 0; i < plans_.size(); ++i) accumulate_one(i, grads[i], lr);
   }
 
+  void start(const std::vector<size_t>& tensors, const std::vector<at::Tensor>& grads,
+             double lr) override {
+    if (options_.overlap_step) return;  // everything goes in the one bucket carried over
+    std::vector<size_t> fresh;
+    for (size_t k = 0; k < tensors.size(); ++k) {
+      if (started_.at(tensors[k])) {
+        throw std::logic_error("DeMo: tensor " + std::to_string(tensors[k]) +
+                               " already started this step");
+      }
+      started_[tensors[k]] = 1;
+      fresh.push_back(tensors[k]);
+    }
+    if (fresh.empty()) return;
+    buckets_.push_back(make_bucket(fresh));
+    Bucket& b = buckets_.back();
+    for (size_t k = 0; k < fresh.size(); ++k) encode_one(b, k, grads[k], lr);
+    launch(b);
+  }
+
   void exchange(const std::vector<at::Tensor>& grads, double lr, InnerOptimizer& inner) override {
     if (options_.overlap_step) {
       // One step stale: apply what the previous step's exchange brought (it travelled during
@@ -63,26 +92,31 @@ class DemoReplicator final : public Replicator {
       finish_in_flight();
       if (pending_.item<int64_t>() != 0) {
         if (previews()) restore_committed(inner);
-        decode(recv_bucket_.data_ptr<uint8_t>(), inner);
+        decode(all_, inner);
       }
       if (previews()) save_committed(inner);
-      encode(grads, lr);
-      if (replicas() > 1) {
-        in_flight_ = group_->iall_gather(send_bucket_, recv_bucket_);
-      } else {
-        recv_bucket_.copy_(send_bucket_);
-      }
+      encode(all_, grads, lr);
+      launch(all_);
       pending_.fill_(1);
       if (previews()) preview(lr, inner);
       return;
     }
-    encode(grads, lr);
-    const uint8_t* gathered = send_bucket_.data_ptr<uint8_t>();
-    if (replicas() > 1) {
-      group_->all_gather(send_bucket_, recv_bucket_);
-      gathered = recv_bucket_.data_ptr<uint8_t>();
+    // The tensors not started early go in one bucket; then every bucket, in the order started.
+    if (buckets_.empty()) {
+      encode(all_, grads, lr);
+      launch(all_);
+      decode(all_, inner);
+      return;
     }
-    decode(gathered, inner);
+    std::vector<size_t> rest;
+    std::vector<at::Tensor> rest_grads;
+    for (size_t i = 0; i < plans_.size(); ++i) {
+      if (!started_[i]) rest.push_back(i), rest_grads.push_back(grads[i]);
+    }
+    start(rest, rest_grads, lr);
+    for (Bucket& b : buckets_) decode(b, inner);
+    buckets_.clear();
+    std::fill(started_.begin(), started_.end(), 0);
   }
 
   DemoTraffic traffic() const override { return traffic_; }
@@ -91,7 +125,7 @@ class DemoReplicator final : public Replicator {
     if (options_.overlap_step) {  // the exchange in flight is part of the state
       finish_in_flight();
       state.push_back({"pending", pending_});
-      state.push_back({"pending_payloads", recv_bucket_});
+      state.push_back({"pending_payloads", all_.recv});
       for (auto& t : numbered("committed", committed_)) state.push_back(t);
     }
     return state;
@@ -101,6 +135,27 @@ class DemoReplicator final : public Replicator {
 
  private:
   int replicas() const { return group_ ? group_->size() : 1; }
+
+  Bucket make_bucket(const std::vector<size_t>& tensors) const {
+    Bucket b;
+    b.tensors = tensors;
+    for (size_t i : tensors) {
+      b.offsets.push_back(b.bytes);
+      b.bytes += payload_bytes_[i];
+    }
+    b.send = at::empty({int64_t(b.bytes)}, at::kByte);
+    b.recv = at::empty({int64_t(b.bytes) * replicas()}, at::kByte);
+    return b;
+  }
+
+  // The bucket's all-gather, non-blocking (one replica: its payloads are the gathered ones).
+  void launch(Bucket& b) {
+    if (replicas() > 1) {
+      b.work = group_->iall_gather(b.send, b.recv);
+    } else {
+      b.recv.copy_(b.send);
+    }
+  }
 
   // --overlap-step with sign-SGD previews this replica's own update (see exchange()).
   bool previews() const {
@@ -115,20 +170,20 @@ class DemoReplicator final : public Replicator {
   // The parameters step by -lr * sign(direction) of this replica's own payloads alone (no
   // weight decay: that comes with the committed update).
   void preview(double lr, InnerOptimizer& inner) {
-    const uint8_t* own = send_bucket_.data_ptr<uint8_t>();
+    const uint8_t* own = all_.send.data_ptr<uint8_t>();
     for (size_t i = 0; i < plans_.size(); ++i) {
       at::Tensor param = inner.param(i);
       std::optional<kernels::SignStep> step;
       if (param.scalar_type() == at::kFloat) step = kernels::SignStep{param, float(lr), 1.0f};
-      const at::Tensor d = direction(i, {own + payload_offsets_[i]}, step);
+      const at::Tensor d = direction(i, {own + all_.offsets[i]}, step);
       if (d.defined()) param.sub_(d.sign(), lr);
     }
   }
 
   void finish_in_flight() const {
-    if (in_flight_) {
-      in_flight_->wait();
-      in_flight_.reset();
+    if (all_.work) {
+      all_.work->wait();
+      all_.work.reset();
     }
   }
 
@@ -143,33 +198,40 @@ class DemoReplicator final : public Replicator {
     }
   }
 
-  // The residual update, top-k extraction with error feedback, every tensor's payload into the
-  // one send bucket. The fast path does the first two chunk by chunk in one pass.
-  void encode(const std::vector<at::Tensor>& grads, double lr) {
-    uint8_t* send = send_bucket_.data_ptr<uint8_t>();
-    for (size_t i = 0; i < plans_.size(); ++i) {
-      compress::TopK topk;
-      if (options_.fast_path) {
-        topk = kernels::dct_accumulate_topk(grads[i], plans_[i], options_.decay, lr, residuals_[i],
-                                            options_.topk);
-      } else {
-        accumulate_one(i, grads[i], lr);
-        topk = compress::select_topk_plain(residuals_[i], plans_[i], options_.topk);
-      }
-      compress::encode_payload(plans_[i], topk, options_.values, send + payload_offsets_[i]);
-      compress::add_selected(residuals_[i], plans_[i], topk, -1.0f);  // sent leaves the residual
-    }
+  // Every tensor of the bucket: grads holds all tensors' gradients (replicator order).
+  void encode(Bucket& b, const std::vector<at::Tensor>& grads, double lr) {
+    for (size_t k = 0; k < b.tensors.size(); ++k) encode_one(b, k, grads[b.tensors[k]], lr);
   }
 
-  // The mean over replicas of the gathered payloads (bit-identical everywhere), inverse-
-  // transformed and applied by the inner optimizer tensor by tensor.
-  void decode(const uint8_t* gathered, InnerOptimizer& inner) {
-    const size_t bucket = traffic_.wire_bytes;
+  // The bucket's k-th tensor: the residual update, top-k extraction with error feedback, its
+  // payload into the send buffer. The fast path does the first two chunk by chunk in one pass.
+  void encode_one(Bucket& b, size_t k, const at::Tensor& grad, double lr) {
+    const size_t i = b.tensors[k];
+    compress::TopK topk;
+    if (options_.fast_path) {
+      topk = kernels::dct_accumulate_topk(grad, plans_[i], options_.decay, lr, residuals_[i],
+                                          options_.topk);
+    } else {
+      accumulate_one(i, grad, lr);
+      topk = compress::select_topk_plain(residuals_[i], plans_[i], options_.topk);
+    }
+    compress::encode_payload(plans_[i], topk, options_.values,
+                             b.send.data_ptr<uint8_t>() + b.offsets[k]);
+    compress::add_selected(residuals_[i], plans_[i], topk, -1.0f);  // sent leaves the residual
+  }
+
+  // Completes the bucket's all-gather; the mean over replicas of its payloads (bit-identical
+  // everywhere), inverse-transformed and applied by the inner optimizer tensor by tensor.
+  void decode(Bucket& b, InnerOptimizer& inner) {
+    if (b.work) {
+      b.work->wait();
+      b.work.reset();
+    }
+    const uint8_t* gathered = b.recv.data_ptr<uint8_t>();
     std::vector<const uint8_t*> payloads(replicas());
-    for (size_t i = 0; i < plans_.size(); ++i) {
-      for (int r = 0; r < replicas(); ++r) {
-        payloads[r] = gathered + r * bucket + payload_offsets_[i];
-      }
+    for (size_t k = 0; k < b.tensors.size(); ++k) {
+      for (int r = 0; r < replicas(); ++r) payloads[r] = gathered + r * b.bytes + b.offsets[k];
+      const size_t i = b.tensors[k];
       const at::Tensor d = direction(i, payloads, inner.sign_step(i));
       if (d.defined()) inner.apply(i, d);
     }
@@ -203,18 +265,18 @@ class DemoReplicator final : public Replicator {
   std::vector<dct::ChunkPlan> plans_;
   DemoOptions options_;
   std::shared_ptr<comm::Communicator> group_;
-  std::vector<at::Tensor> residuals_;    // per tensor: float32 block-layout DCT coefficients
-  std::vector<size_t> payload_offsets_;  // per tensor: where its payload sits in the bucket
-  std::vector<size_t> payload_bytes_;
+  std::vector<at::Tensor> residuals_;  // per tensor: float32 block-layout DCT coefficients
+  std::vector<size_t> payload_bytes_;  // per tensor
   DemoTraffic traffic_;
-  at::Tensor send_bucket_;  // uint8 [bucket bytes]: this replica's payloads back to back
-  at::Tensor recv_bucket_;  // uint8 [replicas * bucket bytes], rank order
-  at::Tensor decoded_;      // float32 scratch buffers as large as the largest padded tensor,
-  at::Tensor samples_;      // so that a step allocates nothing big
+  mutable Bucket all_;  // every tensor (its buffers are kept from step to step)
+  // This step's buckets started early (start()), in order, and which tensors they hold.
+  std::vector<Bucket> buckets_;
+  std::vector<char> started_;
+  at::Tensor decoded_;  // float32 scratch buffers as large as the largest padded tensor,
+  at::Tensor samples_;  // so that a step allocates nothing big
   at::Tensor scratch_;
-  // --overlap-step: the exchange started last step, and whether recv_bucket_ holds payloads
-  // not yet applied (a tensor, so that checkpoints carry it).
-  mutable std::unique_ptr<comm::Work> in_flight_;
+  // --overlap-step: all_ is in flight from one step to the next; pending_: whether all_.recv
+  // holds payloads not yet applied (a tensor, so that checkpoints carry it).
   std::vector<at::Tensor> committed_;  // the parameters without the preview (float32)
   at::Tensor pending_ = at::zeros({1}, at::kLong);
 };

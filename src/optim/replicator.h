@@ -1,5 +1,6 @@
 // Replicators: how replicas turn their gradients into one shared update direction. Internal to
-// the optimizer; every implementation sends all of a step's tensors in ONE collective.
+// the optimizer; every implementation sends all of a step's tensors in ONE collective, except
+// the tensors given to start() (DeMo), which go in their own.
 #pragma once
 
 #include "flexdemo/optim.h"
@@ -36,6 +37,15 @@ class Replicator {
   // direction (inner.apply, or the fused sign step where it offers one). The directions are
   // bit-identical on every replica.
   virtual void exchange(const std::vector<at::Tensor>& grads, double lr, InnerOptimizer& inner) = 0;
+  // On an exchange step, before exchange(): these tensors' gradients (grads[k] is tensors[k]'s)
+  // are final; fold them in and start their exchange now, non-blocking. exchange() then skips
+  // them and completes it. A hint: kinds that cannot start early ignore it.
+  virtual void start(const std::vector<size_t>& tensors, const std::vector<at::Tensor>& grads,
+                     double lr) {
+    (void)tensors;
+    (void)grads;
+    (void)lr;
+  }
   virtual DemoTraffic traffic() const = 0;
   // The state carried from step to step (handles: loading copies into them), named for files.
   virtual NamedTensors state_tensors() const = 0;

@@ -29,6 +29,8 @@ struct ShardedUnit::Impl {
   int64_t bucket_numel = 0;
   std::map<int64_t, UnitFn> pending;  // forwards awaiting their recomputing backward
   int64_t next_id = 0;
+  int64_t outstanding = 0;  // forwards in grad mode whose backward has not run yet
+  std::function<void()> on_ready;
 
   // Full parameters from every rank's shards: one all-gather for the whole unit.
   std::vector<at::Tensor> all_gather() const {
@@ -51,8 +53,10 @@ struct ShardedUnit::Impl {
     return full;
   }
 
-  // Shard gradients, averaged over the group, from full gradients: one reduce-scatter.
-  variable_list reduce_scatter(const variable_list& full_grads) const {
+  // Shard gradients, averaged over the group, from full gradients: one reduce-scatter, added
+  // to the shards' .grad() here rather than by autograd, so that the unit knows when they are
+  // complete: after the backward of its last outstanding forward (then on_ready runs).
+  void reduce_scatter_into_grads(const variable_list& full_grads) {
     at::NoGradGuard no_grad;
     const int64_t S = group->size();
     at::Tensor input = at::zeros({S, bucket_numel}, at::kFloat);
@@ -65,11 +69,16 @@ struct ShardedUnit::Impl {
     }
     at::Tensor out = at::empty({bucket_numel}, at::kFloat);
     group->reduce_scatter(input, out, comm::ReduceOp::Avg);
-    variable_list grads;
     for (size_t i = 0; i < shards.size(); ++i) {
-      grads.push_back(out.narrow(0, offsets[i], specs[i].shard_numel));
+      const at::Tensor g = out.narrow(0, offsets[i], specs[i].shard_numel);
+      at::Tensor& grad = shards[i].mutable_grad();
+      if (grad.defined()) {
+        grad.add_(g);
+      } else {
+        grad = g.clone();
+      }
     }
-    return grads;
+    if (--outstanding == 0 && on_ready) on_ready();
   }
 
   static Impl* from_id(int64_t id) { return reinterpret_cast<Impl*>(id); }
@@ -87,9 +96,8 @@ struct GatherParameters : public torch::autograd::Function<GatherParameters> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto* impl = ShardedUnit::Impl::from_id(ctx->saved_data["unit"].toInt());
-    variable_list out{at::Tensor()};  // the unit id
-    for (auto& g : impl->reduce_scatter(grads)) out.push_back(g);
-    return out;
+    impl->reduce_scatter_into_grads(grads);
+    return variable_list(1 + impl->shards.size());  // none for the unit id and the shards
   }
 };
 
@@ -151,8 +159,8 @@ struct RecomputeUnit : public torch::autograd::Function<RecomputeUnit> {
     for (size_t i = 0; i < saved.size(); ++i) {
       result.push_back(input_slot[i] >= 0 ? grads[input_slot[i]] : at::Tensor());
     }
-    const variable_list param_grads(grads.begin() + first_param, grads.end());
-    for (auto& g : impl->reduce_scatter(param_grads)) result.push_back(g);
+    impl->reduce_scatter_into_grads(variable_list(grads.begin() + first_param, grads.end()));
+    result.resize(result.size() + impl->shards.size());  // the shards' are in their .grad()
     return result;
   }
 };
@@ -192,6 +200,7 @@ const std::string& ShardedUnit::name() const {
 at::Tensor ShardedUnit::forward(const UnitFn& fn, const std::vector<at::Tensor>& inputs) {
   Impl& s = *impl_;
   if (!at::GradMode::is_enabled()) return fn(s.all_gather(), inputs);
+  ++s.outstanding;
   if (!s.options.reshard_after_forward) {
     const variable_list full = GatherParameters::apply(s.id(), at::TensorList(s.shards));
     return fn(full, inputs);
@@ -199,6 +208,10 @@ at::Tensor ShardedUnit::forward(const UnitFn& fn, const std::vector<at::Tensor>&
   const int64_t fn_id = s.next_id++;
   s.pending.emplace(fn_id, fn);
   return RecomputeUnit::apply(s.id(), fn_id, at::TensorList(inputs), at::TensorList(s.shards));
+}
+
+void ShardedUnit::on_gradients_ready(std::function<void()> fn) {
+  impl_->on_ready = std::move(fn);
 }
 
 std::vector<at::Tensor> ShardedUnit::gather() const {
