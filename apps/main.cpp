@@ -178,6 +178,10 @@ int main(int argc, char** argv) {
   train->add_flag("--overlap-step", tc.overlap_step,
                   "run each exchange between nodes through the next step and apply it there (one "
                   "step stale), hiding it behind that step's forward and backward");
+  train->add_flag("--exchange-in-backward", tc.exchange_in_backward,
+                  "start each unit's exchange between nodes during the backward, as soon as its "
+                  "gradients are final (the same result as without; needs --clip 0 and "
+                  "--on-nonfinite stop)");
   train->add_option("--ranks-per-node", tc.ranks_per_node, "ranks per node (0: from MPI)")
       ->envname("FLEXDEMO_RANKS_PER_NODE")
       ->capture_default_str();

@@ -292,6 +292,56 @@ TEST(Checkpoint, OverlapStepResumesExactly) {
   expect_same_weights(dir / "whole/checkpoints/step-20", dir / "halves/checkpoints/step-20");
 }
 
+TEST(Trainer, ExchangeInBackwardEqualsExchangeAfterIt) {
+  // --exchange-in-backward starts each unit's all-gather between nodes in the backward (its
+  // bucket: one collective per unit) instead of one after it: on 2 nodes, GPT (the embeddings
+  // used twice: the tied head) with two micro-batches per step, the losses of every step and
+  // the final weights are the same, bit for bit, for sign-SGD and the AdamW inner optimizer.
+  auto world = test_world();
+  const fs::path dir = fs::temp_directory_path() / "flexdemo-exchange-in-backward-test";
+  train::TrainConfig c = tiny_run(dir);
+  c.ranks_per_node = world->size() / 2;
+  c.steps = 4;
+  c.micro_batch = 4 / world->size();
+  if (c.micro_batch > 1) c.micro_batch /= 2;  // 2 ranks: 2 sequences each, as two micro-batches
+  c.clip = 0;
+  c.on_nonfinite = "stop";
+  c.check_replicas = 1;
+  const int64_t units = 2 + c.layers;  // embeddings, the blocks, ln_f
+  for (const char* optimizer : {"flexdemo", "flexdemo-adamw"}) {
+    c.optimizer = optimizer;
+    c.exchange_in_backward = false;
+    c.out = (dir / optimizer / "after").string();
+    ASSERT_EQ(train::run_training(c, world), 0);
+    c.exchange_in_backward = true;
+    c.out = (dir / optimizer / "in").string();
+    ASSERT_EQ(train::run_training(c, world), 0);
+    world->barrier();
+    const std::vector<double> after = step_losses(dir / optimizer / "after");
+    ASSERT_EQ(after.size(), 4u);
+    EXPECT_EQ(step_losses(dir / optimizer / "in"), after) << optimizer;
+    expect_same_weights(dir / optimizer / "after/checkpoints/step-4",
+                        dir / optimizer / "in/checkpoints/step-4");
+    // Plus one per step: --check-replicas' comparison within the replica group.
+    for (const auto& [run, collectives] : {std::pair{"after", int64_t(2)}, {"in", units + 1}}) {
+      std::ifstream metrics(dir / optimizer / run / "metrics.jsonl");
+      for (std::string l; std::getline(metrics, l);) {
+        EXPECT_EQ(nlohmann::json::parse(l)["inter_collectives"].get<double>(), collectives)
+            << optimizer << " " << run;
+      }
+    }
+  }
+  c.clip = 1.0;  // clipping needs the whole gradient before anything is sent
+  EXPECT_NE(invalid_argument_of([&] { train::run_training(c, world); })
+                .find("--exchange-in-backward needs --clip 0"),
+            std::string::npos);
+  c.clip = 0;
+  c.on_nonfinite = "skip";
+  EXPECT_NE(invalid_argument_of([&] { train::run_training(c, world); })
+                .find("--exchange-in-backward needs --on-nonfinite stop"),
+            std::string::npos);
+}
+
 TEST(Checkpoint, ResumedRunEqualsUninterruptedRun) {
   auto world = test_world();
   const bool root = world->rank() == 0;

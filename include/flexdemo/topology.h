@@ -41,6 +41,7 @@ struct StepTraffic {
   uint64_t intra_sent = 0, intra_received = 0;  // shard group
   uint64_t inter_sent = 0, inter_received = 0;  // replica group
   double intra_seconds = 0.0, inter_seconds = 0.0;
+  uint64_t inter_collectives = 0;  // collectives completed in the replica group
 };
 
 // Reads a topology's counters: lap() gives what moved since the previous lap (or creation).

@@ -44,6 +44,9 @@ struct TrainConfig {
   std::string values = "bf16";
   int64_t replicate_every = 1;
   bool overlap_step = false;  // apply each exchange one step later, hidden behind that step
+  // Start each unit's exchange between nodes in the backward, as soon as its gradients are
+  // final (same result; needs clip 0 and on_nonfinite "stop", no overlap_step).
+  bool exchange_in_backward = false;
   // ====== Topology ======
   int ranks_per_node = 0;  // 0: from MPI
   int shard_size = 0;      // 0: the whole node

@@ -114,6 +114,7 @@ StepTraffic TrafficMeter::lap() {
   t.inter_sent = replica.bytes_sent - replica_last_.bytes_sent;
   t.inter_received = replica.bytes_received - replica_last_.bytes_received;
   t.inter_seconds = replica.seconds - replica_last_.seconds;
+  t.inter_collectives = replica.collectives - replica_last_.collectives;
   shard_last_ = shard;
   replica_last_ = replica;
   return t;

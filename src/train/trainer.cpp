@@ -135,6 +135,22 @@ void TrainConfig::validate() const {
   if (overlap_step && !(replicator == "demo" || (replicator.empty() && demo))) {
     fail("--overlap-step needs the demo replicator (--optimizer flexdemo or flexdemo-adamw)");
   }
+  if (exchange_in_backward) {
+    // A unit's payloads leave during the backward: nothing may change its gradient afterwards.
+    if (!(replicator == "demo" || (replicator.empty() && demo))) {
+      fail("--exchange-in-backward needs the demo replicator (--optimizer flexdemo or "
+           "flexdemo-adamw)");
+    }
+    if (overlap_step) fail("--exchange-in-backward and --overlap-step exclude each other");
+    if (clip != 0) {
+      fail("--exchange-in-backward needs --clip 0 (clipping scales by the whole gradient's norm, "
+           "known only after the backward), got --clip " + str(clip));
+    }
+    if (on_nonfinite != "stop") {
+      fail("--exchange-in-backward needs --on-nonfinite stop (a skipped step would already have "
+           "sent its payloads), got --on-nonfinite " + on_nonfinite);
+    }
+  }
   if (!(weight_decay >= 0 && lr * weight_decay < 1)) {
     fail("--weight-decay must be >= 0 with --lr x --weight-decay < 1, got " + str(weight_decay));
   }
@@ -192,6 +208,7 @@ nlohmann::ordered_json to_json(const TrainConfig& c) {
           {"values", c.values},
           {"replicate_every", c.replicate_every},
           {"overlap_step", c.overlap_step},
+          {"exchange_in_backward", c.exchange_in_backward},
           {"ranks_per_node", c.ranks_per_node},
           {"shard_size", c.shard_size},
           {"reshard", c.reshard},
@@ -271,6 +288,9 @@ struct Session {
   std::vector<optim::OptimParam> params;
   std::unique_ptr<optim::DemoOptimizer> optimizer;
   int64_t per_rank = 0, micro = 0;
+  // --exchange-in-backward: on during the last micro-batch's backward, when a unit's gradients
+  // becoming complete means they are final for the step.
+  bool exchange_armed = false;
 };
 
 // Collective: rank 0's `error` (if not empty) is thrown on every rank, as std::invalid_argument
@@ -369,11 +389,25 @@ std::unique_ptr<Session> open_session(const TrainConfig& config,
     s->lm =
         model::make_gpt(gpt_config(cfg, s->tokens.vocab_size), s->topo.shard_group, so, cfg.seed);
   }
+  std::vector<std::vector<size_t>> unit_tensors;  // the optimizer's indices of each unit's
   for (const auto& unit : s->lm->units()) {
-    for (const auto& p : unit->optim_params()) s->params.push_back(p);
+    unit_tensors.emplace_back();
+    for (const auto& p : unit->optim_params()) {
+      unit_tensors.back().push_back(s->params.size());
+      s->params.push_back(p);
+    }
   }
   s->optimizer =
       std::make_unique<optim::DemoOptimizer>(s->params, s->options, s->topo.replica_group);
+  if (cfg.exchange_in_backward) {
+    // The backward reaches the units in the same order on every replica, so their buckets'
+    // all-gathers start in the same order everywhere.
+    for (size_t u = 0; u < unit_tensors.size(); ++u) {
+      s->lm->units()[u]->on_gradients_ready([session = s.get(), tensors = unit_tensors[u]] {
+        if (session->exchange_armed) session->optimizer->start_exchange(tensors);
+      });
+    }
+  }
   return s;
 }
 
@@ -750,7 +784,9 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
         at::autocast::clear_cache();
       }
       if (inject_step == step + 1 && inject_rank == world->rank()) loss = loss * NAN;
+      s.exchange_armed = cfg.exchange_in_backward && a + micro >= per_rank;
       loss.backward();
+      s.exchange_armed = false;
       loss_sum += loss.item<double>();
     }
     // A non-finite loss or gradient on any rank: every rank skips the step (or stops) alike.
@@ -796,8 +832,9 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
                                   double(traffic.inter_sent), double(traffic.inter_received)},
                                  at::kDouble);
     world->all_reduce(sums, comm::ReduceOp::Sum);
-    at::Tensor means =
-        at::tensor({loss_sum, step_s, traffic.intra_seconds + traffic.inter_seconds}, at::kDouble);
+    at::Tensor means = at::tensor({loss_sum, step_s, traffic.intra_seconds + traffic.inter_seconds,
+                                   double(traffic.inter_collectives)},
+                                  at::kDouble);
     world->all_reduce(means, comm::ReduceOp::Avg);
     const bool eval_now =
         (cfg.eval_every > 0 && (step + 1) % cfg.eval_every == 0) || step + 1 == cfg.steps;
@@ -818,6 +855,7 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
       m["intra_bytes_recv"] = int64_t(sums[1].item<double>());
       m["inter_bytes_sent"] = int64_t(sums[2].item<double>());
       m["inter_bytes_recv"] = int64_t(sums[3].item<double>());
+      m["inter_collectives"] = means[3].item<double>();
       m["skipped_steps"] = skipped_steps;
       m["elapsed_s"] =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
