@@ -4,11 +4,14 @@
 # (AdamW inner), DeMo without sharding (S = 1) and AdamW-HSDP, at each link rate; flexdemo-3x is
 # FlexDeMo trained 3x as many steps (its own schedule, the same data order), to measure the wall
 # time FlexDeMo needs to reach AdamW-HSDP's final validation loss; flexdemo-overlap is FlexDeMo
-# with --overlap-step (each exchange applied one step later, hidden behind that step). Keeps every
+# with --overlap-step (each exchange applied one step later, hidden behind that step);
+# flexdemo-backward is FlexDeMo with --exchange-in-backward (each unit's exchange started in the
+# backward) and flexdemo-noclip the same run without it (both need --clip 0 --on-nonfinite stop,
+# so they compare with each other: the same losses, only the step time differs). Keeps every
 # run in bench/results/e2e/<rate>/<run>, writes bench/results/e2e.csv and, per rate, a
 # `flexdemo report` (validation loss against wall time, bytes between nodes per step), plus
 # bench/results/e2e-step-time.png (median step time against rate).
-#   STEPS (default 200), RATES (default "none 1gbit 100mbit 10mbit"), RUNS (default all six).
+#   STEPS (default 200), RATES (default "none 1gbit 100mbit 10mbit"), RUNS (default all eight).
 #   RATES="" trains nothing and only rebuilds the table and reports from the runs kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +19,9 @@ bash scripts/install-deps.sh >/dev/null
 bash scripts/build.sh >/dev/null
 steps="${STEPS:-200}"
 rates="${RATES-none 1gbit 100mbit 10mbit}"
-runs="${RUNS:-flexdemo flexdemo-adamw demo-s1 adamw-hsdp flexdemo-3x flexdemo-overlap}"
+all_runs="flexdemo flexdemo-adamw demo-s1 adamw-hsdp flexdemo-3x flexdemo-overlap flexdemo-noclip
+  flexdemo-backward"
+runs="${RUNS:-$all_runs}"
 out=bench/results/e2e
 cluster=scripts/cluster.sh
 trap 'bash "$cluster" down >/dev/null 2>&1 || true' EXIT
@@ -31,6 +36,8 @@ options_of() {
     adamw-hsdp) echo "--optimizer adamw" ;;
     flexdemo-3x) echo "--optimizer flexdemo" ;;
     flexdemo-overlap) echo "--optimizer flexdemo --overlap-step" ;;
+    flexdemo-noclip) echo "--optimizer flexdemo --clip 0 --on-nonfinite stop" ;;
+    flexdemo-backward) echo "--optimizer flexdemo --clip 0 --on-nonfinite stop --exchange-in-backward" ;;
     *) echo "e2e.sh: unknown run '$1'" >&2; exit 1 ;;
   esac
 }
@@ -55,7 +62,6 @@ done
 
 # The table and reports cover every run kept so far, so rates can be measured one at a time.
 all_rates="none 1gbit 100mbit 10mbit"
-all_runs="flexdemo flexdemo-adamw demo-s1 adamw-hsdp flexdemo-3x flexdemo-overlap"
 csv=bench/results/e2e.csv
 echo "rate,run,final_val_loss,median_step_ms,wall_s,tokens_per_s,inter_bytes_per_step,s_to_adamw_hsdp_loss" > "$csv"
 # Seconds until a run's validation loss first reaches AdamW-HSDP's final one at the same rate.
