@@ -29,6 +29,9 @@ void add_demo_bench_flags(CLI::App* cmd, flexdemo::bench::DemoBenchArgs& args) {
       ->capture_default_str();
   cmd->add_option("--steps", args.steps, "optimizer steps (timed: the median is reported)")
       ->capture_default_str();
+  cmd->add_option("--inner", args.inner, "DeMo's inner optimizer: sgd (sign-SGD) or adamw")
+      ->check(CLI::IsMember({"sgd", "adamw"}))
+      ->capture_default_str();
   cmd->add_flag("--json", args.json, "print one JSON object (rank 0)");
 }
 
@@ -95,9 +98,6 @@ int main(int argc, char** argv) {
   add_demo_bench_flags(exchange, ex);
   exchange->add_option("--replicator", ex.replicator, "exchange between nodes")
       ->check(CLI::IsMember({"demo", "full", "none", "random"}))
-      ->capture_default_str();
-  exchange->add_option("--inner", ex.inner, "inner optimizer")
-      ->check(CLI::IsMember({"sgd", "adamw"}))
       ->capture_default_str();
   exchange
       ->add_option("--ranks-per-node", ex.ranks_per_node,

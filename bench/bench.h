@@ -37,6 +37,7 @@ struct DemoBenchArgs {
   std::string values = "fp32";  // wire value encoding
   int steps = 10;               // optimizer steps
   bool json = false;            // one JSON object instead of text
+  std::string inner = "sgd";    // DeMo's inner optimizer: sgd (sign-SGD) or adamw
 };
 
 // The DeMo options the flags ask for, validated (and --steps checked).
@@ -53,7 +54,6 @@ struct ExchangeBenchArgs : DemoBenchArgs {
     steps = 20;
   }
   std::string replicator = "demo";  // compared against "full" (plain HSDP)
-  std::string inner = "sgd";
   int ranks_per_node = 0;  // 0: from MPI
   int shard_size = 0;      // 0: the whole node
 };

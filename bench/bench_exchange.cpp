@@ -149,7 +149,6 @@ RunResult run(const std::vector<NamedShape>& shapes, const comm::Topology& topo,
 int run_bench_exchange(const ExchangeBenchArgs& args, std::shared_ptr<comm::Communicator> world) {
   optim::DemoOptions options = demo_options(args);
   options.replicator = optim::parse_replicator_kind(args.replicator);
-  options.inner = optim::parse_inner_kind(args.inner);
   options.validate();
   const auto shapes = gpt2_parameter_shapes(gpt2_shape(args.scale));
 

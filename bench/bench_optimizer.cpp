@@ -95,6 +95,7 @@ optim::DemoOptions demo_options(const DemoBenchArgs& args) {
   options.topk = args.topk;
   options.chunk = args.chunk;
   options.values = compress::parse_value_encoding(args.values);
+  options.inner = optim::parse_inner_kind(args.inner);
   options.validate();
   return options;
 }
@@ -126,6 +127,7 @@ int run_bench_optimizer(const OptimizerBenchArgs& args) {
   out["wire_bytes"] = t.wire_bytes;
   out["kept_coefficients"] = t.kept_coefficients;
   out["bytes_per_param"] = double(t.wire_bytes) / double(t.params);
+  out["inner"] = args.inner;
   out["isa"] = kernels::to_string(kernels::active_isa());
   if (args.json) {
     fmt::print("{}\n", out.dump());
@@ -139,6 +141,7 @@ int run_bench_optimizer(const OptimizerBenchArgs& args) {
                double(t.wire_bytes) / double(t.kept_coefficients));
     fmt::print("bytes_per_param    {:.5f}   (dense fp32 all-reduce: 4 bytes per param)\n",
                double(t.wire_bytes) / double(t.params));
+    fmt::print("inner              {}\n", args.inner);
     fmt::print("isa                {}   (the fast path's kernels; FLEXDEMO_ISA to choose)\n",
                kernels::to_string(kernels::active_isa()));
   }

@@ -50,4 +50,18 @@ struct SignStep {
 void idct_sparse_sign_step(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan,
                            const SignStep& step);
 
+// The AdamW step (torch.optim.AdamW's formula, with decoupled weight decay) fed with
+// sign(direction), or the direction with sign off, applied the same way: the parameters and
+// both moments are updated chunk by chunk as the direction is made. All three float32
+// [plan.rows, plan.cols], rows contiguous. bias_correction1/2: 1 - beta1^t, 1 - beta2^t.
+struct AdamWStep {
+  at::Tensor param, exp_avg, exp_avg_sq;
+  double lr = 0.0, weight_decay = 0.0;
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  double bias_correction1 = 1.0, bias_correction2 = 1.0;
+  bool sign = true;
+};
+void idct_sparse_adamw_step(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan,
+                            const AdamWStep& step);
+
 }  // namespace flexdemo::kernels

@@ -427,7 +427,7 @@ void select_topk(const float* values, int64_t n, int64_t k, int64_t* positions, 
 
 // ====== The sparse inverse ======
 // p = keep * p - lr * sign(x) over the update's rows and columns (sign(0) = sign(NaN) = 0).
-void sign_step(const float* x, int64_t x_stride, const SignUpdate& update, float* p,
+void sign_step(const float* x, int64_t x_stride, const StepUpdate& update, float* p,
                int64_t p_stride) {
   const v8 keep = splat(update.keep);
   const v8i lr = (v8i)splat(update.lr);
@@ -448,11 +448,31 @@ void sign_step(const float* x, int64_t x_stride, const SignUpdate& update, float
   }
 }
 
+// AdamW over the update's rows and columns (see StepUpdate), element by element in
+// torch.optim.AdamW's order of operations.
+void adamw_step(const float* x, int64_t x_stride, const StepUpdate& up, float* p,
+                int64_t p_stride) {
+  for (int u = 0; u < up.valid_h; ++u) {
+    const float* xr = x + u * x_stride;
+    float* pr = p + u * p_stride;
+    float* mr = up.m + u * p_stride;
+    float* vr = up.v + u * p_stride;
+    for (int c = 0; c < up.valid_w; ++c) {
+      const float g = up.sign ? float((xr[c] > 0.0f) - (xr[c] < 0.0f)) : xr[c];
+      const float m = mr[c] * up.beta1 + g * up.one_minus_beta1;
+      const float v = vr[c] * up.beta2 + up.one_minus_beta2 * g * g;
+      mr[c] = m;
+      vr[c] = v;
+      pr[c] = up.keep * pr[c] - up.lr * m / (__builtin_sqrtf(v) / up.sqrt_bc2 + up.eps);
+    }
+  }
+}
+
 // x = B_h^T X B_w: first t[u] = sum_v X[u][v] B_w[v] for the rows u holding a coefficient (one
 // multiply-add per coefficient and lane), then along the columns either directly over those
 // rows or, when they are many, by the factorised inverse (whichever costs fewer multiply-adds).
 void idct_sparse(const ChunkShape& shape, const int32_t* positions, const float* values,
-                 int64_t nnz, float* out, int64_t out_stride, const SignUpdate* update,
+                 int64_t nnz, float* out, int64_t out_stride, const StepUpdate* update,
                  float* scratch) {
   const int h = shape.h, w = shape.w, W8 = round8(w);
   const int64_t block = int64_t(round8(h)) * W8;
@@ -482,7 +502,7 @@ void idct_sparse(const ChunkShape& shape, const int32_t* positions, const float*
     for (int g = 0; g < W8; g += 8) store(row + g, load(row + g) + c * load(basis + g));
   }
   const int used = even + odd;
-  // Straight into out when whole vectors fit its rows; otherwise (or for a sign step) through x.
+  // Straight into out when whole vectors fit its rows; otherwise (or for a step) through x.
   const bool direct = w % 8 == 0 && update == nullptr;
   float* dst = direct ? out : x;
   const int64_t dst_stride = direct ? out_stride : W8;
@@ -528,7 +548,9 @@ void idct_sparse(const ChunkShape& shape, const int32_t* positions, const float*
     }
     inverse(rows, 0, full, W8, dst, dst_stride, W8);
   }
-  if (update != nullptr) {
+  if (update != nullptr && update->m != nullptr) {
+    adamw_step(x, W8, *update, out, out_stride);
+  } else if (update != nullptr) {
     sign_step(x, W8, *update, out, out_stride);
   } else if (dst == x) {
     for (int i = 0; i < h; ++i) std::memcpy(out + i * out_stride, x + i * W8, sizeof(float) * w);

@@ -41,12 +41,21 @@ struct ChunkShape {
   const Dct1d* along_cols = nullptr;
 };
 
-// Instead of writing the inverse: out[u][v] = keep * out[u][v] - lr * sign(x[u][v]) for
-// u < valid_h, v < valid_w (DeMo's sign-SGD step on the parameters, fused).
-struct SignUpdate {
+// Instead of writing the inverse x, the inner optimizer's step on the parameters at out, fused,
+// for u < valid_h, v < valid_w:
+//   sign-SGD (m == nullptr): out = keep * out - lr * sign(x)
+//   AdamW: g = sign ? sign(x) : x, with the moments m and v laid out as out,
+//          m = beta1 m + (1 - beta1) g, v = beta2 v + (1 - beta2) g g,
+//          out = keep * out - lr * m / (sqrt(v) / sqrt_bc2 + eps)   (lr: lr / bias_correction1)
+struct StepUpdate {
   float lr = 0.0f;
   float keep = 1.0f;
   int valid_h = 0, valid_w = 0;
+  float* m = nullptr;  // AdamW
+  float* v = nullptr;
+  float beta1 = 0.0f, one_minus_beta1 = 0.0f, beta2 = 0.0f, one_minus_beta2 = 0.0f;
+  float sqrt_bc2 = 1.0f, eps = 0.0f;
+  bool sign = true;
 };
 
 // Entries of scratch select_topk needs for n values.
@@ -72,10 +81,10 @@ struct KernelTable {
   void (*select_topk)(const float* values, int64_t n, int64_t k, int64_t* positions,
                       float* selected, uint64_t* scratch);
   // The inverse DCT x of a chunk holding nnz coefficients (position u * w + v, value), written to
-  // out (row stride out_stride), or, given update, applied to out as a sign step. Positions must
-  // be distinct and inside the chunk.
+  // out (row stride out_stride), or, given update, applied as its step to the parameters at out.
+  // Positions must be distinct and inside the chunk.
   void (*idct_sparse)(const ChunkShape& shape, const int32_t* positions, const float* values,
-                      int64_t nnz, float* out, int64_t out_stride, const SignUpdate* update,
+                      int64_t nnz, float* out, int64_t out_stride, const StepUpdate* update,
                       float* scratch);
 };
 

@@ -269,10 +269,10 @@ void accumulate(const at::Tensor& x, const dct::ChunkPlan& plan, double beta, do
 }
 
 // The inverse of every chunk's coefficients: into dst, the block-layout samples, or with `step`
-// applied as a sign step to dst, the [rows, cols] parameters.
+// (valid_h, valid_w and the moments' pointers set per chunk) applied as that step to dst, the
+// [rows, cols] parameters (and moments m and v laid out alike).
 void inverse_chunks(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan, float* dst,
-                    const SignStep* step) {
-  const char* who = step != nullptr ? "idct_sparse_sign_step" : "idct_sparse";
+                    const StepUpdate* step, const char* who) {
   if (coeffs.counts.numel() != plan.num_chunks()) {
     throw std::invalid_argument(std::string(who) + ": " + std::to_string(coeffs.counts.numel()) +
                                 " chunks given, the plan has " + std::to_string(plan.num_chunks()));
@@ -291,7 +291,13 @@ void inverse_chunks(const compress::SparseChunks& coeffs, const dct::ChunkPlan& 
                      return;
                    }
                    const ChunkPlace place = place_of(plan, c);
-                   const SignUpdate update{step->lr, step->keep, place.valid_h, place.valid_w};
+                   StepUpdate update = *step;
+                   update.valid_h = place.valid_h;
+                   update.valid_w = place.valid_w;
+                   if (step->m != nullptr) {
+                     update.m = step->m + place.offset;
+                     update.v = step->v + place.offset;
+                   }
                    kern.idct_sparse(shape, pos, val, counts[c], dst + place.offset, plan.cols,
                                     &update, scratch);
                  });
@@ -344,20 +350,51 @@ compress::TopK select_topk(const at::Tensor& coeffs, const dct::ChunkPlan& plan,
 void idct_sparse(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan,
                  const at::Tensor& samples) {
   check_block(samples, plan, "idct_sparse", "samples");
-  inverse_chunks(coeffs, plan, samples.data_ptr<float>(), nullptr);
+  inverse_chunks(coeffs, plan, samples.data_ptr<float>(), nullptr, "idct_sparse");
 }
 
-void idct_sparse_sign_step(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan,
-                           const SignStep& step) {
-  const at::Tensor& param = step.param;
-  if (param.scalar_type() != at::kFloat || !param.is_cpu() || param.dim() != 2 ||
-      param.size(0) != plan.rows || param.size(1) != plan.cols || param.stride(1) != 1 ||
-      param.stride(0) != plan.cols) {
-    throw std::invalid_argument("idct_sparse_sign_step: param must be a float32 CPU tensor [" +
+namespace {
+
+// A tensor a fused step writes: float32 CPU [plan.rows, plan.cols], rows contiguous.
+float* step_target(const at::Tensor& t, const dct::ChunkPlan& plan, const char* who,
+                   const char* what) {
+  if (!t.defined() || t.scalar_type() != at::kFloat || !t.is_cpu() || t.dim() != 2 ||
+      t.size(0) != plan.rows || t.size(1) != plan.cols || t.stride(1) != 1 ||
+      t.stride(0) != plan.cols) {
+    throw std::invalid_argument(std::string(who) + ": " + what + " must be a float32 CPU tensor [" +
                                 std::to_string(plan.rows) + ", " + std::to_string(plan.cols) +
                                 "] with contiguous rows");
   }
-  inverse_chunks(coeffs, plan, param.data_ptr<float>(), &step);
+  return t.data_ptr<float>();
+}
+
+}  // namespace
+
+void idct_sparse_sign_step(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan,
+                           const SignStep& step) {
+  const char* who = "idct_sparse_sign_step";
+  StepUpdate update;
+  update.lr = step.lr;
+  update.keep = step.keep;
+  inverse_chunks(coeffs, plan, step_target(step.param, plan, who, "param"), &update, who);
+}
+
+void idct_sparse_adamw_step(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan,
+                            const AdamWStep& step) {
+  const char* who = "idct_sparse_adamw_step";
+  StepUpdate update;
+  update.lr = float(step.lr / step.bias_correction1);
+  update.keep = float(1.0 - step.lr * step.weight_decay);
+  update.m = step_target(step.exp_avg, plan, who, "exp_avg");
+  update.v = step_target(step.exp_avg_sq, plan, who, "exp_avg_sq");
+  update.beta1 = float(step.beta1);
+  update.one_minus_beta1 = float(1.0 - step.beta1);
+  update.beta2 = float(step.beta2);
+  update.one_minus_beta2 = float(1.0 - step.beta2);
+  update.sqrt_bc2 = float(std::sqrt(step.bias_correction2));
+  update.eps = float(step.eps);
+  update.sign = step.sign;
+  inverse_chunks(coeffs, plan, step_target(step.param, plan, who, "param"), &update, who);
 }
 
 }  // namespace flexdemo::kernels

@@ -11,7 +11,7 @@
 
 #include <ATen/ATen.h>
 
-#include <optional>
+#include <functional>
 #include <stdexcept>
 
 namespace flexdemo::optim {
@@ -173,9 +173,11 @@ class DemoReplicator final : public Replicator {
     const uint8_t* own = all_.send.data_ptr<uint8_t>();
     for (size_t i = 0; i < plans_.size(); ++i) {
       at::Tensor param = inner.param(i);
-      std::optional<kernels::SignStep> step;
-      if (param.scalar_type() == at::kFloat) step = kernels::SignStep{param, float(lr), 1.0f};
-      const at::Tensor d = direction(i, {own + all_.offsets[i]}, step);
+      const at::Tensor d = direction(i, {own + all_.offsets[i]}, [&](const auto& coeffs) {
+        if (param.scalar_type() != at::kFloat) return false;
+        kernels::idct_sparse_sign_step(coeffs, plans_[i], {param, float(lr), 1.0f});
+        return true;
+      });
       if (d.defined()) param.sub_(d.sign(), lr);
     }
   }
@@ -232,25 +234,25 @@ class DemoReplicator final : public Replicator {
     for (size_t k = 0; k < b.tensors.size(); ++k) {
       for (int r = 0; r < replicas(); ++r) payloads[r] = gathered + r * b.bytes + b.offsets[k];
       const size_t i = b.tensors[k];
-      const at::Tensor d = direction(i, payloads, inner.sign_step(i));
+      const at::Tensor d = direction(i, payloads, [&](const compress::SparseChunks& coeffs) {
+        return inner.apply_sparse(i, coeffs, plans_[i]);
+      });
       if (d.defined()) inner.apply(i, d);
     }
   }
 
   // Tensor i's direction from its payloads (one per replica, rank order): float32 [rows,
-  // cols]. On the fast path, given a sign step, that step is applied instead in the inverse's
-  // pass (the direction never goes through memory) and an undefined tensor is returned.
+  // cols]. On the fast path `fused` may apply its step straight from the sparse coefficients,
+  // in the inverse's pass (the direction never goes through memory): when it does (returns
+  // true) an undefined tensor is returned.
   at::Tensor direction(size_t i, const std::vector<const uint8_t*>& payloads,
-                       const std::optional<kernels::SignStep>& step) {
+                       const std::function<bool(const compress::SparseChunks&)>& fused) {
     const dct::ChunkPlan& plan = plans_[i];
     const at::Tensor samples = samples_.narrow(0, 0, plan.padded_numel());
     if (options_.fast_path) {  // per chunk, only the coefficients received
       const compress::SparseChunks coeffs = compress::decode_mean_sparse(
           payloads, payload_bytes_[i], plan, options_.topk, options_.values);
-      if (step) {
-        kernels::idct_sparse_sign_step(coeffs, plan, *step);
-        return {};
-      }
+      if (fused && fused(coeffs)) return {};
       kernels::idct_sparse(coeffs, plan, samples);
     } else {
       const at::Tensor decoded = decoded_.narrow(0, 0, plan.padded_numel());

@@ -67,12 +67,31 @@ void InnerOptimizer::apply(size_t i, const at::Tensor& direction) {
   p.addcdiv_(m, denom, -lr_ / bias_correction1);
 }
 
-std::optional<kernels::SignStep> InnerOptimizer::sign_step(size_t i) const {
+bool InnerOptimizer::apply_sparse(size_t i, const compress::SparseChunks& coeffs,
+                                  const dct::ChunkPlan& plan) {
   const at::Tensor& p = params_.at(i);
-  if (options_.inner != InnerKind::SignSgd || !options_.sign || p.scalar_type() != at::kFloat) {
-    return std::nullopt;
+  const DemoOptions& o = options_;
+  if (p.scalar_type() != at::kFloat) return false;
+  if (o.inner == InnerKind::SignSgd) {
+    if (!o.sign) return false;  // plain SGD on the direction: apply() in one pass
+    kernels::idct_sparse_sign_step(coeffs, plan,
+                                   {p, float(lr_), float(1.0 - lr_ * o.weight_decay)});
+    return true;
   }
-  return kernels::SignStep{p, float(lr_), float(1.0 - lr_ * options_.weight_decay)};
+  kernels::AdamWStep step;
+  step.param = p;
+  step.exp_avg = exp_avg_[i];
+  step.exp_avg_sq = exp_avg_sq_[i];
+  step.lr = lr_;
+  step.weight_decay = o.weight_decay;
+  step.beta1 = o.beta1;
+  step.beta2 = o.beta2;
+  step.eps = o.eps;
+  step.bias_correction1 = 1.0 - std::pow(o.beta1, double(step_));
+  step.bias_correction2 = 1.0 - std::pow(o.beta2, double(step_));
+  step.sign = o.sign;
+  kernels::idct_sparse_adamw_step(coeffs, plan, step);
+  return true;
 }
 
 std::vector<std::pair<std::string, at::Tensor>> InnerOptimizer::state_tensors() const {

@@ -7,7 +7,6 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -20,9 +19,10 @@ class InnerOptimizer {
   void begin_step(double lr);  // once per applied step, before the apply() calls
   // Tensor i: p *= 1 - lr*wd, then the update from direction ([rows, cols] float32).
   void apply(size_t i, const at::Tensor& direction);
-  // Where this step is sign-SGD on a float32 tensor: its parameters and factors, for a
-  // replicator that applies the step itself while making the direction (the same update).
-  std::optional<kernels::SignStep> sign_step(size_t i) const;
+  // Tensor i's step straight from the direction's sparse DCT coefficients, fused into their
+  // inverse (kernels.h; the same update as apply()), where the tensor is float32; false (and
+  // nothing done) otherwise.
+  bool apply_sparse(size_t i, const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan);
   at::Tensor param(size_t i) const { return params_.at(i); }  // [rows, cols] view of tensor i
   // AdamW's moments, named for files (handles: loading copies into them).
   std::vector<std::pair<std::string, at::Tensor>> state_tensors() const;
