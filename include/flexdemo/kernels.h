@@ -1,5 +1,6 @@
 // flexdemo/kernels.h — DeMo's CPU fast path: fused per-chunk kernels for the chunked DCT, the
-// residual update and top-k, and the inverse DCT of sparse coefficients. Each kernel exists for
+// residual update and top-k, and the inverse DCT of sparse coefficients (optionally applying the
+// inner optimizer's step as it goes). Each kernel exists for
 // several instruction sets (chosen at run time: the best this CPU has, or FLEXDEMO_ISA) and is
 // checked against the plain path (dct.h's matrix products, compress.h's heap top-k).
 #pragma once
