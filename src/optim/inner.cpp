@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <tuple>
 
 namespace flexdemo::optim {
 
@@ -48,6 +49,11 @@ void sgd_update(at::Tensor& p, const at::Tensor& d, float lr, bool sign) {
 
 }  // namespace
 
+std::pair<double, double> InnerOptimizer::bias_corrections() const {
+  return {1.0 - std::pow(options_.beta1, double(step_)),
+          1.0 - std::pow(options_.beta2, double(step_))};
+}
+
 void InnerOptimizer::apply(size_t i, const at::Tensor& direction) {
   at::Tensor& p = params_.at(i);
   const DemoOptions& o = options_;
@@ -59,8 +65,7 @@ void InnerOptimizer::apply(size_t i, const at::Tensor& direction) {
   const at::Tensor grad = o.sign ? direction.sign() : direction;
   at::Tensor& m = exp_avg_[i];
   at::Tensor& v = exp_avg_sq_[i];
-  const double bias_correction1 = 1.0 - std::pow(o.beta1, double(step_));
-  const double bias_correction2 = 1.0 - std::pow(o.beta2, double(step_));
+  const auto [bias_correction1, bias_correction2] = bias_corrections();
   m.mul_(o.beta1).add_(grad, 1.0 - o.beta1);
   v.mul_(o.beta2).addcmul_(grad, grad, 1.0 - o.beta2);
   const at::Tensor denom = (v.sqrt() / std::sqrt(bias_correction2)).add_(o.eps);
@@ -87,8 +92,7 @@ bool InnerOptimizer::apply_sparse(size_t i, const compress::SparseChunks& coeffs
   step.beta1 = o.beta1;
   step.beta2 = o.beta2;
   step.eps = o.eps;
-  step.bias_correction1 = 1.0 - std::pow(o.beta1, double(step_));
-  step.bias_correction2 = 1.0 - std::pow(o.beta2, double(step_));
+  std::tie(step.bias_correction1, step.bias_correction2) = bias_corrections();
   step.sign = o.sign;
   kernels::idct_sparse_adamw_step(coeffs, plan, step);
   return true;

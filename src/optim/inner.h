@@ -29,6 +29,8 @@ class InnerOptimizer {
   void restore_step(int64_t applied_steps) { step_ = applied_steps; }
 
  private:
+  std::pair<double, double> bias_corrections() const;  // AdamW's 1 - beta1^t, 1 - beta2^t
+
   std::vector<at::Tensor> params_;  // views [rows, cols] of the leaves
   DemoOptions options_;
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_;  // AdamW moments (float32)

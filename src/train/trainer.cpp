@@ -132,12 +132,13 @@ void TrainConfig::validate() const {
     fail("--replicate-every must be >= 1, got " + std::to_string(replicate_every));
   }
   const bool demo = optimizer == "flexdemo" || optimizer == "flexdemo-adamw";
-  if (overlap_step && !(replicator == "demo" || (replicator.empty() && demo))) {
+  const bool demo_replicator = replicator == "demo" || (replicator.empty() && demo);
+  if (overlap_step && !demo_replicator) {
     fail("--overlap-step needs the demo replicator (--optimizer flexdemo or flexdemo-adamw)");
   }
   if (exchange_in_backward) {
     // A unit's payloads leave during the backward: nothing may change its gradient afterwards.
-    if (!(replicator == "demo" || (replicator.empty() && demo))) {
+    if (!demo_replicator) {
       fail("--exchange-in-backward needs the demo replicator (--optimizer flexdemo or "
            "flexdemo-adamw)");
     }
