@@ -17,12 +17,12 @@ int main(int argc, char** argv) {
   const torch::Tensor target = torch::randn({16, 64});
   torch::Tensor weight = torch::zeros({16, 64}, torch::requires_grad());
 
-  flexdemo::optim::DemoOptions options;
+  flexdemo::optim::OptimizerOptions options;
   options.lr = 0.02;
   options.topk = 16;
   options.chunk = 16;
   options.values = flexdemo::compress::ValueEncoding::Bf16;
-  flexdemo::optim::DemoOptimizer demo({weight}, options, world);
+  flexdemo::optim::Optimizer demo({weight}, options, world);
 
   torch::manual_seed(1 + world->rank());  // but each replica sees its own data
   double first = 0, last = 0;

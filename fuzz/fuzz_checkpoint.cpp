@@ -1,6 +1,6 @@
 // libFuzzer target: the checkpoint reader's parser of safetensors files (model weights and
 // optimizer state). Anything but std::invalid_argument, or a read out of bounds, is a finding.
-#include "flexdemo/checkpoint.h"
+#include "flexdemo/safetensors.h"
 
 #include <ATen/ATen.h>
 

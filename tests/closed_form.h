@@ -9,7 +9,7 @@
 
 // One replica's DeMo payload for these chunk plans: header + indices + scales + values.
 inline uint64_t closed_form_payload_bytes(const std::vector<flexdemo::dct::ChunkPlan>& plans,
-                                          const flexdemo::optim::DemoOptions& o) {
+                                          const flexdemo::optim::OptimizerOptions& o) {
   using flexdemo::compress::ValueEncoding;
   uint64_t total = 0;
   for (const auto& plan : plans) {

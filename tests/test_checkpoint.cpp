@@ -1,5 +1,5 @@
 // The safetensors parser on hostile input (one process): what the fuzzer found stays fixed.
-#include "flexdemo/checkpoint.h"
+#include "flexdemo/safetensors.h"
 
 #include <gtest/gtest.h>
 

@@ -164,7 +164,7 @@ TEST(WireFormat, RoundTripEveryEncoding) {
       for (int64_t j = 0; j < t.k; ++j)
         expected[plan.chunk_origin(c) + plan.offset_in_chunk(t.indices[c][j].item<int64_t>())] =
             t.values[c][j];
-    EXPECT_TRUE(at::equal(out, expected)) << compress::to_string(e);
+    EXPECT_TRUE(at::equal(out, expected)) << name_of(e);
 
     // Quantisation error within what the encoding promises.
     const at::Tensor err = (t.values - original).abs();
@@ -188,7 +188,7 @@ TEST(WireFormat, RoundTripEveryEncoding) {
       }
     }
   }
-  EXPECT_THROW(compress::parse_value_encoding("fp16"), std::invalid_argument);
+  EXPECT_THROW(parse_name<compress::ValueEncoding>("fp16"), std::invalid_argument);
 }
 
 TEST(WireFormat, RejectsMalformedPayloads) {

@@ -88,7 +88,7 @@ TEST(ChunkPlan, HigherRankTensorsAreDim0ByRest) {
 TEST(ChunkPlan, RejectsBadInput) {
   EXPECT_THROW(make_chunk_plan({8, 8}, 0, ChunkMode::Divisor), std::invalid_argument);
   EXPECT_THROW(make_chunk_plan({0, 8}, 8, ChunkMode::Divisor), std::invalid_argument);
-  EXPECT_THROW(flexdemo::dct::parse_chunk_mode("pad"), std::invalid_argument);
+  EXPECT_THROW(flexdemo::parse_name<flexdemo::dct::ChunkMode>("pad"), std::invalid_argument);
 }
 
 TEST(Dct, BasisIsOrthonormal) {

@@ -1,4 +1,4 @@
-// DeMo with one replica against a naive float64 implementation of DESIGN.md §1 written here:
+// DeMo with one replica against a naive float64 implementation of the algorithm (README: "The algorithm, per step and tensor") written here:
 // residual kept in the sample domain, DCT by the direct formula, top-k by sorting.
 #include "flexdemo/optim.h"
 
@@ -25,12 +25,12 @@ at::Tensor naive_basis(int64_t n) {
 // One parameter's naive DeMo state, on the padded grid of its chunk plan.
 struct NaiveDemo {
   dct::ChunkPlan plan;
-  optim::DemoOptions o;
+  optim::OptimizerOptions o;
   at::Tensor p;      // float64 [rows, cols]
   at::Tensor delta;  // float64 [padded_rows, padded_cols]
   at::Tensor bh, bw;
 
-  NaiveDemo(const at::Tensor& init, const optim::DemoOptions& options)
+  NaiveDemo(const at::Tensor& init, const optim::OptimizerOptions& options)
       : plan(dct::make_chunk_plan(init.sizes(), options.chunk, options.chunk_mode)), o(options) {
     p = init.to(at::kDouble).reshape({plan.rows, plan.cols}).clone();
     delta = at::zeros({plan.padded_rows, plan.padded_cols}, at::kDouble);
@@ -86,8 +86,8 @@ const Case kCases[] = {
     {{50, 21}, dct::ChunkMode::Padded},    // padded to 64 x 32
 };
 
-optim::DemoOptions test_options(dct::ChunkMode mode, bool sign) {
-  optim::DemoOptions o;
+optim::OptimizerOptions test_options(dct::ChunkMode mode, bool sign) {
+  optim::OptimizerOptions o;
   o.lr = 0.01;
   o.decay = 0.9;
   o.topk = 5;
@@ -105,10 +105,10 @@ optim::DemoOptions test_options(dct::ChunkMode mode, bool sign) {
 static std::vector<double> max_differences(bool sign) {
   std::vector<double> diffs;
   for (const Case& c : kCases) {
-    optim::DemoOptions o = test_options(c.mode, sign);
+    optim::OptimizerOptions o = test_options(c.mode, sign);
     at::Tensor p = at::randn(c.shape).set_requires_grad(true);
     NaiveDemo naive(p.detach(), o);
-    optim::DemoOptimizer demo({p}, o);
+    optim::Optimizer demo({p}, o);
     for (int step = 0; step < 6; ++step) {
       at::Tensor g = at::randn(c.shape);
       p.mutable_grad() = g;
@@ -142,12 +142,12 @@ TEST(Demo, MatchesNaiveFloat64WithSign) {
 TEST(Demo, KeepsResidualOfWhatWasNotSent) {
   // Error feedback: after one step from zero, residual + sent == lr * DCT(grad) exactly.
   at::manual_seed(22);
-  optim::DemoOptions o = test_options(dct::ChunkMode::Divisor, true);
+  optim::OptimizerOptions o = test_options(dct::ChunkMode::Divisor, true);
   o.weight_decay = 0.0;
   at::Tensor p = at::zeros({32, 32}).set_requires_grad(true);
   at::Tensor g = at::randn({32, 32});
   p.mutable_grad() = g;
-  optim::DemoOptimizer demo({p}, o);
+  optim::Optimizer demo({p}, o);
   demo.step();
   const at::Tensor full = dct::chunked_dct(g, demo.chunk_plan(0)) * o.lr;
   const at::Tensor residual = demo.residual(0);
@@ -157,15 +157,15 @@ TEST(Demo, KeepsResidualOfWhatWasNotSent) {
 }
 
 TEST(Demo, RejectsInvalidOptions) {
-  auto expect_error = [](optim::DemoOptions o, const std::string& what) {
+  auto expect_error = [](optim::OptimizerOptions o, const std::string& what) {
     try {
-      optim::DemoOptimizer demo({at::zeros({4}).set_requires_grad(true)}, o);
+      optim::Optimizer demo({at::zeros({4}).set_requires_grad(true)}, o);
       ADD_FAILURE() << "accepted bad " << what;
     } catch (const std::invalid_argument& e) {
       EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
     }
   };
-  optim::DemoOptions o;
+  optim::OptimizerOptions o;
   o.topk = 0;
   expect_error(o, "topk");
   o = {};
@@ -207,12 +207,12 @@ TEST(Demo, FastPathEqualsPlainPath) {
     }
     for (auto [inner, sign] : {std::pair{optim::InnerKind::SignSgd, true},
                                {optim::InnerKind::AdamW, true}, {optim::InnerKind::AdamW, false}}) {
-      optim::DemoOptions fast = test_options(c.mode, sign), plain = fast;
+      optim::OptimizerOptions fast = test_options(c.mode, sign), plain = fast;
       fast.inner = plain.inner = inner;
       plain.fast_path = false;
       at::Tensor p_fast = at::randn(c.shape).set_requires_grad(true);
       at::Tensor p_plain = p_fast.detach().clone().set_requires_grad(true);
-      optim::DemoOptimizer a({p_fast}, fast), b({p_plain}, plain);
+      optim::Optimizer a({p_fast}, fast), b({p_plain}, plain);
       for (int step = 0; step < 6; ++step) {
         const at::Tensor g = at::randn(c.shape);
         p_fast.mutable_grad() = g;
@@ -221,7 +221,7 @@ TEST(Demo, FastPathEqualsPlainPath) {
         b.step();
         const at::Tensor diff = (p_fast - p_plain).detach().reshape({plan.rows, plan.cols});
         EXPECT_LT(diff.masked_select(compared).abs().max().item<double>(), 1e-6)
-            << at::IntArrayRef(c.shape) << " " << optim::to_string(inner) << " sign " << sign
+            << at::IntArrayRef(c.shape) << " " << name_of(inner) << " sign " << sign
             << " step " << step;
         EXPECT_TRUE(at::allclose(a.residual(0), b.residual(0), 1e-5, 1e-7));
       }
@@ -244,12 +244,12 @@ TEST(Demo, OverlapStepAppliesEachUpdateOneStepLater) {
   // the parameters in use carry the preview of update t + 1: one replica's own payloads are all
   // of it, so they equal the plain step but for its weight decay.
   at::manual_seed(24);
-  optim::DemoOptions plain = test_options(dct::ChunkMode::Divisor, true), overlap = plain;
+  optim::OptimizerOptions plain = test_options(dct::ChunkMode::Divisor, true), overlap = plain;
   overlap.overlap_step = true;
   at::Tensor p = at::randn({48, 40}).set_requires_grad(true);
   at::Tensor q = p.detach().clone().set_requires_grad(true);
   const at::Tensor init = p.detach().clone();
-  optim::DemoOptimizer a({p}, plain), b({q}, overlap);
+  optim::Optimizer a({p}, plain), b({q}, overlap);
   std::vector<at::Tensor> after_plain;
   for (int step = 0; step < 6; ++step) {
     const at::Tensor g = at::randn({48, 40});

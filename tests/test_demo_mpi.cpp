@@ -26,7 +26,7 @@ void set_gradients(std::vector<at::Tensor>& params, int rank, int step) {
   for (auto& p : params) p.mutable_grad() = at::randn(p.sizes(), gen);
 }
 
-std::vector<dct::ChunkPlan> plans_of(const optim::DemoOptions& o) {
+std::vector<dct::ChunkPlan> plans_of(const optim::OptimizerOptions& o) {
   std::vector<dct::ChunkPlan> plans;
   for (const auto& s : kShapes) plans.push_back(dct::make_chunk_plan(s, o.chunk, o.chunk_mode));
   return plans;
@@ -38,7 +38,7 @@ TEST(DemoMpi, ReplicasStayBitIdenticalAndBytesMatchClosedForm) {
   auto world = test_world();
   for (auto values : {compress::ValueEncoding::Fp32, compress::ValueEncoding::Bf16,
                       compress::ValueEncoding::Int8, compress::ValueEncoding::Sign}) {
-    optim::DemoOptions o;
+    optim::OptimizerOptions o;
     o.lr = 0.01;
     o.topk = 8;
     o.chunk = 16;
@@ -49,7 +49,7 @@ TEST(DemoMpi, ReplicasStayBitIdenticalAndBytesMatchClosedForm) {
     std::vector<at::Tensor> params = make_params();
     std::vector<at::Tensor> initial;
     for (auto& p : params) initial.push_back(p.detach().clone());
-    optim::DemoOptimizer demo(params, o, group);
+    optim::Optimizer demo(params, o, group);
     const int steps = 20;
     for (int step = 0; step < steps; ++step) {
       set_gradients(params, world->rank(), step);
@@ -59,7 +59,7 @@ TEST(DemoMpi, ReplicasStayBitIdenticalAndBytesMatchClosedForm) {
       at::Tensor mine = params[i].detach().clone();
       at::Tensor root = mine.clone();
       world->broadcast(root, 0);
-      EXPECT_TRUE(at::equal(mine, root)) << "parameter " << i << " " << compress::to_string(values);
+      EXPECT_TRUE(at::equal(mine, root)) << "parameter " << i << " " << name_of(values);
       EXPECT_FALSE(at::equal(mine, initial[i])) << "parameter " << i << " never moved";
     }
     const uint64_t payload = closed_form_payload_bytes(plans_of(o), o);
@@ -74,14 +74,14 @@ TEST(DemoMpi, UpdateEqualsSingleProcessReplayOfAllReplicas) {
   // together by hand: the multi-rank update must be the replay's, bit for bit.
   auto world = test_world();
   const int P = world->size();
-  optim::DemoOptions o;
+  optim::OptimizerOptions o;
   o.lr = 0.05;
   o.topk = 4;
   o.chunk = 8;
   o.sign = false;
 
   std::vector<at::Tensor> params = make_params();
-  optim::DemoOptimizer demo(params, o, world->split(0, world->rank()));
+  optim::Optimizer demo(params, o, world->split(0, world->rank()));
   set_gradients(params, world->rank(), 0);
   demo.step();
 
@@ -94,7 +94,7 @@ TEST(DemoMpi, UpdateEqualsSingleProcessReplayOfAllReplicas) {
     for (int q = 0; q < P; ++q) {
       std::vector<at::Tensor> replica = make_params();
       set_gradients(replica, q, 0);
-      optim::DemoOptimizer local({replica[i]}, o);
+      optim::Optimizer local({replica[i]}, o);
       local.step();
       at::Tensor full = dct::chunked_dct(replica[i].grad(), plan) * o.lr;
       at::Tensor sent = full - local.residual(0);
@@ -113,17 +113,17 @@ TEST(DemoMpi, OverlapStepKeepsReplicasIdenticalAndOneStepBehind) {
   // step, the committed parameters stay bit-identical across replicas, and after step t + 1
   // they are what the blocking exchange gave after step t (same gradients, constant lr).
   auto world = test_world();
-  optim::DemoOptions o;
+  optim::OptimizerOptions o;
   o.lr = 0.01;
   o.topk = 8;
   o.chunk = 16;
   o.values = compress::ValueEncoding::Bf16;
-  optim::DemoOptions overlapped = o;
+  optim::OptimizerOptions overlapped = o;
   overlapped.overlap_step = true;
   std::vector<at::Tensor> a = make_params(), b = make_params();
-  optim::DemoOptimizer blocking(a, o, world->split(0, world->rank()));
+  optim::Optimizer blocking(a, o, world->split(0, world->rank()));
   auto group = world->split(0, world->rank());
-  optim::DemoOptimizer overlap(b, overlapped, group);
+  optim::Optimizer overlap(b, overlapped, group);
   std::vector<at::Tensor> previous;
   for (auto& p : a) previous.push_back(p.detach().clone());
   const int steps = 8;
@@ -155,19 +155,19 @@ TEST(DemoMpi, ExchangeStartedInBucketsEqualsOneBucket) {
   for (auto inner : {optim::InnerKind::SignSgd, optim::InnerKind::AdamW}) {
     for (int64_t every : {1, 2}) {
       for (bool replicated : {true, false}) {
-        optim::DemoOptions o;
+        optim::OptimizerOptions o;
         o.lr = 0.01;
         o.topk = 8;
         o.chunk = 16;
         o.values = compress::ValueEncoding::Bf16;
         o.inner = inner;
         o.replicate_every = every;
-        const std::string what = optim::to_string(inner) + " every " + std::to_string(every) +
+        const std::string what = name_of(inner) + " every " + std::to_string(every) +
                                  (replicated ? " replicated" : " alone");
         auto group_a = replicated ? world->split(0, world->rank()) : nullptr;
         auto group_b = replicated ? world->split(0, world->rank()) : nullptr;
         std::vector<at::Tensor> a = make_params(), b = make_params();
-        optim::DemoOptimizer whole(a, o, group_a), buckets(b, o, group_b);
+        optim::Optimizer whole(a, o, group_a), buckets(b, o, group_b);
         const int steps = 6;
         for (int step = 0; step < steps; ++step) {
           set_gradients(a, world->rank(), step);
@@ -189,7 +189,7 @@ TEST(DemoMpi, ExchangeStartedInBucketsEqualsOneBucket) {
       }
     }
   }
-  optim::DemoOptimizer demo(make_params(), optim::DemoOptions{}, nullptr);
+  optim::Optimizer demo(make_params(), optim::OptimizerOptions{}, nullptr);
   EXPECT_THROW(demo.start_exchange({5}), std::out_of_range);
   demo.start_exchange({0});
   EXPECT_THROW(demo.start_exchange({0}), std::logic_error);  // already started

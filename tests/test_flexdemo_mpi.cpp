@@ -60,7 +60,7 @@ at::Tensor rank_rows(const at::Tensor& t, const comm::Topology& topo) {
 struct ShardedMlp {
   std::vector<std::unique_ptr<shard::ShardedUnit>> units;
 
-  ShardedMlp(const comm::Topology& topo, const optim::DemoOptions& o, bool reshard = true) {
+  ShardedMlp(const comm::Topology& topo, const optim::OptimizerOptions& o, bool reshard = true) {
     shard::ShardOptions so;
     so.chunk = o.chunk;
     so.chunk_mode = o.chunk_mode;
@@ -76,13 +76,7 @@ struct ShardedMlp {
     for (size_t u = 0; u < units.size(); ++u) h = units[u]->forward(kUnitFns[u], {h});
     return at::mse_loss(h, y);
   }
-  std::vector<optim::OptimParam> optim_params() const {
-    std::vector<optim::OptimParam> all;
-    for (const auto& u : units) {
-      for (auto& p : u->optim_params()) all.push_back(p);
-    }
-    return all;
-  }
+  std::vector<optim::OptimParam> optim_params() const { return shard::optim_params(units); }
   std::vector<at::Tensor> full_params() const {
     std::vector<at::Tensor> all;
     for (const auto& u : units) {
@@ -107,8 +101,8 @@ comm::Topology two_nodes_of_one() {
   return comm::make_topology(world->split(world->rank() % 2, world->rank() / 2), {1, 1});
 }
 
-optim::DemoOptions demo_options() {
-  optim::DemoOptions o;
+optim::OptimizerOptions demo_options() {
+  optim::OptimizerOptions o;
   o.lr = 0.01;
   o.decay = 0.9;
   o.topk = 4;
@@ -117,11 +111,11 @@ optim::DemoOptions demo_options() {
 }
 
 // Trains for `steps` on the global batches; returns the model.
-std::unique_ptr<ShardedMlp> train(const comm::Topology& topo, const optim::DemoOptions& o,
-                                  int steps, optim::DemoOptimizer** optimizer_out = nullptr) {
+std::unique_ptr<ShardedMlp> train(const comm::Topology& topo, const optim::OptimizerOptions& o,
+                                  int steps, optim::Optimizer** optimizer_out = nullptr) {
   auto model = std::make_unique<ShardedMlp>(topo, o);
-  static std::unique_ptr<optim::DemoOptimizer> optimizer;  // outlives the call for the caller
-  optimizer = std::make_unique<optim::DemoOptimizer>(model->optim_params(), o, topo.replica_group);
+  static std::unique_ptr<optim::Optimizer> optimizer;  // outlives the call for the caller
+  optimizer = std::make_unique<optim::Optimizer>(model->optim_params(), o, topo.replica_group);
   for (int step = 0; step < steps; ++step) {
     auto [x, y] = global_batch(step);
     optimizer->zero_grad();
@@ -205,7 +199,7 @@ TEST(ShardSpec, ShardsAreWholeChunkRowsCoveringTheTensor) {
 }
 
 TEST(FlexDemo, ResultDoesNotDependOnShardSize) {
-  const optim::DemoOptions o = demo_options();
+  const optim::OptimizerOptions o = demo_options();
   const auto sharded = train(two_nodes_of_two(), o, 10)->full_params();
   const auto whole = train(two_nodes_of_one(), o, 10)->full_params();
   const auto start = initial_params();
@@ -216,7 +210,7 @@ TEST(FlexDemo, ResultDoesNotDependOnShardSize) {
 }
 
 TEST(FlexDemo, FullWithAdamWEqualsSingleProcessAdamW) {
-  optim::DemoOptions o = demo_options();
+  optim::OptimizerOptions o = demo_options();
   o.replicator = optim::ReplicatorKind::Full;
   o.inner = optim::InnerKind::AdamW;
   o.sign = false;
@@ -249,7 +243,7 @@ TEST(FlexDemo, FullWithAdamWEqualsSingleProcessAdamW) {
 TEST(FlexDemo, ReplicasAreBitIdenticalAcrossNodes) {
   for (auto kind :
        {optim::ReplicatorKind::Demo, optim::ReplicatorKind::Full, optim::ReplicatorKind::Random}) {
-    optim::DemoOptions o = demo_options();
+    optim::OptimizerOptions o = demo_options();
     o.replicator = kind;
     o.random_fraction = 0.25;
     const comm::Topology topo = two_nodes_of_two();
@@ -259,16 +253,16 @@ TEST(FlexDemo, ReplicasAreBitIdenticalAcrossNodes) {
         at::Tensor mine = shard.detach().clone();
         at::Tensor first = mine.clone();
         topo.replica_group->broadcast(first, 0);
-        EXPECT_TRUE(at::equal(mine, first)) << optim::to_string(kind) << " " << unit->name();
+        EXPECT_TRUE(at::equal(mine, first)) << name_of(kind) << " " << unit->name();
       }
     }
   }
 }
 
 TEST(FlexDemo, StateBytesScaleWithOneOverShardSize) {
-  optim::DemoOptions o = demo_options();
+  optim::OptimizerOptions o = demo_options();
   o.inner = optim::InnerKind::AdamW;
-  optim::DemoOptimizer* opt = nullptr;
+  optim::Optimizer* opt = nullptr;
   auto sharded = train(two_nodes_of_two(), o, 1, &opt);
   const double sharded_bytes = double(sharded->param_and_grad_bytes() + opt->state_bytes());
   auto whole = train(two_nodes_of_one(), o, 1, &opt);
@@ -281,11 +275,11 @@ TEST(FlexDemo, BytesBetweenNodesMatchClosedForm) {
   const comm::Topology topo = two_nodes_of_two();
   for (auto kind :
        {optim::ReplicatorKind::Demo, optim::ReplicatorKind::Full, optim::ReplicatorKind::None}) {
-    optim::DemoOptions o = demo_options();
+    optim::OptimizerOptions o = demo_options();
     o.replicator = kind;
     o.values = compress::ValueEncoding::Bf16;
     ShardedMlp model(topo, o);
-    optim::DemoOptimizer optimizer(model.optim_params(), o, topo.replica_group);
+    optim::Optimizer optimizer(model.optim_params(), o, topo.replica_group);
     std::vector<dct::ChunkPlan> plans;
     int64_t shard_numel = 0;
     for (const auto& p : model.optim_params()) {
@@ -305,7 +299,7 @@ TEST(FlexDemo, BytesBetweenNodesMatchClosedForm) {
       model.loss(rank_rows(x, topo), rank_rows(y, topo)).backward();
       optimizer.step();
       const comm::StepTraffic t = meter.lap();
-      EXPECT_EQ(t.inter_sent, expected) << optim::to_string(kind) << " step " << step;
+      EXPECT_EQ(t.inter_sent, expected) << name_of(kind) << " step " << step;
       EXPECT_GT(t.intra_sent, 0u);
       const uint64_t bucketed = kind == optim::ReplicatorKind::None ? 0 : 1;  // one per step
       EXPECT_EQ(topo.replica_group->stats().collectives - collectives, bucketed);
@@ -316,11 +310,11 @@ TEST(FlexDemo, BytesBetweenNodesMatchClosedForm) {
 TEST(FlexDemo, ReplicateEveryExchangesOnlyEveryNthStep) {
   const comm::Topology topo = two_nodes_of_two();
   for (auto kind : {optim::ReplicatorKind::Demo, optim::ReplicatorKind::Full}) {
-    optim::DemoOptions o = demo_options();
+    optim::OptimizerOptions o = demo_options();
     o.replicator = kind;
     o.replicate_every = 3;
     ShardedMlp model(topo, o);
-    optim::DemoOptimizer optimizer(model.optim_params(), o, topo.replica_group);
+    optim::Optimizer optimizer(model.optim_params(), o, topo.replica_group);
     const std::vector<at::Tensor> start = model.full_params();
     comm::TrafficMeter meter(topo);
     for (int step = 0; step < 6; ++step) {
@@ -329,7 +323,7 @@ TEST(FlexDemo, ReplicateEveryExchangesOnlyEveryNthStep) {
       model.loss(rank_rows(x, topo), rank_rows(y, topo)).backward();
       optimizer.step();
       const bool exchanged = (step + 1) % 3 == 0;
-      EXPECT_EQ(meter.lap().inter_sent > 0, exchanged) << optim::to_string(kind) << " " << step;
+      EXPECT_EQ(meter.lap().inter_sent > 0, exchanged) << name_of(kind) << " " << step;
       const std::vector<at::Tensor> now = model.full_params();
       meter.lap();  // the gather above is not the optimizer's traffic
       if (step == 1) {
@@ -350,7 +344,7 @@ TEST(FlexDemo, ReplicateEveryExchangesOnlyEveryNthStep) {
 
 TEST(FlexDemo, KeepingGatheredParametersGivesTheSameGradients) {
   const comm::Topology topo = two_nodes_of_two();
-  const optim::DemoOptions o = demo_options();
+  const optim::OptimizerOptions o = demo_options();
   ShardedMlp resharded(topo, o, true), kept(topo, o, false);
   auto [x, y] = global_batch(0);
   resharded.loss(rank_rows(x, topo), rank_rows(y, topo)).backward();
@@ -369,7 +363,7 @@ TEST(FlexDemo, UnitSignalsItsGradientsCompleteOncePerBackward) {
   // when its shards' gradients are already the final ones, which equal a model without the
   // callbacks; across two accumulated backwards too, with and without resharding.
   const comm::Topology topo = two_nodes_of_two();
-  const optim::DemoOptions o = demo_options();
+  const optim::OptimizerOptions o = demo_options();
   for (bool reshard : {true, false}) {
     ShardedMlp model(topo, o, reshard), reference(topo, o, reshard);
     auto tied_loss = [](ShardedMlp& m, const at::Tensor& x, const at::Tensor& y) {

@@ -3,7 +3,7 @@
 // `run_training` whose outputs follow the documented schema.
 #include "test_mpi.h"
 
-#include "flexdemo/checkpoint.h"
+#include "flexdemo/safetensors.h"
 #include "flexdemo/data.h"
 #include "flexdemo/model.h"
 #include "flexdemo/optim.h"
@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -38,17 +39,14 @@ model::GptConfig tiny() {
 // 60 AdamW steps on one fixed batch, alone: the first and the last loss.
 std::pair<double, double> overfit(model::LanguageModel& lm,
                                   const std::function<at::Tensor()>& loss_fn) {
-  std::vector<optim::OptimParam> params;
-  for (const auto& u : lm.units()) {
-    for (auto& p : u->optim_params()) params.push_back(p);
-  }
-  optim::DemoOptions o;
+  const std::vector<optim::OptimParam> params = shard::optim_params(lm.units());
+  optim::OptimizerOptions o;
   o.replicator = optim::ReplicatorKind::Full;
   o.inner = optim::InnerKind::AdamW;
   o.sign = false;
   o.lr = 1e-2;
   o.chunk = 4;
-  optim::DemoOptimizer opt(params, o, alone());
+  optim::Optimizer opt(params, o, alone());
   double first = 0, last = 0;
   for (int step = 0; step < 60; ++step) {
     opt.zero_grad();
@@ -188,7 +186,7 @@ train::TrainConfig tiny_run(const fs::path& dir) {
   c.model = "gpt-nano";
   c.width = 16, c.layers = 1, c.heads = 2, c.context = 16;
   c.data = (dir / "corpus").string();
-  c.tokenizer = "bytes";
+  c.tokenizer = train::TokenizerKind::Bytes;
   c.steps = 3;
   c.batch = 4;
   c.seq = 16;
@@ -305,11 +303,11 @@ TEST(Trainer, ExchangeInBackwardEqualsExchangeAfterIt) {
   c.micro_batch = 4 / world->size();
   if (c.micro_batch > 1) c.micro_batch /= 2;  // 2 ranks: 2 sequences each, as two micro-batches
   c.clip = 0;
-  c.on_nonfinite = "stop";
+  c.on_nonfinite = train::NonFinitePolicy::Stop;
   c.check_replicas = 1;
   const int64_t units = 2 + c.layers;  // embeddings, the blocks, ln_f
   for (const char* optimizer : {"flexdemo", "flexdemo-adamw"}) {
-    c.optimizer = optimizer;
+    c.optimizer = parse_name<train::OptimizerKind>(optimizer);
     c.exchange_in_backward = false;
     c.out = (dir / optimizer / "after").string();
     ASSERT_EQ(train::run_training(c, world), 0);
@@ -336,7 +334,7 @@ TEST(Trainer, ExchangeInBackwardEqualsExchangeAfterIt) {
                 .find("--exchange-in-backward needs --clip 0"),
             std::string::npos);
   c.clip = 0;
-  c.on_nonfinite = "skip";
+  c.on_nonfinite = train::NonFinitePolicy::Skip;
   EXPECT_NE(invalid_argument_of([&] { train::run_training(c, world); })
                 .find("--exchange-in-backward needs --on-nonfinite stop"),
             std::string::npos);
@@ -448,7 +446,7 @@ TEST(Trainer, NonFiniteStepIsSkippedEverywhereOrStops) {
   EXPECT_EQ(lines[0]["skipped_steps"].get<int64_t>(), 0);
   EXPECT_EQ(lines[1]["skipped_steps"].get<int64_t>(), 1);
   EXPECT_EQ(lines[3]["skipped_steps"].get<int64_t>(), 1);
-  c.on_nonfinite = "stop";
+  c.on_nonfinite = train::NonFinitePolicy::Stop;
   try {
     train::run_training(c, world);
     ADD_FAILURE() << "a NaN did not stop the run";
@@ -490,4 +488,33 @@ TEST(Trainer, WritesDocumentedOutputs) {
   c.batch = 4;
   c.seq = 17;  // longer than the context
   EXPECT_THROW(train::run_training(c, world), std::invalid_argument);
+}
+
+TEST(Trainer, MaxTimeStopsAtAStepBoundaryWithACheckpoint) {
+  // --max-time ends the run after the step that reaches it, evaluated and checkpointed, and a
+  // resume from there continues as if nothing had stopped it.
+  auto world = test_world();
+  const fs::path dir = fs::temp_directory_path() / "flexdemo-max-time-test";
+  train::TrainConfig c = tiny_run(dir);
+  c.max_time = 1e9;  // never reached: the whole run
+  c.out = (dir / "whole").string();
+  ASSERT_EQ(train::run_training(c, world), 0);
+  c.max_time = 1e-9;  // reached by the first step
+  c.out = (dir / "stopped").string();
+  ASSERT_EQ(train::run_training(c, world), 0);
+  world->barrier();
+  const auto summary = nlohmann::json::parse(std::ifstream(dir / "stopped" / "summary.json"));
+  EXPECT_EQ(summary["steps"].get<int64_t>(), 1);
+  EXPECT_TRUE(std::isfinite(summary["final_val_loss"].get<double>()));
+  ASSERT_EQ(step_losses(dir / "stopped").size(), 1u);
+  EXPECT_TRUE(fs::exists(dir / "stopped" / "checkpoints" / "step-1" / "manifest.json"));
+  EXPECT_FALSE(fs::exists(dir / "stopped" / "checkpoints" / "step-3"));
+  c.max_time = 0;  // no limit
+  c.resume = c.out;
+  ASSERT_EQ(train::run_training(c, world), 0);
+  world->barrier();
+  const std::vector<double> whole = step_losses(dir / "whole");
+  ASSERT_EQ(whole.size(), 3u);
+  EXPECT_EQ(step_losses(dir / "stopped"), whole);
+  expect_same_weights(dir / "whole/checkpoints/step-3", dir / "stopped/checkpoints/step-3");
 }

@@ -5,6 +5,8 @@
 
 #include "flexdemo/dct.h"
 
+#include "flexdemo/names.h"
+
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
@@ -26,8 +28,6 @@ enum class ValueEncoding : uint8_t {
   Int8 = 2,  // 1 byte per value + one fp32 scale per chunk (max |v| / 127)
   Sign = 3,  // 1 bit per value + one fp32 scale per chunk (mean |v|): decodes to +-scale
 };
-std::string to_string(ValueEncoding encoding);                // "fp32" "bf16" "int8" "1bit"
-ValueEncoding parse_value_encoding(const std::string& name);  // inverse of to_string
 
 // ====== Top-k ======
 // The k coefficients of largest magnitude in every chunk, indices ascending within a chunk.
@@ -86,3 +86,15 @@ SparseChunks decode_mean_sparse(const std::vector<const uint8_t*>& payloads, siz
                                 const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding);
 
 }  // namespace flexdemo::compress
+
+namespace flexdemo {
+template <>
+struct NameTable<compress::ValueEncoding> {
+  static constexpr const char* what = "value encoding";
+  static constexpr std::pair<compress::ValueEncoding, const char*> entries[] = {
+      {compress::ValueEncoding::Fp32, "fp32"},
+      {compress::ValueEncoding::Bf16, "bf16"},
+      {compress::ValueEncoding::Int8, "int8"},
+      {compress::ValueEncoding::Sign, "1bit"}};
+};
+}  // namespace flexdemo

@@ -3,6 +3,8 @@
 // chunks; each chunk is transformed on its own, all chunks of a tensor at once.
 #pragma once
 
+#include "flexdemo/names.h"
+
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
@@ -14,8 +16,6 @@ enum class ChunkMode {
   Divisor,  // per dimension the largest divisor <= target (the reference DeMo; primes get 1)
   Padded,   // per dimension min(dim, target), the tensor zero-padded to a multiple of it
 };
-std::string to_string(ChunkMode mode);
-ChunkMode parse_chunk_mode(const std::string& name);  // "divisor" | "padded"
 
 // How one tensor is cut into chunks.
 struct ChunkPlan {
@@ -72,3 +72,12 @@ void chunked_idct_into(const at::Tensor& coeffs, const ChunkPlan& plan, const at
 at::Tensor chunked_idct(const at::Tensor& coeffs, const ChunkPlan& plan);
 
 }  // namespace flexdemo::dct
+
+namespace flexdemo {
+template <>
+struct NameTable<dct::ChunkMode> {
+  static constexpr const char* what = "chunk mode";
+  static constexpr std::pair<dct::ChunkMode, const char*> entries[] = {
+      {dct::ChunkMode::Divisor, "divisor"}, {dct::ChunkMode::Padded, "padded"}};
+};
+}  // namespace flexdemo

@@ -8,6 +8,8 @@
 #include "flexdemo/compress.h"
 #include "flexdemo/dct.h"
 
+#include "flexdemo/names.h"
+
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
@@ -29,17 +31,13 @@ enum class ReplicatorKind {
   None,    // no exchange: independent local training
   Random,  // a seeded random subset of rows (elements of vectors), dense-averaged, with residual
 };
-std::string to_string(ReplicatorKind kind);  // "demo" "full" "none" "random"
-ReplicatorKind parse_replicator_kind(const std::string& name);
 
 enum class InnerKind {
   SignSgd,  // p -= lr * sign(direction)   (DeMo's)
   AdamW,    // AdamW fed with sign(direction) or the direction (FlexDeMo's AdamW variant)
 };
-std::string to_string(InnerKind kind);  // "sgd" "adamw"
-InnerKind parse_inner_kind(const std::string& name);
 
-struct DemoOptions {
+struct OptimizerOptions {
   // ====== Inner optimizer ======
   double lr = 1e-3;           // learning rate (> 0); DeMo also folds it into the residual
   double weight_decay = 0.0;  // decoupled, >= 0 and lr * weight_decay < 1
@@ -80,25 +78,25 @@ struct OptimParam {
 };
 
 // What one exchange puts on the wire from this replica (the same every exchange).
-struct DemoTraffic {
+struct ExchangeTraffic {
   uint64_t wire_bytes = 0;        // payload of one exchange: all tensors, headers included
   int64_t kept_coefficients = 0;  // Demo: sum over tensors of chunks * k
   int64_t params = 0;             // elements covered
 };
 
-class DemoOptimizer {
+class Optimizer {
  public:
   // Whole parameters (chunk plans from their shapes). replica_group: the ranks holding the same
   // parameters; nullptr means one replica (nothing is sent, but DeMo's payload is still encoded
   // and decoded, so the numbers match a multi-replica run).
-  DemoOptimizer(std::vector<at::Tensor> params, DemoOptions options,
+  Optimizer(std::vector<at::Tensor> params, OptimizerOptions options,
                 std::shared_ptr<comm::Communicator> replica_group = nullptr);
   // Explicit plans, e.g. this rank's shards.
-  DemoOptimizer(std::vector<OptimParam> params, DemoOptions options,
+  Optimizer(std::vector<OptimParam> params, OptimizerOptions options,
                 std::shared_ptr<comm::Communicator> replica_group);
-  ~DemoOptimizer();
-  DemoOptimizer(const DemoOptimizer&) = delete;
-  DemoOptimizer& operator=(const DemoOptimizer&) = delete;
+  ~Optimizer();
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
 
   // One step from the gradients (a missing gradient counts as zero). Collective over the
   // replica group on exchange steps: every replica calls it with the same shapes and options.
@@ -113,9 +111,9 @@ class DemoOptimizer {
   void start_exchange(const std::vector<size_t>& tensors);
   void zero_grad();  // zeroes the gradients (keeps their storage)
 
-  const DemoOptions& options() const;
+  const OptimizerOptions& options() const;
   void set_lr(double lr);  // the learning rate of this and later steps (a schedule)
-  DemoTraffic traffic() const;
+  ExchangeTraffic traffic() const;
   int64_t steps() const;  // step() calls so far
   // This rank's optimizer state (residuals, accumulators, AdamW moments) by name; the tensors
   // share storage with the optimizer, so a checkpoint loads by copying into them, then calls
@@ -136,4 +134,32 @@ class DemoOptimizer {
   std::unique_ptr<Impl> impl_;
 };
 
+// ====== Gradient utilities ======
+// Whether every defined gradient of `params` is finite.
+bool all_finite(const std::vector<OptimParam>& params);
+// Scales the gradients so that their norm is at most max_norm, the norm taken over the
+// gradients of `params` on every rank of `group` (e.g. the shard group: together one replica's
+// whole gradient); sums in float64. Collective over group. Returns the norm before scaling.
+double clip_grad_norm(const std::vector<OptimParam>& params, double max_norm,
+                      comm::Communicator& group);
+
 }  // namespace flexdemo::optim
+
+namespace flexdemo {
+template <>
+struct NameTable<optim::ReplicatorKind> {
+  static constexpr const char* what = "replicator";
+  static constexpr std::pair<optim::ReplicatorKind, const char*> entries[] = {
+      {optim::ReplicatorKind::Demo, "demo"},
+      {optim::ReplicatorKind::Full, "full"},
+      {optim::ReplicatorKind::None, "none"},
+      {optim::ReplicatorKind::Random, "random"}};
+};
+
+template <>
+struct NameTable<optim::InnerKind> {
+  static constexpr const char* what = "inner optimizer";
+  static constexpr std::pair<optim::InnerKind, const char*> entries[] = {
+      {optim::InnerKind::SignSgd, "sgd"}, {optim::InnerKind::AdamW, "adamw"}};
+};
+}  // namespace flexdemo

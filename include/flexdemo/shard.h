@@ -73,7 +73,7 @@ class ShardedUnit {
 
   const std::vector<at::Tensor>& shards() const;  // leaves: float32 [shard_numel], requires_grad
   const std::vector<ShardSpec>& specs() const;
-  std::vector<optim::OptimParam> optim_params() const;  // for DemoOptimizer
+  std::vector<optim::OptimParam> optim_params() const;  // for an Optimizer
   int64_t param_bytes() const;                          // this rank's shards
   int64_t grad_bytes() const;                           // this rank's shard gradients
 
@@ -81,6 +81,28 @@ class ShardedUnit {
 
  private:
   std::unique_ptr<Impl> impl_;
+};
+
+// ====== A model's units together ======
+using Units = std::vector<std::unique_ptr<ShardedUnit>>;
+
+// Every unit's optimizer tensors, unit after unit: the order an Optimizer over a model indexes.
+std::vector<optim::OptimParam> optim_params(const Units& units);
+
+// Owns the exchange-in-backward hook for one backward: while it lives, each unit whose backward
+// is done (its gradients final) hands its tensors to optimizer.start_exchange, so the exchange
+// between nodes starts during the rest of the backward. The optimizer must index the units'
+// tensors as optim_params(units) does. Every replica runs the same backward, so the buckets
+// start in the same order everywhere. Removes the callbacks when it goes.
+class ExchangeInBackward {
+ public:
+  ExchangeInBackward(const Units& units, optim::Optimizer& optimizer);
+  ~ExchangeInBackward();
+  ExchangeInBackward(const ExchangeInBackward&) = delete;
+  ExchangeInBackward& operator=(const ExchangeInBackward&) = delete;
+
+ private:
+  const Units& units_;
 };
 
 }  // namespace flexdemo::shard

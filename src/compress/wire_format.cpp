@@ -13,29 +13,6 @@
 
 namespace flexdemo::compress {
 
-std::string to_string(ValueEncoding encoding) {
-  switch (encoding) {
-    case ValueEncoding::Fp32:
-      return "fp32";
-    case ValueEncoding::Bf16:
-      return "bf16";
-    case ValueEncoding::Int8:
-      return "int8";
-    case ValueEncoding::Sign:
-      return "1bit";
-  }
-  return "unknown";
-}
-
-ValueEncoding parse_value_encoding(const std::string& name) {
-  for (auto e :
-       {ValueEncoding::Fp32, ValueEncoding::Bf16, ValueEncoding::Int8, ValueEncoding::Sign}) {
-    if (name == to_string(e)) return e;
-  }
-  throw std::invalid_argument("unknown value encoding '" + name +
-                              "'; accepted: fp32, bf16, int8, 1bit");
-}
-
 int index_bytes_for(int64_t chunk_numel) {
   if (chunk_numel <= 256) return 1;
   if (chunk_numel <= 65536) return 2;
@@ -250,7 +227,7 @@ void validate_payload(const uint8_t* data, size_t size, const dct::ChunkPlan& pl
   }
   if (data[5] != uint8_t(encoding)) {
     reject("value encoding " + std::to_string(data[5]) + ", this replica expects " +
-           to_string(encoding));
+           name_of(encoding));
   }
   const Layout l = layout_of(plan, k, encoding);
   expect_field(data[6], l.index_bytes, "index width");

@@ -18,16 +18,6 @@
 
 namespace flexdemo::dct {
 
-std::string to_string(ChunkMode mode) {
-  return mode == ChunkMode::Divisor ? "divisor" : "padded";
-}
-
-ChunkMode parse_chunk_mode(const std::string& name) {
-  if (name == "divisor") return ChunkMode::Divisor;
-  if (name == "padded") return ChunkMode::Padded;
-  throw std::invalid_argument("unknown chunk mode '" + name + "'; accepted: divisor, padded");
-}
-
 namespace {
 
 int64_t largest_divisor_at_most(int64_t n, int64_t target) {

@@ -1,4 +1,4 @@
-// The DeMo replicator (DESIGN.md §1): residual momentum kept in the DCT domain, per-chunk top-k
+// The DeMo replicator (the README's "The algorithm, per step and tensor"): residual momentum kept in the DCT domain, per-chunk top-k
 // with error feedback, deterministic decode, inverse DCT. The payloads travel in buckets, one
 // all-gather each: by default one bucket of every tensor per step; tensors whose gradients are
 // final early (start()) go in their own buckets, started at once. With overlap_step the
@@ -16,10 +16,6 @@
 
 namespace flexdemo::optim {
 
-const at::Tensor& Replicator::residual(size_t) const {
-  throw std::logic_error("this replicator keeps no residual");
-}
-
 namespace {
 
 // Some tensors' payloads, all-gathered in one collective.
@@ -34,7 +30,7 @@ struct Bucket {
 
 class DemoReplicator final : public Replicator {
  public:
-  DemoReplicator(const std::vector<dct::ChunkPlan>& plans, const DemoOptions& options,
+  DemoReplicator(const std::vector<dct::ChunkPlan>& plans, const OptimizerOptions& options,
                  std::shared_ptr<comm::Communicator> group)
       : plans_(plans), options_(options), group_(std::move(group)), started_(plans.size(), 0) {
     int64_t largest = 1;
@@ -119,7 +115,7 @@ class DemoReplicator final : public Replicator {
     std::fill(started_.begin(), started_.end(), 0);
   }
 
-  DemoTraffic traffic() const override { return traffic_; }
+  ExchangeTraffic traffic() const override { return traffic_; }
   NamedTensors state_tensors() const override {
     NamedTensors state = numbered("residual", residuals_);
     if (options_.overlap_step) {  // the exchange in flight is part of the state
@@ -265,11 +261,11 @@ class DemoReplicator final : public Replicator {
   }
 
   std::vector<dct::ChunkPlan> plans_;
-  DemoOptions options_;
+  OptimizerOptions options_;
   std::shared_ptr<comm::Communicator> group_;
   std::vector<at::Tensor> residuals_;  // per tensor: float32 block-layout DCT coefficients
   std::vector<size_t> payload_bytes_;  // per tensor
-  DemoTraffic traffic_;
+  ExchangeTraffic traffic_;
   mutable Bucket all_;  // every tensor (its buffers are kept from step to step)
   // This step's buckets started early (start()), in order, and which tensors they hold.
   std::vector<Bucket> buckets_;
@@ -286,7 +282,7 @@ class DemoReplicator final : public Replicator {
 }  // namespace
 
 std::unique_ptr<Replicator> make_demo_replicator(const std::vector<dct::ChunkPlan>& plans,
-                                                 const DemoOptions& options,
+                                                 const OptimizerOptions& options,
                                                  std::shared_ptr<comm::Communicator> group) {
   return std::make_unique<DemoReplicator>(plans, options, std::move(group));
 }

@@ -28,7 +28,7 @@ std::vector<int64_t> bucket_offsets(const std::vector<dct::ChunkPlan>& plans, in
 // ====== Full and None ======
 class DenseReplicator final : public Replicator {
  public:
-  DenseReplicator(const std::vector<dct::ChunkPlan>& plans, const DemoOptions& options,
+  DenseReplicator(const std::vector<dct::ChunkPlan>& plans, const OptimizerOptions& options,
                   std::shared_ptr<comm::Communicator> group, bool exchange)
       : plans_(plans), options_(options), group_(std::move(group)), exchange_(exchange) {
     int64_t total = 0;
@@ -58,7 +58,7 @@ class DenseReplicator final : public Replicator {
     pending_ = 0;
   }
 
-  DemoTraffic traffic() const override { return traffic_; }
+  ExchangeTraffic traffic() const override { return traffic_; }
   // The bucket carries gradients from one step to the next only when exchanges are spaced out.
   NamedTensors state_tensors() const override {
     if (options_.replicate_every == 1) return {};
@@ -70,13 +70,13 @@ class DenseReplicator final : public Replicator {
   at::Tensor slice(size_t i) { return bucket_.narrow(0, offsets_[i], plans_[i].numel()); }
 
   std::vector<dct::ChunkPlan> plans_;
-  DemoOptions options_;
+  OptimizerOptions options_;
   std::shared_ptr<comm::Communicator> group_;
   bool exchange_;
   std::vector<int64_t> offsets_;
   at::Tensor bucket_;  // float32: every tensor's summed gradient back to back
   int64_t pending_ = 0;
-  DemoTraffic traffic_;
+  ExchangeTraffic traffic_;
 };
 
 // ====== Random ======
@@ -107,7 +107,7 @@ std::vector<int64_t> pick_units(uint64_t seed, uint64_t exchange, uint64_t tenso
 
 class RandomReplicator final : public Replicator {
  public:
-  RandomReplicator(const std::vector<dct::ChunkPlan>& plans, const DemoOptions& options,
+  RandomReplicator(const std::vector<dct::ChunkPlan>& plans, const OptimizerOptions& options,
                    std::shared_ptr<comm::Communicator> group)
       : plans_(plans), options_(options), group_(std::move(group)) {
     int64_t total = 0;
@@ -159,51 +159,35 @@ class RandomReplicator final : public Replicator {
     ++exchanges_;
   }
 
-  DemoTraffic traffic() const override { return traffic_; }
+  ExchangeTraffic traffic() const override { return traffic_; }
   NamedTensors state_tensors() const override { return numbered("residual", residuals_); }
   void restore_counters(int64_t exchanges, int64_t) override { exchanges_ = uint64_t(exchanges); }
   const at::Tensor& residual(size_t i) const override { return residuals_.at(i); }
 
  private:
   std::vector<dct::ChunkPlan> plans_;
-  DemoOptions options_;
+  OptimizerOptions options_;
   std::shared_ptr<comm::Communicator> group_;
   std::vector<at::Tensor> residuals_;  // per tensor, sample domain, [rows, cols]
   std::vector<int64_t> picked_;        // units exchanged per tensor
   at::Tensor bucket_;                  // float32: the picked units of every tensor
   uint64_t exchanges_ = 0;
-  DemoTraffic traffic_;
+  ExchangeTraffic traffic_;
 };
 
 }  // namespace
 
 std::unique_ptr<Replicator> make_dense_replicator(const std::vector<dct::ChunkPlan>& plans,
-                                                  const DemoOptions& options,
+                                                  const OptimizerOptions& options,
                                                   std::shared_ptr<comm::Communicator> group,
                                                   bool exchange) {
   return std::make_unique<DenseReplicator>(plans, options, std::move(group), exchange);
 }
 
 std::unique_ptr<Replicator> make_random_replicator(const std::vector<dct::ChunkPlan>& plans,
-                                                   const DemoOptions& options,
+                                                   const OptimizerOptions& options,
                                                    std::shared_ptr<comm::Communicator> group) {
   return std::make_unique<RandomReplicator>(plans, options, std::move(group));
-}
-
-std::unique_ptr<Replicator> make_replicator(const std::vector<dct::ChunkPlan>& plans,
-                                            const DemoOptions& options,
-                                            std::shared_ptr<comm::Communicator> group) {
-  switch (options.replicator) {
-    case ReplicatorKind::Demo:
-      return make_demo_replicator(plans, options, std::move(group));
-    case ReplicatorKind::Full:
-      return make_dense_replicator(plans, options, std::move(group), true);
-    case ReplicatorKind::None:
-      return make_dense_replicator(plans, options, std::move(group), false);
-    case ReplicatorKind::Random:
-      return make_random_replicator(plans, options, std::move(group));
-  }
-  throw std::invalid_argument("unknown replicator");
 }
 
 }  // namespace flexdemo::optim

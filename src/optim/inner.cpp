@@ -10,7 +10,7 @@
 
 namespace flexdemo::optim {
 
-InnerOptimizer::InnerOptimizer(const std::vector<OptimParam>& params, const DemoOptions& options)
+InnerOptimizer::InnerOptimizer(const std::vector<OptimParam>& params, const OptimizerOptions& options)
     : options_(options) {
   for (const OptimParam& p : params) {
     params_.push_back(
@@ -56,7 +56,7 @@ std::pair<double, double> InnerOptimizer::bias_corrections() const {
 
 void InnerOptimizer::apply(size_t i, const at::Tensor& direction) {
   at::Tensor& p = params_.at(i);
-  const DemoOptions& o = options_;
+  const OptimizerOptions& o = options_;
   if (o.weight_decay != 0.0) p.mul_(1.0 - lr_ * o.weight_decay);
   if (o.inner == InnerKind::SignSgd) {
     sgd_update(p, direction, float(lr_), o.sign);
@@ -75,7 +75,7 @@ void InnerOptimizer::apply(size_t i, const at::Tensor& direction) {
 bool InnerOptimizer::apply_sparse(size_t i, const compress::SparseChunks& coeffs,
                                   const dct::ChunkPlan& plan) {
   const at::Tensor& p = params_.at(i);
-  const DemoOptions& o = options_;
+  const OptimizerOptions& o = options_;
   if (p.scalar_type() != at::kFloat) return false;
   if (o.inner == InnerKind::SignSgd) {
     if (!o.sign) return false;  // plain SGD on the direction: apply() in one pass

@@ -15,7 +15,7 @@ namespace flexdemo::optim {
 
 class InnerOptimizer {
  public:
-  InnerOptimizer(const std::vector<OptimParam>& params, const DemoOptions& options);
+  InnerOptimizer(const std::vector<OptimParam>& params, const OptimizerOptions& options);
   void begin_step(double lr);  // once per applied step, before the apply() calls
   // Tensor i: p *= 1 - lr*wd, then the update from direction ([rows, cols] float32).
   void apply(size_t i, const at::Tensor& direction);
@@ -32,7 +32,7 @@ class InnerOptimizer {
   std::pair<double, double> bias_corrections() const;  // AdamW's 1 - beta1^t, 1 - beta2^t
 
   std::vector<at::Tensor> params_;  // views [rows, cols] of the leaves
-  DemoOptions options_;
+  OptimizerOptions options_;
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_;  // AdamW moments (float32)
   int64_t step_ = 0;
   double lr_ = 0.0;  // this step's

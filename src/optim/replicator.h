@@ -46,7 +46,7 @@ class Replicator {
     (void)grads;
     (void)lr;
   }
-  virtual DemoTraffic traffic() const = 0;
+  virtual ExchangeTraffic traffic() const = 0;
   // The state carried from step to step (handles: loading copies into them), named for files.
   virtual NamedTensors state_tensors() const = 0;
   // After loading state: the exchanges done so far and the steps folded in since the last one.
@@ -61,20 +61,20 @@ class Replicator {
 };
 
 std::unique_ptr<Replicator> make_replicator(const std::vector<dct::ChunkPlan>& plans,
-                                            const DemoOptions& options,
+                                            const OptimizerOptions& options,
                                             std::shared_ptr<comm::Communicator> replica_group);
 
 // ====== The implementations (one file each) ======
 std::unique_ptr<Replicator> make_demo_replicator(const std::vector<dct::ChunkPlan>& plans,
-                                                 const DemoOptions& options,
+                                                 const OptimizerOptions& options,
                                                  std::shared_ptr<comm::Communicator> group);
 // Full (exchange = true) and None (exchange = false): the mean gradient since the last exchange.
 std::unique_ptr<Replicator> make_dense_replicator(const std::vector<dct::ChunkPlan>& plans,
-                                                  const DemoOptions& options,
+                                                  const OptimizerOptions& options,
                                                   std::shared_ptr<comm::Communicator> group,
                                                   bool exchange);
 std::unique_ptr<Replicator> make_random_replicator(const std::vector<dct::ChunkPlan>& plans,
-                                                   const DemoOptions& options,
+                                                   const OptimizerOptions& options,
                                                    std::shared_ptr<comm::Communicator> group);
 
 }  // namespace flexdemo::optim

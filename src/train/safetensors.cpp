@@ -1,6 +1,6 @@
 // safetensors: an 8-byte little-endian header length, a JSON header (dtype, shape, byte range
 // of every tensor, optional string metadata), then the raw row-major little-endian data.
-#include "flexdemo/checkpoint.h"
+#include "flexdemo/safetensors.h"
 
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>

@@ -1,7 +1,5 @@
-// flexdemo/checkpoint.h — safetensors files and training checkpoints.
-// A checkpoint folder holds model.safetensors (the full parameters under descriptive names,
-// readable by Python's safetensors), optimizer-rank<r>.safetensors (each rank's optimizer state
-// and random-generator state), and manifest.json (step, data position, topology, config).
+// flexdemo/safetensors.h — safetensors files: named tensors in the format Python's safetensors
+// reads and writes. Training checkpoints are folders of them (see the README's "Checkpoints").
 #pragma once
 
 #include <ATen/core/Tensor.h>

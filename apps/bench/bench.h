@@ -11,7 +11,7 @@ namespace flexdemo::comm {
 class Communicator;
 }
 namespace flexdemo::optim {
-struct DemoOptions;
+struct OptimizerOptions;
 }
 
 namespace flexdemo::bench {
@@ -41,7 +41,7 @@ struct DemoBenchArgs {
 };
 
 // The DeMo options the flags ask for, validated (and --steps checked).
-optim::DemoOptions demo_options(const DemoBenchArgs& args);
+optim::OptimizerOptions demo_options(const DemoBenchArgs& args);
 
 struct OptimizerBenchArgs : DemoBenchArgs {
   int threads = 1;

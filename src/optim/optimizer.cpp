@@ -13,42 +13,8 @@
 
 namespace flexdemo::optim {
 
-// ====== Names ======
-std::string to_string(ReplicatorKind kind) {
-  switch (kind) {
-    case ReplicatorKind::Demo:
-      return "demo";
-    case ReplicatorKind::Full:
-      return "full";
-    case ReplicatorKind::None:
-      return "none";
-    case ReplicatorKind::Random:
-      return "random";
-  }
-  return "unknown";
-}
-
-ReplicatorKind parse_replicator_kind(const std::string& name) {
-  for (auto k :
-       {ReplicatorKind::Demo, ReplicatorKind::Full, ReplicatorKind::None, ReplicatorKind::Random}) {
-    if (name == to_string(k)) return k;
-  }
-  throw std::invalid_argument("unknown replicator '" + name +
-                              "'; accepted: demo, full, none, random");
-}
-
-std::string to_string(InnerKind kind) {
-  return kind == InnerKind::SignSgd ? "sgd" : "adamw";
-}
-
-InnerKind parse_inner_kind(const std::string& name) {
-  if (name == "sgd") return InnerKind::SignSgd;
-  if (name == "adamw") return InnerKind::AdamW;
-  throw std::invalid_argument("unknown inner optimizer '" + name + "'; accepted: sgd, adamw");
-}
-
 // ====== Options ======
-void DemoOptions::validate() const {
+void OptimizerOptions::validate() const {
   auto fail = [](const std::string& what) { throw std::invalid_argument("DeMo: " + what); };
   auto str = [](double v) {
     std::ostringstream s;
@@ -77,11 +43,11 @@ void DemoOptions::validate() const {
 }
 
 // ====== The driver ======
-struct DemoOptimizer::Impl {
+struct Optimizer::Impl {
   std::vector<OptimParam> params;  // non-empty tensors only
   std::vector<int64_t> slot;       // per tensor given: its index in params, -1 if empty
   std::vector<dct::ChunkPlan> plans;
-  DemoOptions options;
+  OptimizerOptions options;
   std::unique_ptr<Replicator> replicator;
   std::unique_ptr<InnerOptimizer> inner;
   int64_t steps = 0;
@@ -89,7 +55,7 @@ struct DemoOptimizer::Impl {
 
 namespace {
 
-std::vector<OptimParam> whole_parameters(std::vector<at::Tensor> params, const DemoOptions& o) {
+std::vector<OptimParam> whole_parameters(std::vector<at::Tensor> params, const OptimizerOptions& o) {
   o.validate();
   std::vector<OptimParam> out;
   for (size_t i = 0; i < params.size(); ++i) {
@@ -103,12 +69,12 @@ std::vector<OptimParam> whole_parameters(std::vector<at::Tensor> params, const D
 
 }  // namespace
 
-DemoOptimizer::DemoOptimizer(std::vector<at::Tensor> params, DemoOptions options,
+Optimizer::Optimizer(std::vector<at::Tensor> params, OptimizerOptions options,
                              std::shared_ptr<comm::Communicator> replica_group)
-    : DemoOptimizer(whole_parameters(std::move(params), options), options,
+    : Optimizer(whole_parameters(std::move(params), options), options,
                     std::move(replica_group)) {}
 
-DemoOptimizer::DemoOptimizer(std::vector<OptimParam> params, DemoOptions options,
+Optimizer::Optimizer(std::vector<OptimParam> params, OptimizerOptions options,
                              std::shared_ptr<comm::Communicator> replica_group)
     : impl_(std::make_unique<Impl>()) {
   options.validate();
@@ -132,7 +98,7 @@ DemoOptimizer::DemoOptimizer(std::vector<OptimParam> params, DemoOptions options
   s.inner = std::make_unique<InnerOptimizer>(s.params, options);
 }
 
-DemoOptimizer::~DemoOptimizer() = default;
+Optimizer::~Optimizer() = default;
 
 namespace {
 
@@ -144,7 +110,7 @@ at::Tensor flat_grad(const OptimParam& p) {
 
 }  // namespace
 
-void DemoOptimizer::start_exchange(const std::vector<size_t>& tensors) {
+void Optimizer::start_exchange(const std::vector<size_t>& tensors) {
   Impl& s = *impl_;
   if ((s.steps + 1) % s.options.replicate_every != 0) return;  // step() only folds them in
   at::NoGradGuard no_grad;
@@ -162,7 +128,7 @@ void DemoOptimizer::start_exchange(const std::vector<size_t>& tensors) {
   s.replicator->start(mine, grads, s.options.lr);
 }
 
-void DemoOptimizer::step() {
+void Optimizer::step() {
   Impl& s = *impl_;
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> grads;
@@ -177,38 +143,38 @@ void DemoOptimizer::step() {
   s.replicator->exchange(grads, lr, *s.inner);
 }
 
-void DemoOptimizer::zero_grad() {
+void Optimizer::zero_grad() {
   for (OptimParam& p : impl_->params) {
     if (p.leaf.grad().defined()) p.leaf.mutable_grad().zero_();
   }
 }
 
-const DemoOptions& DemoOptimizer::options() const {
+const OptimizerOptions& Optimizer::options() const {
   return impl_->options;
 }
-void DemoOptimizer::set_lr(double lr) {
+void Optimizer::set_lr(double lr) {
   if (!(lr > 0.0)) throw std::invalid_argument("DeMo: lr must be > 0, got " + std::to_string(lr));
   impl_->options.lr = lr;
 }
-DemoTraffic DemoOptimizer::traffic() const {
+ExchangeTraffic Optimizer::traffic() const {
   return impl_->replicator->traffic();
 }
-int64_t DemoOptimizer::steps() const {
+int64_t Optimizer::steps() const {
   return impl_->steps;
 }
-std::vector<std::pair<std::string, at::Tensor>> DemoOptimizer::state_tensors() const {
+std::vector<std::pair<std::string, at::Tensor>> Optimizer::state_tensors() const {
   auto state = impl_->replicator->state_tensors();
   for (auto& t : impl_->inner->state_tensors()) state.push_back(t);
   return state;
 }
 
-int64_t DemoOptimizer::state_bytes() const {
+int64_t Optimizer::state_bytes() const {
   int64_t bytes = 0;
   for (const auto& [name, t] : state_tensors()) bytes += t.numel() * t.element_size();
   return bytes;
 }
 
-void DemoOptimizer::restore_steps(int64_t steps) {
+void Optimizer::restore_steps(int64_t steps) {
   Impl& s = *impl_;
   s.steps = steps;
   const int64_t every = s.options.replicate_every;
@@ -216,10 +182,10 @@ void DemoOptimizer::restore_steps(int64_t steps) {
   s.replicator->restore_counters(steps / every, steps % every);
 }
 
-const dct::ChunkPlan& DemoOptimizer::chunk_plan(size_t i) const {
+const dct::ChunkPlan& Optimizer::chunk_plan(size_t i) const {
   return impl_->plans.at(i);
 }
-std::vector<at::Tensor> DemoOptimizer::replicated_params() const {
+std::vector<at::Tensor> Optimizer::replicated_params() const {
   std::vector<at::Tensor> committed = impl_->replicator->committed_params();
   if (!committed.empty()) return committed;
   std::vector<at::Tensor> views;
@@ -227,7 +193,7 @@ std::vector<at::Tensor> DemoOptimizer::replicated_params() const {
   return views;
 }
 
-const at::Tensor& DemoOptimizer::residual(size_t i) const {
+const at::Tensor& Optimizer::residual(size_t i) const {
   return impl_->replicator->residual(i);
 }
 

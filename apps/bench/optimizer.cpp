@@ -1,6 +1,6 @@
 // `flexdemo bench optimizer`: one DeMo step (single replica) against LibTorch's AdamW step on the
 // same GPT-2-shaped parameters, timed in the same run; prints the ratio and the wire size.
-#include "bench/bench.h"
+#include "bench.h"
 
 #include "flexdemo/kernels.h"
 #include "flexdemo/optim.h"
@@ -82,7 +82,7 @@ double median_step_ms(int steps, Step&& step) {
 
 }  // namespace
 
-optim::DemoOptions demo_options(const DemoBenchArgs& args) {
+optim::OptimizerOptions demo_options(const DemoBenchArgs& args) {
   if (args.steps < 1) {
     throw std::invalid_argument("--steps must be >= 1, got " + std::to_string(args.steps));
   }
@@ -91,17 +91,17 @@ optim::DemoOptions demo_options(const DemoBenchArgs& args) {
   if (args.chunk < 1) {
     throw std::invalid_argument("--chunk must be >= 1, got " + std::to_string(args.chunk));
   }
-  optim::DemoOptions options;
+  optim::OptimizerOptions options;
   options.topk = args.topk;
   options.chunk = args.chunk;
-  options.values = compress::parse_value_encoding(args.values);
-  options.inner = optim::parse_inner_kind(args.inner);
+  options.values = parse_name<compress::ValueEncoding>(args.values);
+  options.inner = parse_name<optim::InnerKind>(args.inner);
   options.validate();
   return options;
 }
 
 int run_bench_optimizer(const OptimizerBenchArgs& args) {
-  const optim::DemoOptions options = demo_options(args);
+  const optim::OptimizerOptions options = demo_options(args);
   if (args.threads < 1) {
     throw std::invalid_argument("--threads must be >= 1, got " + std::to_string(args.threads));
   }
@@ -112,12 +112,12 @@ int run_bench_optimizer(const OptimizerBenchArgs& args) {
   std::vector<at::Tensor> demo_params = make_params(shapes);
   std::vector<at::Tensor> adamw_params = make_params(shapes);
 
-  optim::DemoOptimizer demo(demo_params, options);
+  optim::Optimizer demo(demo_params, options);
   torch::optim::AdamW adamw(adamw_params, torch::optim::AdamWOptions(1e-3).weight_decay(0.0));
 
   const double demo_ms = median_step_ms(args.steps, [&] { demo.step(); });
   const double adamw_ms = median_step_ms(args.steps, [&] { adamw.step(); });
-  const optim::DemoTraffic t = demo.traffic();
+  const optim::ExchangeTraffic t = demo.traffic();
 
   nlohmann::ordered_json out;
   out["params"] = t.params;

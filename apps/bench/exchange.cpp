@@ -1,8 +1,8 @@
-// `flexdemo bench exchange` (the demo until the trainer exists): FlexDeMo on a GPT-2-shaped
+// `flexdemo bench exchange`: FlexDeMo on a GPT-2-shaped
 // parameter set, sharded inside (emulated) nodes, every rank feeding its own gradients through
 // the sharded forward/backward. Counts the bytes between nodes against `full` (plain HSDP), the
 // bytes inside nodes and the state per rank, and checks that replicas stay bit-identical.
-#include "bench/bench.h"
+#include "bench.h"
 
 #include "flexdemo/comm.h"
 #include "flexdemo/optim.h"
@@ -33,7 +33,7 @@ struct ShardedParams {
   std::vector<std::vector<int64_t>> unit_members;  // per unit: parameter indices
 
   ShardedParams(const std::vector<NamedShape>& shapes, const comm::Topology& topo,
-                const optim::DemoOptions& o) {
+                const optim::OptimizerOptions& o) {
     at::manual_seed(1234);  // the same initial parameters on every rank
     shard::ShardOptions so;
     so.chunk = o.chunk;
@@ -75,13 +75,6 @@ struct ShardedParams {
     loss.backward();
   }
 
-  std::vector<optim::OptimParam> optim_params() const {
-    std::vector<optim::OptimParam> all;
-    for (const auto& u : units) {
-      for (auto& p : u->optim_params()) all.push_back(p);
-    }
-    return all;
-  }
   int64_t param_bytes() const {
     int64_t b = 0;
     for (const auto& u : units) b += u->param_bytes();
@@ -102,9 +95,9 @@ struct RunResult {
 };
 
 RunResult run(const std::vector<NamedShape>& shapes, const comm::Topology& topo,
-              const optim::DemoOptions& o, int steps, bool progress) {
+              const optim::OptimizerOptions& o, int steps, bool progress) {
   ShardedParams model(shapes, topo, o);
-  optim::DemoOptimizer optimizer(model.optim_params(), o, topo.replica_group);
+  optim::Optimizer optimizer(shard::optim_params(model.units), o, topo.replica_group);
   comm::TrafficMeter meter(topo);
   at::Generator gen = at::detail::createCPUGenerator(1000 + topo.world->rank());  // own grads
   RunResult result;
@@ -147,8 +140,8 @@ RunResult run(const std::vector<NamedShape>& shapes, const comm::Topology& topo,
 }  // namespace
 
 int run_bench_exchange(const ExchangeBenchArgs& args, std::shared_ptr<comm::Communicator> world) {
-  optim::DemoOptions options = demo_options(args);
-  options.replicator = optim::parse_replicator_kind(args.replicator);
+  optim::OptimizerOptions options = demo_options(args);
+  options.replicator = parse_name<optim::ReplicatorKind>(args.replicator);
   options.validate();
   const auto shapes = gpt2_parameter_shapes(gpt2_shape(args.scale));
 
@@ -164,7 +157,7 @@ int run_bench_exchange(const ExchangeBenchArgs& args, std::shared_ptr<comm::Comm
         options.chunk, args.values);
   }
   const RunResult main = run(shapes, topo, options, args.steps, root && !args.json);
-  optim::DemoOptions dense = options;
+  optim::OptimizerOptions dense = options;
   dense.replicator = optim::ReplicatorKind::Full;
   const RunResult baseline = run(shapes, topo, dense, 2, false);  // bytes per step are fixed
 

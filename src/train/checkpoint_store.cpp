@@ -1,0 +1,238 @@
+// Training checkpoints on disk (see checkpoint_store.h): atomic folders, CRC-32 per file in the
+// manifest, the newest valid one found on resume, old ones pruned.
+#include "checkpoint_store.h"
+
+#include "options.h"
+
+#include "flexdemo/comm.h"
+#include "flexdemo/safetensors.h"
+
+#include <ATen/ATen.h>
+#include <zlib.h>
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <vector>
+
+namespace flexdemo::train {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+uint32_t file_crc32(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<char> buf(1 << 20);
+  uLong crc = crc32(0L, Z_NULL, 0);
+  while (in.read(buf.data(), std::streamsize(buf.size())) || in.gcount() > 0) {
+    crc = crc32_z(crc, reinterpret_cast<const Bytef*>(buf.data()), size_t(in.gcount()));
+  }
+  return uint32_t(crc);
+}
+
+void sync_file(const std::filesystem::path& path) {  // a file's or a folder's contents to disk
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
+fs::path checkpoints_root(const std::string& out) {
+  return fs::path(out) / "checkpoints";
+}
+
+// Why a checkpoint folder cannot be used, or "" when it is complete and every file passes its
+// CRC-32.
+std::string checkpoint_damage(const fs::path& dir) {
+  if (!fs::exists(dir / "manifest.json")) return "manifest.json is missing";
+  try {
+    const nlohmann::json manifest = read_manifest(dir);
+    const auto& files = manifest.at("files");
+    if (!files.is_object() || !files.contains("model.safetensors") ||
+        !manifest.at("step").is_number_integer() ||
+        !manifest.at("world_size").is_number_integer() || !manifest.at("topology").is_string() ||
+        !manifest.at("config").is_object()) {
+      return "manifest.json is incomplete";
+    }
+    for (const auto& [file, crc] : files.items()) {
+      if (!crc.is_number_integer()) return "manifest.json holds a bad checksum for " + file;
+      if (file.find('/') != std::string::npos || !fs::is_regular_file(dir / file) ||
+          int64_t(file_crc32(dir / file)) != crc.get<int64_t>()) {
+        return file + " is missing or fails its CRC-32";
+      }
+    }
+  } catch (const std::exception&) {
+    return "manifest.json is not a checkpoint manifest";
+  }
+  return "";
+}
+
+int64_t step_of(const fs::path& dir) {  // step-N -> N; -1 for anything else
+  const std::string name = dir.filename().string();
+  if (name.rfind("step-", 0) != 0 || name.size() == 5) return -1;
+  for (size_t i = 5; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9') return -1;
+  }
+  return std::stoll(name.substr(5));
+}
+
+// A run's checkpoint folders, newest first.
+std::vector<fs::path> list_checkpoints(const fs::path& run) {
+  std::vector<fs::path> dirs;
+  if (fs::is_directory(checkpoints_root(run.string()))) {
+    for (const auto& e : fs::directory_iterator(checkpoints_root(run.string()))) {
+      if (e.is_directory() && step_of(e.path()) >= 0) dirs.push_back(e.path());
+    }
+  }
+  std::sort(dirs.begin(), dirs.end(),
+            [](const fs::path& a, const fs::path& b) { return step_of(a) > step_of(b); });
+  return dirs;
+}
+
+}  // namespace
+
+nlohmann::json read_manifest(const fs::path& dir) {
+  std::ifstream in(dir / "manifest.json");
+  if (!in) throw std::invalid_argument("no checkpoint in " + dir.string() + " (no manifest.json)");
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const std::exception&) {
+    throw std::invalid_argument("checkpoint " + dir.string() +
+                                " is damaged: manifest.json is not JSON");
+  }
+}
+
+fs::path find_checkpoint(const std::string& where, bool report) {
+  const fs::path p(where);
+  if (!fs::is_directory(p)) {
+    throw std::invalid_argument("no checkpoint at " + where + ": no such folder");
+  }
+  if (fs::exists(p / "manifest.json")) {
+    const std::string damage = checkpoint_damage(p);
+    if (!damage.empty()) {
+      throw std::invalid_argument("checkpoint " + where + " is damaged: " + damage);
+    }
+    return p;
+  }
+  std::string reasons;
+  std::vector<std::string> skipped;
+  for (const fs::path& dir : list_checkpoints(p)) {
+    const std::string damage = checkpoint_damage(dir);
+    if (damage.empty()) {
+      for (const std::string& line : skipped) {
+        if (report) std::fprintf(stderr, "flexdemo: warning: %s\n", line.c_str());
+      }
+      return dir;
+    }
+    skipped.push_back("skipping damaged checkpoint " + dir.string() + ": " + damage);
+    reasons += "; " + dir.filename().string() + ": " + damage;
+  }
+  throw std::invalid_argument(
+      "no valid checkpoint in " + where +
+      (reasons.empty() ? " (expected checkpoints/step-N/ folders)" : reasons));
+}
+
+
+void save_checkpoint(Session& s, int64_t step) {
+  const auto& world = s.topo.world;
+  const bool root = world->rank() == 0;
+  const fs::path root_dir = checkpoints_root(s.cfg.out);
+  const fs::path dir = root_dir / ("step-" + std::to_string(step));
+  const fs::path tmp = root_dir / ("step-" + std::to_string(step) + ".tmp");
+  if (root) {
+    fs::remove_all(tmp);
+    fs::create_directories(tmp);
+  }
+  world->barrier();
+  NamedTensors model_tensors;
+  for (size_t u = 0; u < s.lm->units().size(); ++u) {
+    const std::vector<at::Tensor> full = s.lm->units()[u]->gather();
+    for (size_t i = 0; i < full.size(); ++i) {
+      model_tensors.push_back({s.lm->param_names()[u][i], full[i]});
+    }
+  }
+  if (root) {
+    write_safetensors((tmp / "model.safetensors").string(), model_tensors,
+                      {{"format", "pt"}, {"model", s.lm->describe()}});
+  }
+  NamedTensors state = s.optimizer->state_tensors();
+  state.push_back({"rng_state", at::detail::getDefaultCPUGenerator().get_state()});
+  const std::string mine = "optimizer-rank" + std::to_string(world->rank()) + ".safetensors";
+  write_safetensors((tmp / mine).string(), state);
+  // Every file's CRC-32 goes into the manifest, which is written last.
+  at::Tensor crcs = at::empty({world->size()}, at::kLong);
+  world->all_gather(at::full({1}, int64_t(file_crc32(tmp / mine)), at::kLong), crcs);
+  if (root) {
+    nlohmann::ordered_json manifest;
+    manifest["files"]["model.safetensors"] = file_crc32(tmp / "model.safetensors");
+    for (int r = 0; r < world->size(); ++r) {
+      manifest["files"]["optimizer-rank" + std::to_string(r) + ".safetensors"] =
+          crcs[r].item<int64_t>();
+    }
+    manifest["step"] = step;
+    manifest["data_position"] = {{"seed", s.cfg.seed}, {"next_step", step}};
+    manifest["world_size"] = world->size();
+    manifest["topology"] = s.topo.describe();
+    manifest["config"] = to_json(s.cfg);
+    std::ofstream(tmp / "manifest.json") << manifest.dump(2) << "\n";
+    sync_file(tmp / "manifest.json");
+    sync_file(tmp);
+    fs::remove_all(dir);
+    fs::rename(tmp, dir);
+    sync_file(root_dir);  // the rename itself
+    const std::vector<fs::path> kept = list_checkpoints(s.cfg.out);
+    for (size_t i = size_t(s.cfg.keep_checkpoints); i < kept.size(); ++i) fs::remove_all(kept[i]);
+  }
+  world->barrier();
+}
+
+int64_t load_checkpoint(Session& s, const fs::path& dir, bool with_optimizer) {
+  const nlohmann::json manifest = read_manifest(dir);
+  const auto& world = s.topo.world;
+  std::map<std::string, at::Tensor> weights;
+  for (auto& [name, t] : read_safetensors((dir / "model.safetensors").string())) weights[name] = t;
+  for (size_t u = 0; u < s.lm->units().size(); ++u) {
+    std::vector<at::Tensor> full;
+    for (const std::string& name : s.lm->param_names()[u]) {
+      auto it = weights.find(name);
+      if (it == weights.end()) {
+        throw std::invalid_argument(dir.string() + ": the checkpoint has no tensor " + name);
+      }
+      full.push_back(it->second);
+    }
+    s.lm->units()[u]->load(full);
+  }
+  const int64_t step = manifest.at("step").get<int64_t>();
+  if (!with_optimizer) return step;
+  if (manifest.at("world_size").get<int>() != world->size() ||
+      manifest.at("topology").get<std::string>() != s.topo.describe()) {
+    throw std::invalid_argument("--resume: " + dir.string() + " was written by " +
+                                manifest.at("topology").get<std::string>() + "; this run is " +
+                                s.topo.describe() + " (the topology must match)");
+  }
+  std::map<std::string, at::Tensor> saved;
+  for (auto& [name, t] : read_safetensors(
+           (dir / ("optimizer-rank" + std::to_string(world->rank()) + ".safetensors")).string())) {
+    saved[name] = t;
+  }
+  at::NoGradGuard no_grad;
+  for (auto& [name, t] : s.optimizer->state_tensors()) {
+    auto it = saved.find(name);
+    if (it == saved.end() || it->second.sizes() != t.sizes()) {
+      throw std::invalid_argument("--resume: optimizer state " + name +
+                                  " is missing or of another shape (other options?)");
+    }
+    t.copy_(it->second);
+  }
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  gen.set_state(saved.at("rng_state"));
+  s.optimizer->restore_steps(step);
+  return step;
+}
+
+}  // namespace flexdemo::train

@@ -1,0 +1,32 @@
+// Training checkpoints on disk: OUT/checkpoints/step-N/ holds model.safetensors (the full
+// parameters under descriptive names), optimizer-rank<r>.safetensors (each rank's optimizer and
+// random state) and manifest.json (step, data position, topology, config, and every file's
+// CRC-32), written last. Internal to src/train.
+#pragma once
+
+#include "session.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+
+namespace flexdemo::train {
+
+// The checkpoint `where` names: a checkpoint folder (refused if damaged), or a run folder, whose
+// newest valid checkpoint is taken; damaged newer ones are reported on stderr when `report`.
+// Throws std::invalid_argument when there is none.
+std::filesystem::path find_checkpoint(const std::string& where, bool report);
+nlohmann::json read_manifest(const std::filesystem::path& dir);
+
+// Collective: the full parameters (rank 0 writes them), every rank's optimizer state and
+// random state, and the manifest; then only the newest cfg.keep_checkpoints are kept. A
+// checkpoint is written into step-N.tmp/ and renamed into place: it is whole or absent.
+void save_checkpoint(Session& s, int64_t step);
+
+// Loads the weights (any topology) from checkpoint folder `dir` and, when `with_optimizer`, this
+// rank's optimizer and random state (the same topology only). Returns the checkpoint's step.
+int64_t load_checkpoint(Session& s, const std::filesystem::path& dir, bool with_optimizer);
+
+}  // namespace flexdemo::train

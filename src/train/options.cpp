@@ -1,0 +1,235 @@
+// The train options' checks and conversions, all driven by the one declaration in
+// train_options.h: validation, config.json, the resume check, and the optimizer they ask for.
+#include "options.h"
+
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <type_traits>
+
+namespace flexdemo::train {
+
+namespace {
+
+template <class T>
+struct is_optional : std::false_type {};
+template <class T>
+struct is_optional<std::optional<T>> : std::true_type {};
+
+template <class T>
+nlohmann::ordered_json json_of(const T& value) {
+  if constexpr (is_optional<T>::value) {
+    return value ? json_of(*value) : nlohmann::ordered_json(nullptr);
+  } else if constexpr (std::is_enum_v<T>) {
+    return name_of(value);
+  } else {
+    return value;
+  }
+}
+
+template <class T>
+void read_json(T& field, const nlohmann::json& j) {
+  if constexpr (is_optional<T>::value) {
+    if (j.is_null()) {
+      field.reset();
+    } else {
+      typename T::value_type v{};
+      read_json(v, j);
+      field = v;
+    }
+  } else if constexpr (std::is_enum_v<T>) {
+    field = parse_name<T>(j.get<std::string>());
+  } else {
+    field = j.get<T>();
+  }
+}
+
+// The range and word checks of one option.
+template <class T>
+void check_accepted(const T& value, const OptionSpec& spec) {
+  const Accepts& a = spec.accepts;
+  if constexpr (std::is_arithmetic_v<T> && !std::is_same_v<T, bool>) {
+    const double v = double(value);
+    const bool too_low = a.low && (a.low_open ? !(v > *a.low) : !(v >= *a.low));
+    const bool too_high = a.high && (a.high_open ? !(v < *a.high) : !(v <= *a.high));
+    if (!too_low && !too_high && !std::isnan(v)) return;
+    std::string bound;
+    if (a.high) {
+      bound = fmt::format("in {}{}, {}{}", a.low_open ? "(" : "[", *a.low, *a.high,
+                          a.high_open ? ")" : "]");
+    } else {
+      bound = fmt::format("{} {}", a.low_open ? ">" : ">=", *a.low);
+    }
+    throw std::invalid_argument(
+        fmt::format("{} must be {}{}, got {}", spec.flag(), bound, a.note, value));
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    if (!a.words) return;
+    const std::vector<std::string> words = a.words();
+    if (std::find(words.begin(), words.end(), value) != words.end()) return;
+    std::string accepted;
+    for (const std::string& w : words) accepted += (accepted.empty() ? "" : ", ") + w;
+    throw std::invalid_argument("unknown " + spec.flag() + " '" + value + "'; accepted: " +
+                                accepted);
+  }
+}
+
+bool uses_demo_replicator(const TrainConfig& c) {
+  const bool demo_optimizer =
+      c.optimizer == OptimizerKind::FlexDemo || c.optimizer == OptimizerKind::FlexDemoAdamW;
+  return c.replicator ? *c.replicator == optim::ReplicatorKind::Demo : demo_optimizer;
+}
+
+}  // namespace
+
+std::string OptionSpec::flag() const {
+  std::string f = std::string("--") + name;
+  std::replace(f.begin(), f.end(), '_', '-');
+  return f;
+}
+
+bool is_t5(const TrainConfig& c) {
+  return c.model.rfind("t5-", 0) == 0;
+}
+
+model::GptConfig gpt_config(const TrainConfig& c, int64_t vocab) {
+  model::GptConfig mc = model::gpt_preset(c.model, vocab);
+  if (c.width > 0) mc.width = c.width;
+  if (c.layers > 0) mc.layers = c.layers;
+  if (c.heads > 0) mc.heads = c.heads;
+  if (c.context > 0) mc.context = c.context;
+  mc.dropout = c.dropout;
+  return mc;
+}
+
+model::T5Config t5_config(const TrainConfig& c, int64_t vocab) {
+  model::T5Config tc = model::t5_preset(c.model, vocab);
+  if (c.width > 0) tc.width = c.width;
+  if (c.layers > 0) tc.layers = c.layers;
+  if (c.heads > 0) tc.heads = c.heads;
+  return tc;
+}
+
+// ====== Validation ======
+void TrainConfig::validate() const {
+  for_each_option(*this, [](const auto& value, const OptionSpec& spec) {
+    check_accepted(value, spec);
+  });
+  // The rules that tie options together.
+  auto fail = [](const std::string& what) { throw std::invalid_argument(what); };
+  if (tokenizer == TokenizerKind::Bpe && (vocab < 260 || vocab > 65535)) {
+    fail(fmt::format("--vocab must be in [260, 65535], got {}", vocab));
+  }
+  if (topk > chunk * chunk) {
+    fail(fmt::format("--topk {} exceeds the {} coefficients of a --chunk {} chunk", topk,
+                     chunk * chunk, chunk));
+  }
+  if (!(weight_decay >= 0 && lr * weight_decay < 1)) {
+    fail(fmt::format("--weight-decay must be >= 0 with --lr x --weight-decay < 1, got {}",
+                     weight_decay));
+  }
+  const bool demo_replicator = uses_demo_replicator(*this);
+  if (overlap_step && !demo_replicator) {
+    fail("--overlap-step needs the demo replicator (--optimizer flexdemo or flexdemo-adamw)");
+  }
+  if (exchange_in_backward) {
+    // A unit's payloads leave during the backward: nothing may change its gradient afterwards.
+    if (!demo_replicator) {
+      fail("--exchange-in-backward needs the demo replicator (--optimizer flexdemo or "
+           "flexdemo-adamw)");
+    }
+    if (overlap_step) fail("--exchange-in-backward and --overlap-step exclude each other");
+    if (clip != 0) {
+      fail(fmt::format("--exchange-in-backward needs --clip 0 (clipping scales by the whole "
+                       "gradient's norm, known only after the backward), got --clip {}",
+                       clip));
+    }
+    if (on_nonfinite != NonFinitePolicy::Stop) {
+      fail("--exchange-in-backward needs --on-nonfinite stop (a skipped step would already have "
+           "sent its payloads), got --on-nonfinite " + name_of(on_nonfinite));
+    }
+  }
+  if (is_t5(*this)) {
+    t5_config(*this, 260).validate();
+  } else {
+    const model::GptConfig mc = gpt_config(*this, 260);
+    mc.validate();
+    if (seq > mc.context) {
+      fail(fmt::format("--seq {} exceeds the model's context {} (set --context)", seq, mc.context));
+    }
+  }
+  if (out.empty()) fail("--out must not be empty");
+}
+
+void TrainConfig::resolve() {
+  const bool demo =
+      optimizer == OptimizerKind::FlexDemo || optimizer == OptimizerKind::FlexDemoAdamW;
+  if (!replicator) replicator = demo ? optim::ReplicatorKind::Demo : optim::ReplicatorKind::Full;
+  if (!sign) sign = optimizer == OptimizerKind::FlexDemo;
+}
+
+// ====== config.json ======
+nlohmann::ordered_json to_json(const TrainConfig& config) {
+  nlohmann::ordered_json j;
+  for_each_option(config, [&j](const auto& value, const OptionSpec& spec) {
+    if (spec.role != OptionRole::Unsaved) j[spec.name] = json_of(value);
+  });
+  return j;
+}
+
+TrainConfig model_config_from_json(const nlohmann::json& saved) {
+  TrainConfig c;
+  for_each_option(c, [&saved](auto& field, const OptionSpec& spec) {
+    if (spec.role == OptionRole::Model && saved.contains(spec.name)) {
+      read_json(field, saved[spec.name]);
+    }
+  });
+  return c;
+}
+
+void check_resumable(const nlohmann::json& saved, const TrainConfig& run,
+                     const std::string& where) {
+  for_each_option(run, [&](const auto& value, const OptionSpec& spec) {
+    if (spec.role != OptionRole::Model && spec.role != OptionRole::State) return;
+    if (!saved.contains(spec.name)) return;
+    const std::string was = saved[spec.name].dump(), now = json_of(value).dump();
+    if (was != now) {
+      throw std::invalid_argument("--resume: " + where + " was written with " + spec.flag() +
+                                  " " + was + ", this run has " + now +
+                                  " (options that define the model, data and optimizer state "
+                                  "must match)");
+    }
+  });
+}
+
+// ====== What the options ask for ======
+optim::OptimizerOptions optimizer_options(const TrainConfig& c) {
+  optim::OptimizerOptions o;
+  o.inner = c.optimizer == OptimizerKind::FlexDemo || c.optimizer == OptimizerKind::Sgd
+                ? optim::InnerKind::SignSgd
+                : optim::InnerKind::AdamW;
+  o.replicator = c.replicator.value();
+  o.sign = c.sign.value();
+  o.lr = c.lr;
+  o.weight_decay = c.weight_decay;
+  o.topk = c.topk;
+  o.chunk = c.chunk;
+  o.decay = c.decay;
+  o.values = c.values;
+  o.replicate_every = c.replicate_every;
+  o.overlap_step = c.overlap_step;
+  o.seed = c.seed;
+  o.validate();
+  return o;
+}
+
+double scheduled_lr(const TrainConfig& c, int64_t step) {
+  if (step < c.warmup) return c.lr * double(step + 1) / double(c.warmup);
+  const double span = std::max<int64_t>(1, c.steps - c.warmup);
+  const double progress = std::min(1.0, double(step - c.warmup) / span);
+  const double cosine = 0.5 * (1.0 + std::cos(M_PI * progress));
+  return c.lr * (c.min_lr_ratio + (1.0 - c.min_lr_ratio) * cosine);
+}
+
+}  // namespace flexdemo::train

@@ -1,0 +1,35 @@
+// What the trainer derives from its options (train_options.h): config.json in and out, the resume
+// check, the optimizer's options and the learning-rate schedule. Internal to src/train.
+#pragma once
+
+#include "flexdemo/model.h"
+#include "flexdemo/optim.h"
+#include "flexdemo/train_options.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <string>
+
+namespace flexdemo::train {
+
+// Every saved option (all but OptionRole::Unsaved), in declaration order.
+nlohmann::ordered_json to_json(const TrainConfig& config);
+// A config holding the OptionRole::Model options of a saved config (a checkpoint's model and
+// data), defaults elsewhere.
+TrainConfig model_config_from_json(const nlohmann::json& saved);
+// Throws std::invalid_argument when `run` (resolved) differs from the config saved with the
+// checkpoint at `where` in an option a resume must keep (OptionRole::Model and State).
+void check_resumable(const nlohmann::json& saved, const TrainConfig& run, const std::string& where);
+
+// The optimizer a resolved config asks for (validated).
+optim::OptimizerOptions optimizer_options(const TrainConfig& config);
+// The model a config asks for: the preset, with the dimensions given (> 0) overriding it.
+bool is_t5(const TrainConfig& config);
+model::GptConfig gpt_config(const TrainConfig& config, int64_t vocab);
+model::T5Config t5_config(const TrainConfig& config, int64_t vocab);
+
+// Linear warmup to --lr, then a cosine to --lr x --min-lr-ratio at the last step.
+double scheduled_lr(const TrainConfig& config, int64_t step);
+
+}  // namespace flexdemo::train

@@ -1,0 +1,51 @@
+// The record of a training run: config.json, one metrics.jsonl line per step, the progress line
+// on stdout, and summary.json at the end. Rank 0 writes; the collectives run on every rank.
+// Internal to src/train.
+#pragma once
+
+#include "session.h"
+
+#include "flexdemo/topology.h"
+
+#include <chrono>
+#include <cstdint>
+#include <fstream>
+#include <optional>
+
+namespace flexdemo::train {
+
+// One step over all ranks.
+struct StepMetrics {
+  int64_t step = 0;  // 1-based: steps done
+  double loss = 0.0, lr = 0.0;
+  double step_s = 0.0, comm_s = 0.0;  // mean over ranks; comm_s: waiting for collectives
+  double inter_collectives = 0.0;     // mean per rank
+  double intra_sent = 0.0, intra_recv = 0.0, inter_sent = 0.0, inter_recv = 0.0;  // bytes, sum
+  int64_t skipped_steps = 0;         // so far
+  std::optional<double> val_loss;    // when evaluated at this step
+};
+
+// Collective over world: this rank's loss, step time and traffic reduced over all ranks (bytes
+// summed; loss, times and collectives averaged).
+StepMetrics reduce_step_metrics(comm::Communicator& world, int64_t step, double loss,
+                                double step_s, const comm::StepTraffic& traffic);
+
+class RunLog {
+ public:
+  // Rank 0: writes config.json, opens metrics.jsonl (a resumed run keeps the lines of the steps
+  // its checkpoint holds and drops later ones, so each step appears once) and prints the header.
+  RunLog(const Session& s, int64_t start_step);
+  void record(const StepMetrics& m);  // the metrics line and the progress line
+  // Collective: every rank's peak memory; rank 0 writes summary.json and prints the last line.
+  void finish(int64_t steps_done);
+
+ private:
+  const Session& s_;
+  const int64_t start_step_;
+  const bool root_, terminal_;
+  std::ofstream metrics_;
+  const std::chrono::steady_clock::time_point started_;
+  double val_loss_ = NAN, inter_bytes_total_ = 0.0, seconds_total_ = 0.0;
+};
+
+}  // namespace flexdemo::train

@@ -1,0 +1,128 @@
+// Opening a session: options checked, topology made, data tokenized once (rank 0) and read by
+// all, the model built of sharded units and the optimizer over their shards; and evaluation.
+#include "session.h"
+
+#include "options.h"
+
+#include "flexdemo/comm.h"
+#include "flexdemo/runtime.h"
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+
+namespace flexdemo::train {
+
+namespace {
+
+// Collective: rank 0's `error` (if not empty) is thrown on every rank, as std::invalid_argument
+// when it is bad input; otherwise the other ranks would wait for rank 0 forever.
+void raise_on_every_rank(comm::Communicator& world, const std::string& error, bool bad_input) {
+  at::Tensor head = at::tensor({int64_t(error.size()), int64_t(bad_input)}, at::kLong);
+  world.broadcast(head, 0);
+  const int64_t length = head[0].item<int64_t>();
+  if (length == 0) return;
+  at::Tensor text = at::empty({length}, at::kByte);
+  if (world.rank() == 0) std::memcpy(text.data_ptr(), error.data(), size_t(length));
+  world.broadcast(text, 0);
+  const std::string message(static_cast<const char*>(text.data_ptr()), size_t(length));
+  if (head[1].item<int64_t>()) throw std::invalid_argument(message);
+  throw std::runtime_error(message);
+}
+
+// Rank 0 tokenizes (once per corpus, cached; this can take long, so no collective timeout yet),
+// the others read its cache. Its error is raised on every rank.
+data::TokenData load_tokens(const TrainConfig& cfg, comm::Communicator& world) {
+  comm::set_collective_timeout(0);
+  const std::string helper = data::default_tokenize_helper();
+  const std::string tokenizer = name_of(cfg.tokenizer);
+  data::TokenData tokens;
+  std::string error;
+  bool bad_input = false;
+  if (world.rank() == 0) {
+    try {
+      tokens = data::load_token_data(cfg.data, tokenizer, cfg.vocab, helper);
+    } catch (const std::invalid_argument& e) {
+      error = e.what(), bad_input = true;
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  raise_on_every_rank(world, error, bad_input);
+  if (world.rank() != 0) tokens = data::load_token_data(cfg.data, tokenizer, cfg.vocab, helper);
+  comm::set_collective_timeout(cfg.comm_timeout);
+  for (const auto& [part, split] :
+       {std::pair{"training", &tokens.train}, std::pair{"validation", &tokens.val}}) {
+    if (int64_t(split->size()) < cfg.seq + 1) {
+      throw std::invalid_argument(fmt::format(
+          "--data {} holds {} {} tokens, fewer than one sequence of --seq {} + 1 (every 20th "
+          "document is held out for validation)",
+          cfg.data, split->size(), part, cfg.seq));
+    }
+  }
+  return tokens;
+}
+
+}  // namespace
+
+std::unique_ptr<Session> open_session(const TrainConfig& config,
+                                      std::shared_ptr<comm::Communicator> world) {
+  auto s = std::make_unique<Session>();
+  TrainConfig& cfg = s->cfg;
+  cfg = config;
+  cfg.validate();
+  cfg.resolve();
+  set_num_threads(cfg.threads);
+  at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
+  const optim::OptimizerOptions options = optimizer_options(cfg);
+  s->topo = comm::make_topology(world, {cfg.ranks_per_node, cfg.shard_size});
+  const int P = world->size();
+  if (cfg.batch % P != 0) {
+    throw std::invalid_argument(
+        fmt::format("--batch {} does not divide across the {} ranks", cfg.batch, P));
+  }
+  s->per_rank = cfg.batch / P;
+  s->micro = cfg.micro_batch > 0 ? cfg.micro_batch : s->per_rank;
+  if (s->per_rank % s->micro != 0) {
+    throw std::invalid_argument(fmt::format("--micro-batch {} does not divide the {} sequences of each rank", s->micro, s->per_rank));
+  }
+
+  s->tokens = load_tokens(cfg, *world);
+  s->train_data = std::make_unique<data::BatchSampler>(s->tokens.train, cfg.seq, cfg.seed);
+  s->val_data = std::make_unique<data::BatchSampler>(s->tokens.val, cfg.seq, cfg.seed);
+
+  shard::ShardOptions so;
+  so.chunk = cfg.chunk;
+  so.reshard_after_forward = cfg.reshard;
+  if (is_t5(cfg)) {
+    model::T5Config tc = t5_config(cfg, s->tokens.vocab_size);
+    tc.eot = s->tokens.eot;
+    s->lm = model::make_t5(tc, s->topo.shard_group, so, cfg.seed);
+  } else {
+    s->lm =
+        model::make_gpt(gpt_config(cfg, s->tokens.vocab_size), s->topo.shard_group, so, cfg.seed);
+  }
+  s->params = shard::optim_params(s->lm->units());
+  s->optimizer = std::make_unique<optim::Optimizer>(s->params, options, s->topo.replica_group);
+  return s;
+}
+
+double evaluate(Session& s) {
+  at::NoGradGuard no_grad;
+  const auto& world = s.topo.world;
+  const int64_t mine = std::max<int64_t>(1, s.cfg.eval_seqs / world->size());
+  double sum = 0.0;
+  for (int64_t done = 0; done < mine; done += s.micro) {
+    const int64_t n = std::min(s.micro, mine - done);
+    sum += s.lm->loss(s.val_data->windows(world->rank() * mine + done, n)).item<double>() * n;
+  }
+  at::Tensor mean = at::full({1}, sum / double(mine), at::kDouble);
+  world->all_reduce(mean, comm::ReduceOp::Avg);
+  return mean.item<double>();
+}
+
+}  // namespace flexdemo::train
