@@ -15,12 +15,13 @@ Subcommand add_report(CLI::App& app) {
   auto args = std::make_shared<Args>();
   Subcommand c;
   c.cli = app.add_subcommand("report", "compare run folders: Markdown table and PNG plots");
-  c.cli->add_option("runs", args->runs, "run folders (each with config.json, metrics.jsonl, "
-                                        "summary.json)")
+  c.cli
+      ->add_option("runs", args->runs,
+                   "run folders (each with config.json, metrics.jsonl, "
+                   "summary.json)")
       ->required()
       ->check(CLI::ExistingDirectory);
-  c.cli->add_option("--out", args->out, "where report.md and the plots go")
-      ->capture_default_str();
+  c.cli->add_option("--out", args->out, "where report.md and the plots go")->capture_default_str();
   c.run = [args](std::shared_ptr<comm::Communicator>) {
     std::printf("%s", train::write_report(args->runs, args->out).c_str());
     std::printf("report and plots in %s\n", args->out.c_str());

@@ -14,11 +14,6 @@ namespace flexdemo::app {
 
 namespace {
 
-template <class T>
-struct is_optional : std::false_type {};
-template <class T>
-struct is_optional<std::optional<T>> : std::true_type {};
-
 // One declared option on the command line, by its type.
 template <class T>
 void add_option(CLI::App& cmd, T& field, const train::OptionSpec& spec) {
@@ -31,17 +26,17 @@ void add_option(CLI::App& cmd, T& field, const train::OptionSpec& spec) {
         flag + ",!--no-" + flag.substr(2), [&field](int64_t count) { field = count > 0; },
         spec.help);
   } else if constexpr (std::is_enum_v<T>) {
-    option = cmd.add_option_function<std::string>(
-                    flag, [&field](const std::string& word) { field = parse_name<T>(word); },
-                    spec.help)
-                 ->check(CLI::IsMember(names_of<T>()))
-                 ->default_str(name_of(field));
-  } else if constexpr (is_optional<T>::value) {
+    option =
+        cmd.add_option_function<std::string>(
+               flag, [&field](const std::string& word) { field = parse_name<T>(word); }, spec.help)
+            ->check(CLI::IsMember(names_of<T>()))
+            ->default_str(name_of(field));
+  } else if constexpr (train::is_optional<T>::value) {
     using E = typename T::value_type;
-    option = cmd.add_option_function<std::string>(
-                    flag, [&field](const std::string& word) { field = parse_name<E>(word); },
-                    spec.help)
-                 ->check(CLI::IsMember(names_of<E>()));
+    option =
+        cmd.add_option_function<std::string>(
+               flag, [&field](const std::string& word) { field = parse_name<E>(word); }, spec.help)
+            ->check(CLI::IsMember(names_of<E>()));
   } else {
     option = cmd.add_option(flag, field, spec.help)->capture_default_str();
     if (spec.accepts.words) option->check(CLI::IsMember(spec.accepts.words()));
@@ -99,8 +94,9 @@ Subcommand add_train(CLI::App& app) {
   Subcommand c;
   c.cli = app.add_subcommand(
       "train", "train a GPT or T5 with FlexDeMo (or a dense baseline); run under mpirun");
-  c.cli->add_option("--config", "read options from a TOML file (key = value, the option names "
-                                "without --); the command line wins");
+  c.cli->add_option("--config",
+                    "read options from a TOML file (key = value, the option names "
+                    "without --); the command line wins");
   train::for_each_option(*config, [cmd = c.cli](auto& field, const train::OptionSpec& spec) {
     add_option(*cmd, field, spec);
   });

@@ -33,9 +33,24 @@ if [ ${#missing[@]} -eq 0 ]; then
   exit 0
 fi
 
-echo "install-deps: installing ${missing[*]}"
 sudo=""
 if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
 export DEBIAN_FRONTEND=noninteractive
-$sudo apt-get update -qq
-$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+# One line per step; apt's own output goes to a log, shown only when a step fails.
+log=$(mktemp -t flexdemo-install-deps.XXXXXX.log)
+step() {
+  local what=$1
+  shift
+  local started=$SECONDS
+  echo "install-deps: $what ..."
+  if ! "$@" >> "$log" 2>&1; then
+    echo "install-deps: $what failed; the last lines of $log:" >&2
+    tail -n 30 "$log" >&2
+    exit 1
+  fi
+  echo "install-deps: $what done ($((SECONDS - started)) s)"
+}
+step "updating the package lists" $sudo apt-get update
+step "installing ${#missing[@]} packages (${missing[*]})" \
+  $sudo apt-get install -y --no-install-recommends "${missing[@]}"
+rm -f "$log"

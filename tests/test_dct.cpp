@@ -269,8 +269,10 @@ TEST(Kernels, SparseInverseMatchesFloat64Reference) {
           adamw.exp_avg = at::randn({plan.rows, plan.cols});
           adamw.exp_avg_sq = at::rand({plan.rows, plan.cols});
           adamw.lr = 0.01, adamw.weight_decay = 0.1, adamw.sign = sign;
-          adamw.bias_correction1 = 1 - std::pow(0.9, 3), adamw.bias_correction2 = 1 - std::pow(0.999, 3);
-          const at::Tensor m0 = adamw.exp_avg.to(at::kDouble), v0 = adamw.exp_avg_sq.to(at::kDouble);
+          adamw.bias_correction1 = 1 - std::pow(0.9, 3),
+          adamw.bias_correction2 = 1 - std::pow(0.999, 3);
+          const at::Tensor m0 = adamw.exp_avg.to(at::kDouble),
+                           v0 = adamw.exp_avg_sq.to(at::kDouble);
           flexdemo::kernels::idct_sparse_adamw_step(sparse, plan, adamw);
           const at::Tensor g = sign ? x.sign() : x;
           const at::Tensor m = 0.9 * m0 + 0.1 * g, v = 0.999 * v0 + 0.001 * g * g;
@@ -278,8 +280,8 @@ TEST(Kernels, SparseInverseMatchesFloat64Reference) {
                                0.01 / adamw.bias_correction1 * m /
                                    (v.sqrt() / std::sqrt(adamw.bias_correction2) + 1e-8);
           const at::Tensor where = sign ? clear : at::ones_like(clear);
-          for (const auto& [got_t, want_t] : {std::pair{adamw.param, p}, {adamw.exp_avg, m},
-                                              {adamw.exp_avg_sq, v}}) {
+          for (const auto& [got_t, want_t] :
+               {std::pair{adamw.param, p}, {adamw.exp_avg, m}, {adamw.exp_avg_sq, v}}) {
             EXPECT_TRUE(at::allclose(got_t.to(at::kDouble).masked_select(where),
                                      want_t.masked_select(where), 1e-5, 1e-6))
                 << at::IntArrayRef(c.shape) << " nnz " << nnz << " " << to_string(isa)

@@ -1,5 +1,6 @@
-// DeMo with one replica against a naive float64 implementation of the algorithm (README: "The algorithm, per step and tensor") written here:
-// residual kept in the sample domain, DCT by the direct formula, top-k by sorting.
+// DeMo with one replica against a naive float64 implementation of the algorithm (README: "The
+// algorithm, per step and tensor") written here: residual kept in the sample domain, DCT by the
+// direct formula, top-k by sorting.
 #include "flexdemo/optim.h"
 
 #include <ATen/ATen.h>
@@ -195,7 +196,8 @@ TEST(Demo, FastPathEqualsPlainPath) {
   // only odd basis functions reach it, so those elements are not compared.
   at::manual_seed(23);
   for (const Case& c : kCases) {
-    const dct::ChunkPlan plan = dct::make_chunk_plan(c.shape, test_options(c.mode, true).chunk, c.mode);
+    const dct::ChunkPlan plan =
+        dct::make_chunk_plan(c.shape, test_options(c.mode, true).chunk, c.mode);
     at::Tensor compared = at::ones({plan.rows, plan.cols}, at::kBool);
     for (int64_t r = 0; r < plan.rows; ++r) {
       for (int64_t col = 0; col < plan.cols; ++col) {
@@ -206,7 +208,8 @@ TEST(Demo, FastPathEqualsPlainPath) {
       }
     }
     for (auto [inner, sign] : {std::pair{optim::InnerKind::SignSgd, true},
-                               {optim::InnerKind::AdamW, true}, {optim::InnerKind::AdamW, false}}) {
+                               {optim::InnerKind::AdamW, true},
+                               {optim::InnerKind::AdamW, false}}) {
       optim::OptimizerOptions fast = test_options(c.mode, sign), plain = fast;
       fast.inner = plain.inner = inner;
       plain.fast_path = false;
@@ -221,8 +224,8 @@ TEST(Demo, FastPathEqualsPlainPath) {
         b.step();
         const at::Tensor diff = (p_fast - p_plain).detach().reshape({plan.rows, plan.cols});
         EXPECT_LT(diff.masked_select(compared).abs().max().item<double>(), 1e-6)
-            << at::IntArrayRef(c.shape) << " " << name_of(inner) << " sign " << sign
-            << " step " << step;
+            << at::IntArrayRef(c.shape) << " " << name_of(inner) << " sign " << sign << " step "
+            << step;
         EXPECT_TRUE(at::allclose(a.residual(0), b.residual(0), 1e-5, 1e-7));
       }
       if (inner == optim::InnerKind::AdamW) {  // and the moments

@@ -3,10 +3,10 @@
 // `run_training` whose outputs follow the documented schema.
 #include "test_mpi.h"
 
-#include "flexdemo/safetensors.h"
 #include "flexdemo/data.h"
 #include "flexdemo/model.h"
 #include "flexdemo/optim.h"
+#include "flexdemo/safetensors.h"
 #include "flexdemo/text.h"
 #include "flexdemo/train.h"
 
@@ -330,13 +330,15 @@ TEST(Trainer, ExchangeInBackwardEqualsExchangeAfterIt) {
     }
   }
   c.clip = 1.0;  // clipping needs the whole gradient before anything is sent
-  EXPECT_NE(invalid_argument_of([&] { train::run_training(c, world); })
-                .find("--exchange-in-backward needs --clip 0"),
+  EXPECT_NE(invalid_argument_of([&] {
+              train::run_training(c, world);
+            }).find("--exchange-in-backward needs --clip 0"),
             std::string::npos);
   c.clip = 0;
   c.on_nonfinite = train::NonFinitePolicy::Skip;
-  EXPECT_NE(invalid_argument_of([&] { train::run_training(c, world); })
-                .find("--exchange-in-backward needs --on-nonfinite stop"),
+  EXPECT_NE(invalid_argument_of([&] {
+              train::run_training(c, world);
+            }).find("--exchange-in-backward needs --on-nonfinite stop"),
             std::string::npos);
 }
 

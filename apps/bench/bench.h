@@ -54,8 +54,8 @@ struct ExchangeBenchArgs : DemoBenchArgs {
     steps = 20;
   }
   std::string replicator = "demo";  // compared against "full" (plain HSDP)
-  int ranks_per_node = 0;  // 0: from MPI
-  int shard_size = 0;      // 0: the whole node
+  int ranks_per_node = 0;           // 0: from MPI
+  int shard_size = 0;               // 0: the whole node
 };
 // Collective over world: FlexDeMo on a GPT-2-shaped model sharded inside nodes.
 int run_bench_exchange(const ExchangeBenchArgs& args, std::shared_ptr<comm::Communicator> world);

@@ -49,7 +49,9 @@ struct OptimizerOptions {
   // ====== DeMo compression ======
   double decay = 0.999;  // residual decay, in [0, 1)
   int64_t topk = 32;     // coefficients kept per chunk (> 0; clamped to the chunk)
-  int64_t chunk = 64;    // target chunk edge (> 0)
+  // The chunk geometry of whole parameters (the constructor taking tensors); given OptimParams
+  // (e.g. shards) bring their own plans and these two are not used.
+  int64_t chunk = 64;  // target chunk edge (> 0)
   dct::ChunkMode chunk_mode = dct::ChunkMode::Divisor;
   compress::ValueEncoding values = compress::ValueEncoding::Fp32;  // wire value encoding
   bool fast_path = true;  // sparse-aware decode; false: the plain whole-tensor transforms (the
@@ -90,10 +92,10 @@ class Optimizer {
   // parameters; nullptr means one replica (nothing is sent, but DeMo's payload is still encoded
   // and decoded, so the numbers match a multi-replica run).
   Optimizer(std::vector<at::Tensor> params, OptimizerOptions options,
-                std::shared_ptr<comm::Communicator> replica_group = nullptr);
+            std::shared_ptr<comm::Communicator> replica_group = nullptr);
   // Explicit plans, e.g. this rank's shards.
   Optimizer(std::vector<OptimParam> params, OptimizerOptions options,
-                std::shared_ptr<comm::Communicator> replica_group);
+            std::shared_ptr<comm::Communicator> replica_group);
   ~Optimizer();
   Optimizer(const Optimizer&) = delete;
   Optimizer& operator=(const Optimizer&) = delete;

@@ -35,7 +35,9 @@ ShardSpec make_shard_spec(at::IntArrayRef shape, int64_t chunk, dct::ChunkMode m
                           int shard_size);
 
 struct ShardOptions {
-  int64_t chunk = 64;  // chunk geometry: must match the optimizer's
+  // The parameters' chunk geometry. The optimizer takes it from the units (optim_params: each
+  // shard's plan), so it is set here only.
+  int64_t chunk = 64;
   dct::ChunkMode chunk_mode = dct::ChunkMode::Divisor;
   // true: free the gathered parameters after forward and gather them again in backward,
   // recomputing the unit (FSDP's FULL_SHARD with checkpointing); false: keep them until the

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace flexdemo::model {
@@ -42,10 +43,10 @@ enum class OptionRole {
 // a word's list as CLI11's "--NAME: x not in {a,b}".
 struct Accepts {
   std::optional<double> low, high;
-  bool low_open = false, high_open = false;     // > instead of >=, < instead of <=
-  const char* note = "";                        // after the bound: " (0: the preset's)"
+  bool low_open = false, high_open = false;       // > instead of >=, < instead of <=
+  const char* note = "";                          // after the bound: " (0: the preset's)"
   std::vector<std::string> (*words)() = nullptr;  // a string option's accepted words
-  const char* env = nullptr;                    // an environment variable that sets it too
+  const char* env = nullptr;                      // an environment variable that sets it too
 
   Accepts from_env(const char* variable) const {
     Accepts a = *this;
@@ -53,11 +54,21 @@ struct Accepts {
     return a;
   }
 };
-inline Accepts anything() { return {}; }
-inline Accepts at_least(double low, const char* note = "") { return {low, {}, false, false, note}; }
-inline Accepts above(double low) { return {low, {}, true, false}; }
-inline Accepts closed(double low, double high) { return {low, high, false, false}; }
-inline Accepts half_open(double low, double high) { return {low, high, false, true}; }
+inline Accepts anything() {
+  return {};
+}
+inline Accepts at_least(double low, const char* note = "") {
+  return {low, {}, false, false, note};
+}
+inline Accepts above(double low) {
+  return {low, {}, true, false};
+}
+inline Accepts closed(double low, double high) {
+  return {low, high, false, false};
+}
+inline Accepts half_open(double low, double high) {
+  return {low, high, false, true};
+}
 inline Accepts one_of(std::vector<std::string> (*words)()) {
   Accepts a;
   a.words = words;
@@ -72,92 +83,94 @@ struct OptionSpec {
   std::string flag() const;  // "--" + name with '_' -> '-'
 };
 
+// clang-format off
 // X(name, type, default, role, accepts, help). std::optional: unset means "the optimizer's".
 #define FLEXDEMO_TRAIN_OPTIONS(X)                                                                  \
-  /* ====== Model ====== */                                                                       \
-  X(model, std::string, "gpt-micro", Model, one_of(model::model_presets),                                          \
-    "preset: gpt-nano, gpt-micro, gpt2-small, t5-nano, t5-small (T5: span corruption)")           \
-  X(width, int64_t, 0, Model, at_least(0, " (0: the preset's)"), "d_model (0: the preset's)")    \
-  X(layers, int64_t, 0, Model, at_least(0, " (0: the preset's)"), "blocks (0: the preset's)")    \
-  X(heads, int64_t, 0, Model, at_least(0, " (0: the preset's)"),                                 \
-    "attention heads (0: the preset's)")                                                          \
-  X(context, int64_t, 0, Model, at_least(0, " (0: the preset's)"),                               \
-    "longest sequence (0: the preset's)")                                                         \
-  X(dropout, double, 0.0, Run, anything(), "dropout probability")                                \
-  /* ====== Data ====== */                                                                        \
-  X(data, std::string, "/usr/share/games/fortunes", Model, anything(),                           \
-    "text file or folder, or an llm.c token shard (.bin)")                                        \
-  X(tokenizer, TokenizerKind, TokenizerKind::Bpe, Model, anything(),                             \
-    "bpe (SentencePiece, trained on --data) or bytes")                                            \
-  X(vocab, int32_t, 4096, Model, anything(), "BPE vocabulary size")                              \
-  /* ====== Schedule ====== */                                                                    \
-  X(steps, int64_t, 200, Run, at_least(1), "optimizer steps")                                     \
-  X(batch, int64_t, 16, State, at_least(1), "global batch in sequences, divided across ranks")    \
-  X(micro_batch, int64_t, 0, State, at_least(0),                                                  \
-    "sequences per forward on a rank; accumulates (0: the rank's share)")                         \
-  X(seq, int64_t, 64, Model, at_least(1), "tokens per sequence")                                  \
-  X(lr, double, 1e-3, Run, above(0), "peak learning rate")                                        \
-  X(warmup, int64_t, 20, Run, at_least(0), "linear warmup steps, then cosine decay")              \
-  X(min_lr_ratio, double, 0.1, Run, closed(0, 1), "final lr as a fraction of --lr")               \
-  X(clip, double, 1.0, Run, at_least(0),                                                          \
-    "clip each replica's gradient to this global norm (0: off)")                                  \
-  X(weight_decay, double, 0.0, State, anything(), "decoupled weight decay")                      \
-  X(max_time, double, 0.0, Run, at_least(0, " seconds (0: no limit)"),                           \
-    "stop after the step that reaches this many seconds of training, with a checkpoint "          \
-    "(0: no limit)")                                                                              \
-  /* ====== Optimizer ====== */                                                                   \
-  X(optimizer, OptimizerKind, OptimizerKind::FlexDemo, State, anything(),                        \
-    "flexdemo (DeMo between nodes + sign-SGD), flexdemo-adamw (+ AdamW), adamw or sgd (dense, "   \
-    "full exchange)")                                                                             \
-  X(replicator, std::optional<optim::ReplicatorKind>, std::nullopt, State, anything(),           \
-    "exchange between nodes: demo, full, none, random (default: the optimizer's)")                \
-  X(sign, std::optional<bool>, std::nullopt, State, anything(),                                  \
-    "apply sign(update) (default: on for flexdemo, off otherwise); --no-sign: the update itself") \
-  X(topk, int64_t, 32, State, at_least(1), "DCT coefficients kept per chunk")                     \
-  X(chunk, int64_t, 64, Model, at_least(1), "DCT chunk edge")                                     \
-  X(decay, double, 0.999, State, half_open(0, 1), "DeMo residual decay")         \
-  X(values, compress::ValueEncoding, compress::ValueEncoding::Bf16, State, anything(),           \
-    "wire value encoding: fp32, bf16, int8, 1bit")                                                \
-  X(replicate_every, int64_t, 1, State, at_least(1), "exchange every N steps")                    \
-  X(overlap_step, bool, false, State, anything(),                                                \
-    "run each exchange between nodes through the next step and apply it there (one step "         \
-    "stale), hiding it behind that step's forward and backward")                                  \
-  X(exchange_in_backward, bool, false, Run, anything(),                                          \
-    "start each unit's exchange between nodes during the backward, as soon as its gradients are " \
-    "final (the same result as without; needs --clip 0 and --on-nonfinite stop)")                 \
-  /* ====== Topology ====== */                                                                    \
-  X(ranks_per_node, int, 0, Run,                                                                  \
-    at_least(0, " (0: from MPI)").from_env("FLEXDEMO_RANKS_PER_NODE"),                            \
-    "ranks per node (0: from MPI)")                                                               \
-  X(shard_size, int, 0, Run, at_least(0, " (0: the whole node)"),                                \
-    "ranks per shard group (0: the node)")                                                        \
-  X(reshard, bool, true, Run, anything(),                                                        \
-    "free gathered parameters after forward and recompute in backward")                           \
-  /* ====== Run ====== */                                                                         \
-  X(eval_every, int64_t, 0, Run, at_least(0), "evaluate every N steps (0: only at the end)")      \
-  X(eval_seqs, int64_t, 64, Run, at_least(1), "validation sequences per evaluation")              \
-  X(log_every, int64_t, 10, Run, at_least(1), "log line every N steps (not a terminal)")          \
-  X(progress, ProgressMode, ProgressMode::Auto, Run, anything(),                                 \
+  /* ====== Model ====== */                                                                        \
+  X(model, std::string, "gpt-micro", Model, one_of(model::model_presets),                          \
+    "the model preset (t5-*: a T5-style encoder-decoder trained by span corruption)")              \
+  X(width, int64_t, 0, Model, at_least(0, " (0: the preset's)"), "d_model (0: the preset's)")      \
+  X(layers, int64_t, 0, Model, at_least(0, " (0: the preset's)"), "blocks (0: the preset's)")      \
+  X(heads, int64_t, 0, Model, at_least(0, " (0: the preset's)"),                                   \
+    "attention heads (0: the preset's)")                                                           \
+  X(context, int64_t, 0, Model, at_least(0, " (0: the preset's)"),                                 \
+    "longest sequence (0: the preset's)")                                                          \
+  X(dropout, double, 0.0, Run, anything(), "dropout probability")                                  \
+  /* ====== Data ====== */                                                                         \
+  X(data, std::string, "/usr/share/games/fortunes", Model, anything(),                             \
+    "text file or folder, or an llm.c token shard (.bin)")                                         \
+  X(tokenizer, TokenizerKind, TokenizerKind::Bpe, Model, anything(),                               \
+    "bpe (SentencePiece, trained on --data) or bytes")                                             \
+  X(vocab, int32_t, 4096, Model, anything(), "BPE vocabulary size")                                \
+  /* ====== Schedule ====== */                                                                     \
+  X(steps, int64_t, 200, Run, at_least(1), "optimizer steps")                                      \
+  X(batch, int64_t, 16, State, at_least(1), "global batch in sequences, divided across ranks")     \
+  X(micro_batch, int64_t, 0, State, at_least(0),                                                   \
+    "sequences per forward on a rank; accumulates (0: the rank's share)")                          \
+  X(seq, int64_t, 64, Model, at_least(1), "tokens per sequence")                                   \
+  X(lr, double, 1e-3, Run, above(0), "peak learning rate")                                         \
+  X(warmup, int64_t, 20, Run, at_least(0), "linear warmup steps, then cosine decay")               \
+  X(min_lr_ratio, double, 0.1, Run, closed(0, 1), "final lr as a fraction of --lr")                \
+  X(clip, double, 1.0, Run, at_least(0),                                                           \
+    "clip each replica's gradient to this global norm (0: off)")                                   \
+  X(weight_decay, double, 0.0, State, anything(), "decoupled weight decay")                        \
+  X(max_time, double, 0.0, Run, at_least(0, " seconds (0: no limit)"),                             \
+    "stop after the step that reaches this many seconds of training, with a checkpoint "           \
+    "(0: no limit)")                                                                               \
+  /* ====== Optimizer ====== */                                                                    \
+  X(optimizer, OptimizerKind, OptimizerKind::FlexDemo, State, anything(),                          \
+    "flexdemo (DeMo between nodes + sign-SGD), flexdemo-adamw (+ AdamW), adamw or sgd (dense, "    \
+    "full exchange)")                                                                              \
+  X(replicator, std::optional<optim::ReplicatorKind>, std::nullopt, State, anything(),             \
+    "exchange between nodes (default: the optimizer's)")                                           \
+  X(sign, std::optional<bool>, std::nullopt, State, anything(),                                    \
+    "apply sign(update) (default: on for flexdemo, off otherwise); --no-sign: the update itself")  \
+  X(topk, int64_t, 32, State, at_least(1), "DCT coefficients kept per chunk")                      \
+  X(chunk, int64_t, 64, Model, at_least(1), "DCT chunk edge")                                      \
+  X(decay, double, 0.999, State, half_open(0, 1), "DeMo residual decay")                           \
+  X(values, compress::ValueEncoding, compress::ValueEncoding::Bf16, State, anything(),             \
+    "wire value encoding of DeMo's payloads")                                                      \
+  X(replicate_every, int64_t, 1, State, at_least(1), "exchange every N steps")                     \
+  X(overlap_step, bool, false, State, anything(),                                                  \
+    "run each exchange between nodes through the next step and apply it there (one step "          \
+    "stale), hiding it behind that step's forward and backward")                                   \
+  X(exchange_in_backward, bool, false, Run, anything(),                                            \
+    "start each unit's exchange between nodes during the backward, as soon as its gradients are "  \
+    "final (the same result as without; needs --clip 0 and --on-nonfinite stop)")                  \
+  /* ====== Topology ====== */                                                                     \
+  X(ranks_per_node, int, 0, Run,                                                                   \
+    at_least(0, " (0: from MPI)").from_env("FLEXDEMO_RANKS_PER_NODE"),                             \
+    "ranks per node (0: from MPI)")                                                                \
+  X(shard_size, int, 0, Run, at_least(0, " (0: the whole node)"),                                  \
+    "ranks per shard group (0: the node)")                                                         \
+  X(reshard, bool, true, Run, anything(),                                                          \
+    "free gathered parameters after forward and recompute in backward")                            \
+  /* ====== Run ====== */                                                                          \
+  X(eval_every, int64_t, 0, Run, at_least(0), "evaluate every N steps (0: only at the end)")       \
+  X(eval_seqs, int64_t, 64, Run, at_least(1), "validation sequences per evaluation")               \
+  X(log_every, int64_t, 10, Run, at_least(1), "log line every N steps (not a terminal)")           \
+  X(progress, ProgressMode, ProgressMode::Auto, Run, anything(),                                   \
     "auto (a live line when stdout is a terminal), bar, or lines (log lines); under mpirun the "   \
-    "ranks always see a terminal")                                                                \
-  X(out, std::string, "runs/latest", Run, anything(), "output folder")                           \
-  X(seed, uint64_t, 1337, Model, anything(), "seed of data order and initialisation")            \
-  X(threads, int, 1, Run, at_least(1), "intra-op threads per rank")                               \
-  X(bf16, bool, false, Run, anything(), "bf16 autocast of the forward (weights stay float32)")  \
-  X(check_replicas, int64_t, 0, Run, at_least(0),                                                 \
-    "every N steps, stop if the replicas' parameters differ (0: off)")                            \
-  X(on_nonfinite, NonFinitePolicy, NonFinitePolicy::Skip, Run, anything(),                       \
-    "a NaN/Inf loss or gradient on any rank: skip the step on all ranks, or stop")                \
-  X(checkpoint_every, int64_t, 0, Run, at_least(0),                                               \
-    "also checkpoint every N steps (0: only at the end)")                                         \
-  X(keep_checkpoints, int64_t, 2, Run, at_least(1),                                               \
-    "checkpoints kept in OUT/checkpoints/ (the newest ones)")                                     \
-  X(resume, std::string, "", Unsaved, anything(),                                                \
-    "continue from a run folder's newest valid checkpoint, or from one checkpoint folder (same "  \
-    "topology and options)")                                                                      \
-  X(comm_timeout, double, 60.0, Run, at_least(0, " seconds (0: wait forever)"),                  \
-    "seconds a collective may take before the job stops with an error (a dead or hung rank); 0: " \
+    "ranks always see a terminal")                                                                 \
+  X(out, std::string, "runs/latest", Run, anything(), "output folder")                             \
+  X(seed, uint64_t, 1337, Model, anything(), "seed of data order and initialisation")              \
+  X(threads, int, 1, Run, at_least(1), "intra-op threads per rank")                                \
+  X(bf16, bool, false, Run, anything(), "bf16 autocast of the forward (weights stay float32)")     \
+  X(check_replicas, int64_t, 0, Run, at_least(0),                                                  \
+    "every N steps, stop if the replicas' parameters differ (0: off)")                             \
+  X(on_nonfinite, NonFinitePolicy, NonFinitePolicy::Skip, Run, anything(),                         \
+    "a NaN/Inf loss or gradient on any rank: skip the step on all ranks, or stop")                 \
+  X(checkpoint_every, int64_t, 0, Run, at_least(0),                                                \
+    "also checkpoint every N steps (0: only at the end)")                                          \
+  X(keep_checkpoints, int64_t, 2, Run, at_least(1),                                                \
+    "checkpoints kept in OUT/checkpoints/ (the newest ones)")                                      \
+  X(resume, std::string, "", Unsaved, anything(),                                                  \
+    "continue from a run folder's newest valid checkpoint, or from one checkpoint folder (same "   \
+    "topology and options)")                                                                       \
+  X(comm_timeout, double, 60.0, Run, at_least(0, " seconds (0: wait forever)"),                    \
+    "seconds a collective may take before the job stops with an error (a dead or hung rank); 0: "  \
     "wait forever")
+// clang-format on
 
 struct TrainConfig {
 #define FLEXDEMO_FIELD(name, type, default_value, role, accepts, help) type name = default_value;
@@ -170,6 +183,12 @@ struct TrainConfig {
   // Fills in what defaults to the optimizer's choice (replicator, sign).
   void resolve();
 };
+
+// Whether an option's type is std::optional (unset: the optimizer's choice, until resolve()).
+template <class T>
+struct is_optional : std::false_type {};
+template <class T>
+struct is_optional<std::optional<T>> : std::true_type {};
 
 // Calls visit(field, spec) for every option in declaration order (field typed as declared).
 template <class Config, class Visitor>

@@ -1,8 +1,8 @@
-// The DeMo replicator (the README's "The algorithm, per step and tensor"): residual momentum kept in the DCT domain, per-chunk top-k
-// with error feedback, deterministic decode, inverse DCT. The payloads travel in buckets, one
-// all-gather each: by default one bucket of every tensor per step; tensors whose gradients are
-// final early (start()) go in their own buckets, started at once. With overlap_step the
-// all-gather is non-blocking and its result is applied one step later.
+// The DeMo replicator (the README's "The algorithm, per step and tensor"): residual momentum kept
+// in the DCT domain, per-chunk top-k with error feedback, deterministic decode, inverse DCT. The
+// payloads travel in buckets, one all-gather each: by default one bucket of every tensor per step;
+// tensors whose gradients are final early (start()) go in their own buckets, started at once. With
+// overlap_step the all-gather is non-blocking and its result is applied one step later.
 #include "inner.h"
 #include "replicator.h"
 

@@ -10,7 +10,8 @@
 
 namespace flexdemo::optim {
 
-InnerOptimizer::InnerOptimizer(const std::vector<OptimParam>& params, const OptimizerOptions& options)
+InnerOptimizer::InnerOptimizer(const std::vector<OptimParam>& params,
+                               const OptimizerOptions& options)
     : options_(options) {
   for (const OptimParam& p : params) {
     params_.push_back(

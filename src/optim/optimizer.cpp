@@ -55,7 +55,8 @@ struct Optimizer::Impl {
 
 namespace {
 
-std::vector<OptimParam> whole_parameters(std::vector<at::Tensor> params, const OptimizerOptions& o) {
+std::vector<OptimParam> whole_parameters(std::vector<at::Tensor> params,
+                                         const OptimizerOptions& o) {
   o.validate();
   std::vector<OptimParam> out;
   for (size_t i = 0; i < params.size(); ++i) {
@@ -70,12 +71,11 @@ std::vector<OptimParam> whole_parameters(std::vector<at::Tensor> params, const O
 }  // namespace
 
 Optimizer::Optimizer(std::vector<at::Tensor> params, OptimizerOptions options,
-                             std::shared_ptr<comm::Communicator> replica_group)
-    : Optimizer(whole_parameters(std::move(params), options), options,
-                    std::move(replica_group)) {}
+                     std::shared_ptr<comm::Communicator> replica_group)
+    : Optimizer(whole_parameters(std::move(params), options), options, std::move(replica_group)) {}
 
 Optimizer::Optimizer(std::vector<OptimParam> params, OptimizerOptions options,
-                             std::shared_ptr<comm::Communicator> replica_group)
+                     std::shared_ptr<comm::Communicator> replica_group)
     : impl_(std::make_unique<Impl>()) {
   options.validate();
   Impl& s = *impl_;

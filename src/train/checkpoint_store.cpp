@@ -137,7 +137,6 @@ fs::path find_checkpoint(const std::string& where, bool report) {
       (reasons.empty() ? " (expected checkpoints/step-N/ folders)" : reasons));
 }
 
-
 void save_checkpoint(Session& s, int64_t step) {
   const auto& world = s.topo.world;
   const bool root = world->rank() == 0;

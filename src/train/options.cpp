@@ -14,11 +14,6 @@ namespace flexdemo::train {
 namespace {
 
 template <class T>
-struct is_optional : std::false_type {};
-template <class T>
-struct is_optional<std::optional<T>> : std::true_type {};
-
-template <class T>
 nlohmann::ordered_json json_of(const T& value) {
   if constexpr (is_optional<T>::value) {
     return value ? json_of(*value) : nlohmann::ordered_json(nullptr);
@@ -70,8 +65,8 @@ void check_accepted(const T& value, const OptionSpec& spec) {
     if (std::find(words.begin(), words.end(), value) != words.end()) return;
     std::string accepted;
     for (const std::string& w : words) accepted += (accepted.empty() ? "" : ", ") + w;
-    throw std::invalid_argument("unknown " + spec.flag() + " '" + value + "'; accepted: " +
-                                accepted);
+    throw std::invalid_argument("unknown " + spec.flag() + " '" + value +
+                                "'; accepted: " + accepted);
   }
 }
 
@@ -113,9 +108,8 @@ model::T5Config t5_config(const TrainConfig& c, int64_t vocab) {
 
 // ====== Validation ======
 void TrainConfig::validate() const {
-  for_each_option(*this, [](const auto& value, const OptionSpec& spec) {
-    check_accepted(value, spec);
-  });
+  for_each_option(*this,
+                  [](const auto& value, const OptionSpec& spec) { check_accepted(value, spec); });
   // The rules that tie options together.
   auto fail = [](const std::string& what) { throw std::invalid_argument(what); };
   if (tokenizer == TokenizerKind::Bpe && (vocab < 260 || vocab > 65535)) {
@@ -136,18 +130,22 @@ void TrainConfig::validate() const {
   if (exchange_in_backward) {
     // A unit's payloads leave during the backward: nothing may change its gradient afterwards.
     if (!demo_replicator) {
-      fail("--exchange-in-backward needs the demo replicator (--optimizer flexdemo or "
-           "flexdemo-adamw)");
+      fail(
+          "--exchange-in-backward needs the demo replicator (--optimizer flexdemo or "
+          "flexdemo-adamw)");
     }
     if (overlap_step) fail("--exchange-in-backward and --overlap-step exclude each other");
     if (clip != 0) {
-      fail(fmt::format("--exchange-in-backward needs --clip 0 (clipping scales by the whole "
-                       "gradient's norm, known only after the backward), got --clip {}",
-                       clip));
+      fail(
+          fmt::format("--exchange-in-backward needs --clip 0 (clipping scales by the whole "
+                      "gradient's norm, known only after the backward), got --clip {}",
+                      clip));
     }
     if (on_nonfinite != NonFinitePolicy::Stop) {
-      fail("--exchange-in-backward needs --on-nonfinite stop (a skipped step would already have "
-           "sent its payloads), got --on-nonfinite " + name_of(on_nonfinite));
+      fail(
+          "--exchange-in-backward needs --on-nonfinite stop (a skipped step would already have "
+          "sent its payloads), got --on-nonfinite " +
+          name_of(on_nonfinite));
     }
   }
   if (is_t5(*this)) {
@@ -195,8 +193,8 @@ void check_resumable(const nlohmann::json& saved, const TrainConfig& run,
     if (!saved.contains(spec.name)) return;
     const std::string was = saved[spec.name].dump(), now = json_of(value).dump();
     if (was != now) {
-      throw std::invalid_argument("--resume: " + where + " was written with " + spec.flag() +
-                                  " " + was + ", this run has " + now +
+      throw std::invalid_argument("--resume: " + where + " was written with " + spec.flag() + " " +
+                                  was + ", this run has " + now +
                                   " (options that define the model, data and optimizer state "
                                   "must match)");
     }
@@ -213,8 +211,7 @@ optim::OptimizerOptions optimizer_options(const TrainConfig& c) {
   o.sign = c.sign.value();
   o.lr = c.lr;
   o.weight_decay = c.weight_decay;
-  o.topk = c.topk;
-  o.chunk = c.chunk;
+  o.topk = c.topk;  // the chunk geometry is the sharded units' (session.cpp)
   o.decay = c.decay;
   o.values = c.values;
   o.replicate_every = c.replicate_every;

@@ -50,8 +50,8 @@ bool live_line(const TrainConfig& cfg) {
 
 }  // namespace
 
-StepMetrics reduce_step_metrics(comm::Communicator& world, int64_t step, double loss,
-                                double step_s, const comm::StepTraffic& traffic) {
+StepMetrics reduce_step_metrics(comm::Communicator& world, int64_t step, double loss, double step_s,
+                                const comm::StepTraffic& traffic) {
   at::Tensor sums = at::tensor({double(traffic.intra_sent), double(traffic.intra_received),
                                 double(traffic.inter_sent), double(traffic.inter_received)},
                                at::kDouble);
@@ -100,8 +100,8 @@ RunLog::RunLog(const Session& s, int64_t start_step)
   metrics_.open(metrics_path, std::ios::trunc);
   metrics_ << kept;
   fmt::print("flexdemo train: {}; {}; {} + {} replicator; global batch {} x {} tokens\n",
-             s.topo.describe(), s.lm->describe(), name_of(cfg.optimizer),
-             name_of(*cfg.replicator), cfg.batch, cfg.seq);
+             s.topo.describe(), s.lm->describe(), name_of(cfg.optimizer), name_of(*cfg.replicator),
+             cfg.batch, cfg.seq);
   std::fflush(stdout);
 }
 
@@ -134,11 +134,10 @@ void RunLog::record(const StepMetrics& m) {
   const double done = double(m.step - start_step_);
   const double eta = elapsed / done * double(cfg.steps - m.step);
   const double tokens_per_s = done * double(cfg.batch * cfg.seq) / elapsed;
-  const std::string line =
-      fmt::format("step {}/{}  loss {:.4f}{}  {:.0f} tok/s  {} between nodes/step  ETA {}",
-                  m.step, cfg.steps, m.loss,
-                  m.val_loss ? fmt::format("  val {:.4f}", *m.val_loss) : std::string(),
-                  tokens_per_s, human_bytes(m.inter_sent), human_seconds(eta));
+  const std::string line = fmt::format(
+      "step {}/{}  loss {:.4f}{}  {:.0f} tok/s  {} between nodes/step  ETA {}", m.step, cfg.steps,
+      m.loss, m.val_loss ? fmt::format("  val {:.4f}", *m.val_loss) : std::string(), tokens_per_s,
+      human_bytes(m.inter_sent), human_seconds(eta));
   if (terminal_) {
     fmt::print("\r{:<100}", line);
     if (m.val_loss || m.step == cfg.steps) fmt::print("\n");

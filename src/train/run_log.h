@@ -21,14 +21,14 @@ struct StepMetrics {
   double step_s = 0.0, comm_s = 0.0;  // mean over ranks; comm_s: waiting for collectives
   double inter_collectives = 0.0;     // mean per rank
   double intra_sent = 0.0, intra_recv = 0.0, inter_sent = 0.0, inter_recv = 0.0;  // bytes, sum
-  int64_t skipped_steps = 0;         // so far
-  std::optional<double> val_loss;    // when evaluated at this step
+  int64_t skipped_steps = 0;                                                      // so far
+  std::optional<double> val_loss;  // when evaluated at this step
 };
 
 // Collective over world: this rank's loss, step time and traffic reduced over all ranks (bytes
 // summed; loss, times and collectives averaged).
-StepMetrics reduce_step_metrics(comm::Communicator& world, int64_t step, double loss,
-                                double step_s, const comm::StepTraffic& traffic);
+StepMetrics reduce_step_metrics(comm::Communicator& world, int64_t step, double loss, double step_s,
+                                const comm::StepTraffic& traffic);
 
 class RunLog {
  public:

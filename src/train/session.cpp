@@ -88,7 +88,8 @@ std::unique_ptr<Session> open_session(const TrainConfig& config,
   s->per_rank = cfg.batch / P;
   s->micro = cfg.micro_batch > 0 ? cfg.micro_batch : s->per_rank;
   if (s->per_rank % s->micro != 0) {
-    throw std::invalid_argument(fmt::format("--micro-batch {} does not divide the {} sequences of each rank", s->micro, s->per_rank));
+    throw std::invalid_argument(fmt::format(
+        "--micro-batch {} does not divide the {} sequences of each rank", s->micro, s->per_rank));
   }
 
   s->tokens = load_tokens(cfg, *world);
