@@ -4,6 +4,7 @@
 
 #include "flexdemo/train.h"
 
+#include <algorithm>
 #include <fstream>
 #include <iterator>
 #include <optional>
@@ -46,7 +47,8 @@ void add_option(CLI::App& cmd, T& field, const train::OptionSpec& spec) {
 
 // `train --config FILE`: CLI11 2.1 does not read a config file set on a subcommand, so the file
 // is read here with CLI11's TOML reader and its items become arguments before the command
-// line's; an option given on the command line wins over the file. Throws std::invalid_argument
+// line's (a key is an option's name without --, or its config.json key); an option given on the
+// command line wins over the file. Throws std::invalid_argument
 // for a missing or binary file and for keys that are not options of `cmd`.
 void expand_config_file(std::vector<std::string>& args, const CLI::App& cmd) {
   auto at = std::find(args.begin(), args.end(), "--config");
@@ -69,7 +71,8 @@ void expand_config_file(std::vector<std::string>& args, const CLI::App& cmd) {
   std::vector<std::string> from_file;
   for (const CLI::ConfigItem& item : CLI::ConfigTOML().from_file(file)) {
     if (item.name == "++" || item.name == "--") continue;  // section markers
-    const std::string option = "--" + item.name;
+    std::string option = "--" + item.name;  // config.json's snake_case keys work too
+    std::replace(option.begin(), option.end(), '_', '-');
     if (!item.parents.empty() || cmd.get_option_no_throw(option) == nullptr ||
         option == "--config") {
       throw std::invalid_argument(

@@ -76,7 +76,7 @@ inline Accepts one_of(std::vector<std::string> (*words)()) {
 }
 
 struct OptionSpec {
-  const char* name;  // snake_case: the config.json and TOML key; the flag is --kebab-case
+  const char* name;  // snake_case: the config.json key; the flag (and TOML key) is --kebab-case
   OptionRole role;
   Accepts accepts;
   const char* help;
