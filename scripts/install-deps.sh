@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # Installs every build and run dependency of flexdemo from Debian packages.
-# Idempotent: packages already present are skipped, so a second run does no network work.
+#   scripts/install-deps.sh --cuda   also a virtual environment .venv-cuda/ holding PyPI's torch
+#                                    (a CUDA LibTorch, the GPU machine's version) for the CUDA build
+# Idempotent: what is already present is skipped, so a second run does no network work.
 set -euo pipefail
+cd "$(dirname "$0")/.."
+cuda=0
+if [ "${1:-}" = "--cuda" ]; then cuda=1; fi
+torch_version=2.11.0  # torch 2.11.0+cu130 on the H200 machine; PyPI's 2.11.0 is built for CUDA 13.0
 
 packages=(
   build-essential cmake pkg-config
@@ -28,15 +34,10 @@ for p in "${packages[@]}"; do
   fi
 done
 
-if [ ${#missing[@]} -eq 0 ]; then
-  echo "install-deps: all ${#packages[@]} packages present"
-  exit 0
-fi
-
 sudo=""
 if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
 export DEBIAN_FRONTEND=noninteractive
-# One line per step; apt's own output goes to a log, shown only when a step fails.
+# One line per step; the tools' own output goes to a log, shown only when a step fails.
 log=$(mktemp -t flexdemo-install-deps.XXXXXX.log)
 step() {
   local what=$1
@@ -50,7 +51,20 @@ step() {
   fi
   echo "install-deps: $what done ($((SECONDS - started)) s)"
 }
-step "updating the package lists" $sudo apt-get update
-step "installing ${#missing[@]} packages (${missing[*]})" \
-  $sudo apt-get install -y --no-install-recommends "${missing[@]}"
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#packages[@]} packages present"
+else
+  step "updating the package lists" $sudo apt-get update
+  step "installing ${#missing[@]} packages (${missing[*]})" \
+    $sudo apt-get install -y --no-install-recommends "${missing[@]}"
+fi
+if [ "$cuda" -eq 1 ]; then
+  if .venv-cuda/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" 2>/dev/null; then
+    echo "install-deps: .venv-cuda holds torch $torch_version"
+  else
+    [ -x .venv-cuda/bin/python ] || step "making the virtual environment .venv-cuda" python3 -m venv .venv-cuda
+    step "installing torch $torch_version (CUDA LibTorch) into .venv-cuda" \
+      .venv-cuda/bin/pip install --disable-pip-version-check "torch==$torch_version"
+  fi
+fi
 rm -f "$log"

@@ -11,6 +11,7 @@
 #include "flexdemo/train.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 

@@ -6,6 +6,7 @@
 #include "unit_model.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <cmath>
 #include <sstream>

@@ -8,6 +8,7 @@
 #include "flexdemo/safetensors.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <zlib.h>
 
 #include <fcntl.h>

@@ -8,6 +8,7 @@
 #include "flexdemo/train.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
