@@ -8,8 +8,8 @@
 #include "flexdemo/runtime.h"
 
 #include <ATen/ATen.h>
-#include <ATen/core/grad_mode.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/core/grad_mode.h>
 #include <fmt/core.h>
 
 #include <algorithm>
