@@ -5,9 +5,9 @@
 #include "flexdemo/shard.h"
 
 #include "flexdemo/comm.h"
+#include "runtime/autocast.h"
 
 #include <ATen/ATen.h>
-#include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -112,7 +112,7 @@ struct RecomputeUnit : public torch::autograd::Function<RecomputeUnit> {
     ctx->save_for_backward(inputs.vec());
     // The recomputation must draw the same random numbers (dropout) as this forward.
     ctx->saved_data["rng"] = at::detail::getDefaultCPUGenerator().get_state();
-    ctx->saved_data["autocast"] = at::autocast::is_cpu_enabled();  // recompute alike
+    ctx->saved_data["autocast"] = autocast::cpu_enabled();  // recompute alike
     return impl->pending.at(fn_id)(impl->all_gather(), inputs.vec());
   }
 
@@ -144,11 +144,11 @@ struct RecomputeUnit : public torch::autograd::Function<RecomputeUnit> {
       at::Generator gen = at::detail::getDefaultCPUGenerator();
       const at::Tensor now = gen.get_state();
       gen.set_state(ctx->saved_data["rng"].toTensor());
-      const bool autocast = at::autocast::is_cpu_enabled();
-      at::autocast::set_cpu_enabled(ctx->saved_data["autocast"].toBool());
+      const bool autocast_was = autocast::cpu_enabled();
+      autocast::set_cpu_enabled(ctx->saved_data["autocast"].toBool());
       at::AutoGradMode enable(true);
       out = fn(full, inputs);
-      at::autocast::set_cpu_enabled(autocast);
+      autocast::set_cpu_enabled(autocast_was);
       gen.set_state(now);
     }
     const variable_list grads =

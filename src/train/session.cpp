@@ -6,9 +6,9 @@
 
 #include "flexdemo/comm.h"
 #include "flexdemo/runtime.h"
+#include "runtime/autocast.h"
 
 #include <ATen/ATen.h>
-#include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
 #include <fmt/core.h>
 
@@ -78,7 +78,7 @@ std::unique_ptr<Session> open_session(const TrainConfig& config,
   cfg.validate();
   cfg.resolve();
   set_num_threads(cfg.threads);
-  at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
+  autocast::set_cpu_dtype(at::kBFloat16);
   const optim::OptimizerOptions options = optimizer_options(cfg);
   s->topo = comm::make_topology(world, {cfg.ranks_per_node, cfg.shard_size});
   const int P = world->size();

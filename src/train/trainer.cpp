@@ -12,9 +12,9 @@
 
 #include "flexdemo/comm.h"
 #include "flexdemo/shard.h"
+#include "runtime/autocast.h"
 
 #include <ATen/ATen.h>
-#include <ATen/autocast_mode.h>
 #include <fmt/core.h>
 #include <zlib.h>
 
@@ -60,9 +60,9 @@ double forward_backward(Session& s, int64_t step, const NonFiniteInjection& inje
   double loss_sum = 0.0;
   for (int64_t a = 0; a < s.per_rank; a += s.micro) {
     const at::Tensor batch = s.train_data->rows(step, first_row + a, s.micro);
-    at::autocast::set_cpu_enabled(cfg.bf16);
+    autocast::set_cpu_enabled(cfg.bf16);
     at::Tensor loss = s.lm->loss(batch).to(at::kFloat) * (double(s.micro) / double(s.per_rank));
-    at::autocast::set_cpu_enabled(false);
+    autocast::set_cpu_enabled(false);
     at::autocast::clear_cache();
     if (inject.step == step + 1 && inject.rank == s.topo.world->rank()) loss = loss * NAN;
     {
