@@ -5,11 +5,19 @@
 #   scripts/test.sh --sanitize   instead: clang with AddressSanitizer + UndefinedBehaviorSanitizer
 #                                (build-sanitize/): the unit tests, then each libFuzzer target
 #                                for FLEXDEMO_FUZZ_SECONDS (default 60)
+#   scripts/test.sh --cuda       instead: the same suite built against the CUDA LibTorch of
+#                                .venv-cuda/ (build-cuda/), run on the CPU
 # Other arguments go to ctest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install-deps.sh
 export OMP_NUM_THREADS=1
+if [ "${1:-}" = "--cuda" ]; then
+  shift
+  bash scripts/install-deps.sh --cuda
+  bash scripts/build.sh --cuda
+  exec ctest --test-dir build-cuda --output-on-failure "$@"
+fi
+bash scripts/install-deps.sh
 if [ "${1:-}" = "--sanitize" ]; then
   shift
   if [ ! -f build-sanitize/CMakeCache.txt ]; then
