@@ -8,6 +8,7 @@
 #include "flexdemo/topology.h"
 
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <fstream>
 #include <optional>
