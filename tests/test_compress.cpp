@@ -3,13 +3,17 @@
 #include "flexdemo/compress.h"
 #include "flexdemo/kernels.h"
 #include "isa.h"
+#include "kernels/chunk_math.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
 #include <gtest/gtest.h>
 #include <zlib.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <map>
 #include <vector>
 
@@ -276,4 +280,29 @@ TEST(DecodeMean, AveragesOverReplicasThatSelectedEachCoefficient) {
   EXPECT_EQ(selected[0].size(), size_t(replicas));
   EXPECT_TRUE(at::allclose(out.to(at::kDouble), want, 1e-6, 1e-6));
   EXPECT_EQ(at::count_nonzero(out).item<int64_t>(), int64_t(selected.size()));
+}
+
+// The bfloat16 rounding the CPU and GPU encoders share (chunk_math.h) is LibTorch's own, on every
+// bit pattern class: random floats, ties, the largest finite values, infinities, NaN, zeros.
+TEST(ChunkMath, Bf16RoundingIsLibTorchs) {
+  std::vector<float> values = {0.0f, -0.0f, 1.0f, -1.0f, 3.4028235e38f, -3.4028235e38f,
+                               std::numeric_limits<float>::infinity(),
+                               -std::numeric_limits<float>::infinity(), 1e-40f, -1e-45f};
+  for (uint32_t tie : {0x3f808000u, 0x3f818000u, 0x7f7f8000u, 0x00008000u}) {
+    float x;
+    std::memcpy(&x, &tie, 4);
+    values.push_back(x);
+    values.push_back(-x);
+  }
+  const at::Tensor random = at::randn({100000}) * 1000.0;
+  for (int64_t i = 0; i < random.numel(); ++i) values.push_back(random[i].item<float>());
+  for (float x : values) {
+    const c10::BFloat16 reference(x);
+    const uint16_t bits = kernels::chunk_math::bf16_bits(x);
+    ASSERT_EQ(bits, reference.x) << x;
+    const float back = kernels::chunk_math::bf16_value(bits);
+    const float expected = float(reference);
+    ASSERT_EQ(std::memcmp(&back, &expected, 4), 0) << x;
+  }
+  EXPECT_TRUE(std::isnan(kernels::chunk_math::bf16_value(kernels::chunk_math::bf16_bits(NAN))));
 }

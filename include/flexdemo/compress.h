@@ -58,12 +58,25 @@ int index_bytes_for(int64_t chunk_numel);
 // Exact payload size (header + body) for one tensor; k is clamped as select_topk does.
 size_t wire_payload_bytes(const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding);
 
+// Where each part of a payload's body lies (offsets inside the body, after the header).
+struct PayloadLayout {
+  int64_t chunks = 0, k = 0, entries = 0;  // entries = chunks * k (k clamped)
+  int index_bytes = 0;
+  size_t scales_at = 0;  // per-chunk fp32 scales (int8 and 1bit)
+  size_t values_at = 0;
+  size_t body_bytes = 0;
+};
+PayloadLayout payload_layout(const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding);
+
 // Writes the payload (wire_payload_bytes bytes) to dst and replaces topk.values by what a
 // receiver decodes, so that error feedback removes exactly what was sent.
 void encode_payload(const dct::ChunkPlan& plan, TopK& topk, ValueEncoding encoding, uint8_t* dst);
+// Writes the header (and the body's checksum) of a payload whose body is already at
+// dst + kWireHeaderBytes: encode_payload's last step, and the GPU encoder's (kernels.h).
+void seal_payload(const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding, uint8_t* dst);
 
 // Throws WireFormatError unless `data` (size bytes) is a complete, intact payload for this
-// plan, k and encoding, all indices inside their chunk.
+// plan, k and encoding, every chunk's indices inside it and strictly ascending.
 void validate_payload(const uint8_t* data, size_t size, const dct::ChunkPlan& plan, int64_t k,
                       ValueEncoding encoding);
 

@@ -2,7 +2,8 @@
 // residual update and top-k, and the inverse DCT of sparse coefficients (optionally applying the
 // inner optimizer's step as it goes). Each kernel exists for
 // several instruction sets (chosen at run time: the best this CPU has, or FLEXDEMO_ISA) and is
-// checked against the plain path (dct.h's matrix products, compress.h's heap top-k).
+// checked against the plain path (dct.h's matrix products, compress.h's heap top-k). "portable"
+// is the GPU kernels' arithmetic run on the CPU (dense transforms, bit-identical to the GPU).
 #pragma once
 
 #include "flexdemo/compress.h"
@@ -10,13 +11,14 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace flexdemo::kernels {
 
-enum class Isa { Baseline, Avx2 };
-std::string to_string(Isa isa);          // "baseline" "avx2"
+enum class Isa { Baseline, Avx2, Portable };
+std::string to_string(Isa isa);          // "baseline" "avx2" "portable"
 Isa parse_isa(const std::string& name);  // inverse of to_string
 bool supported(Isa isa);                 // whether this CPU runs it
 // The instruction set the kernels use: at start the best supported one, or FLEXDEMO_ISA when set.
@@ -55,14 +57,56 @@ void idct_sparse_sign_step(const compress::SparseChunks& coeffs, const dct::Chun
 // sign(direction), or the direction with sign off, applied the same way: the parameters and
 // both moments are updated chunk by chunk as the direction is made. All three float32
 // [plan.rows, plan.cols], rows contiguous. bias_correction1/2: 1 - beta1^t, 1 - beta2^t.
-struct AdamWStep {
-  at::Tensor param, exp_avg, exp_avg_sq;
+struct AdamWHyper {
   double lr = 0.0, weight_decay = 0.0;
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
   double bias_correction1 = 1.0, bias_correction2 = 1.0;
   bool sign = true;
 };
+struct AdamWStep : AdamWHyper {
+  at::Tensor param, exp_avg, exp_avg_sq;
+};
 void idct_sparse_adamw_step(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan,
                             const AdamWStep& step);
+
+// ====== GPU (CUDA builds) ======
+// The same step on a GPU: one bucket of tensors (the same every step), one kernel launch for
+// encoding them all and one for decoding and stepping, each element computed as the "portable"
+// CPU kernels compute it (bit-identical payloads and updates). The chunk tables and DCT bases
+// are built on the device once.
+bool cuda_built();      // this build has the CUDA kernels (FLEXDEMO_CUDA)
+bool cuda_available();  // ... and this process sees a GPU
+
+class GpuBucket {
+ public:
+  // Throws std::runtime_error in a build without CUDA; chunks of at most 16384 coefficients.
+  GpuBucket(const std::vector<dct::ChunkPlan>& plans, int64_t k, compress::ValueEncoding encoding,
+            at::Device device);
+  ~GpuBucket();
+  GpuBucket(const GpuBucket&) = delete;
+  GpuBucket& operator=(const GpuBucket&) = delete;
+
+  size_t bytes() const;              // one replica's payloads, back to back
+  size_t offset(size_t i) const;     // of tensor i's payload
+  // For every tensor: residual = beta * residual + alpha * DCT(grad) (grads: plan.numel()
+  // elements on the device, undefined = zero; residuals: float32 block layout on the device),
+  // top-k, error feedback, and the payload's body into send (uint8 [bytes()] on the device). The
+  // headers and checksums are written on the host: seal() on a copy.
+  void encode(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& residuals,
+              double beta, double alpha, const at::Tensor& send) const;
+  void seal(uint8_t* payloads) const;  // host memory, bytes(): headers and checksums
+  // Throws compress::WireFormatError unless each of `replicas` buckets (host) is intact.
+  void validate(const uint8_t* gathered, int replicas) const;
+  // From `replicas` validated buckets (uint8 on the device, rank order): per coefficient the mean
+  // of the replicas that sent it, the inverse DCT, and the sign-SGD step (lr, weight decay from
+  // hyper; exp_avg empty) or AdamW's on each params[i] (float32 [rows, cols], contiguous).
+  void decode_step(const at::Tensor& gathered, int replicas, const std::vector<at::Tensor>& params,
+                   const std::vector<at::Tensor>& exp_avg, const std::vector<at::Tensor>& exp_avg_sq,
+                   const AdamWHyper& hyper) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 }  // namespace flexdemo::kernels

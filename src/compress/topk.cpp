@@ -3,6 +3,8 @@
 // (error feedback).
 #include "flexdemo/compress.h"
 
+#include "kernels/chunk_math.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -20,16 +22,6 @@ int64_t clamp_topk(int64_t k, const dct::ChunkPlan& plan) {
 
 namespace {
 
-// Sort key of a coefficient: |value| in the high 32 bits (IEEE bits of a non-negative float
-// compare like the float), the complement of its position in the low 32 (ties: lower wins).
-inline uint64_t magnitude_key(float value, int64_t pos) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, 4);
-  return uint64_t(bits & 0x7fffffffu) << 32 | (0xffffffffu - uint32_t(pos));
-}
-inline uint64_t position_of(uint64_t key) {
-  return 0xffffffffu - (key & 0xffffffffu);
-}
 
 void check_coeffs(const at::Tensor& coeffs, const dct::ChunkPlan& plan, const char* who) {
   if (coeffs.scalar_type() != at::kFloat || !coeffs.is_contiguous() || !coeffs.is_cpu() ||
@@ -64,7 +56,7 @@ TopK select_topk_plain(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int
       for (int64_t u = 0; u < h; ++u) {
         const float* row = base + u * stride;
         for (int64_t v = 0; v < w; ++v) {
-          const uint64_t key = magnitude_key(row[v], u * w + v);
+          const uint64_t key = kernels::chunk_math::topk_key(row[v], u * w + v);
           if (filled < k) {
             heap[filled++] = key;
             if (filled == k) std::make_heap(heap.begin(), heap.end(), stronger);
@@ -76,7 +68,7 @@ TopK select_topk_plain(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int
         }
       }
       kept.clear();
-      for (uint64_t key : heap) kept.push_back(int64_t(position_of(key)));
+      for (uint64_t key : heap) kept.push_back(kernels::chunk_math::key_position(key));
       std::sort(kept.begin(), kept.end());
       for (int64_t j = 0; j < k; ++j) {
         idx_out[c * k + j] = kept[j];

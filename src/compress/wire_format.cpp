@@ -2,9 +2,10 @@
 // received payload completely before use, and decode R payloads into their per-coefficient mean.
 #include "flexdemo/compress.h"
 
+#include "kernels/chunk_math.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 #include <zlib.h>
 
 #include <cmath>
@@ -12,6 +13,8 @@
 #include <limits>
 
 namespace flexdemo::compress {
+
+namespace cm = kernels::chunk_math;
 
 int index_bytes_for(int64_t chunk_numel) {
   if (chunk_numel <= 256) return 1;
@@ -40,20 +43,16 @@ float get_f32(const uint8_t* p) {
   return v;
 }
 
-// Where each part of a payload's body lies, for a given plan, k and encoding.
-struct Layout {
-  int64_t chunks = 0, k = 0, entries = 0;
-  int index_bytes = 0;
-  size_t scales_at = 0;  // offsets inside the body
-  size_t values_at = 0;
-  size_t body_bytes = 0;
-};
+using Layout = PayloadLayout;
 
 bool has_scales(ValueEncoding e) {
   return e == ValueEncoding::Int8 || e == ValueEncoding::Sign;
 }
 
-Layout layout_of(const dct::ChunkPlan& plan, int64_t k_requested, ValueEncoding encoding) {
+}  // namespace
+
+PayloadLayout payload_layout(const dct::ChunkPlan& plan, int64_t k_requested,
+                             ValueEncoding encoding) {
   Layout l;
   l.chunks = plan.num_chunks();
   l.k = clamp_topk(k_requested, plan);
@@ -79,6 +78,8 @@ Layout layout_of(const dct::ChunkPlan& plan, int64_t k_requested, ValueEncoding 
   l.body_bytes = l.values_at + value_bytes;
   return l;
 }
+
+namespace {
 
 uint32_t checksum(const uint8_t* body, size_t n) {
   return uint32_t(crc32_z(crc32_z(0L, Z_NULL, 0), body, n));
@@ -114,8 +115,7 @@ inline float read_value(const uint8_t* body, const Layout& l, ValueEncoding e, i
     case ValueEncoding::Fp32:
       return get_f32(values + 4 * entry);
     case ValueEncoding::Bf16: {
-      const uint16_t bits = uint16_t(values[2 * entry] | values[2 * entry + 1] << 8);
-      return float(c10::BFloat16(bits, c10::BFloat16::from_bits()));
+      return cm::bf16_value(uint16_t(values[2 * entry] | values[2 * entry + 1] << 8));
     }
     case ValueEncoding::Int8:
       return float(int8_t(values[entry])) * get_f32(body + l.scales_at + 4 * (entry / l.k));
@@ -141,11 +141,11 @@ void expect_field(uint32_t got, int64_t want, const char* field) {
 }  // namespace
 
 size_t wire_payload_bytes(const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding) {
-  return kWireHeaderBytes + layout_of(plan, k, encoding).body_bytes;
+  return kWireHeaderBytes + payload_layout(plan, k, encoding).body_bytes;
 }
 
 void encode_payload(const dct::ChunkPlan& plan, TopK& topk, ValueEncoding encoding, uint8_t* dst) {
-  const Layout l = layout_of(plan, topk.k, encoding);
+  const Layout l = payload_layout(plan, topk.k, encoding);
   if (l.k != topk.k || topk.indices.numel() != l.entries || topk.values.numel() != l.entries) {
     throw std::invalid_argument("encode_payload: top-k does not match the chunk plan");
   }
@@ -162,22 +162,21 @@ void encode_payload(const dct::ChunkPlan& plan, TopK& topk, ValueEncoding encodi
       break;
     case ValueEncoding::Bf16:
       for (int64_t e = 0; e < l.entries; ++e) {
-        const c10::BFloat16 b(val[e]);
-        values[2 * e] = uint8_t(b.x);
-        values[2 * e + 1] = uint8_t(b.x >> 8);
-        val[e] = float(b);
+        const uint16_t bits = cm::bf16_bits(val[e]);
+        values[2 * e] = uint8_t(bits);
+        values[2 * e + 1] = uint8_t(bits >> 8);
+        val[e] = cm::bf16_value(bits);
       }
       break;
     case ValueEncoding::Int8:
       for (int64_t c = 0; c < l.chunks; ++c) {
         float max_abs = 0.0f;
         for (int64_t j = 0; j < l.k; ++j) max_abs = std::max(max_abs, std::fabs(val[c * l.k + j]));
-        const float scale = max_abs / 127.0f;
+        const float scale = cm::int8_scale(max_abs);
         put_f32(body + l.scales_at + 4 * c, scale);
         for (int64_t j = 0; j < l.k; ++j) {
           const int64_t e = c * l.k + j;
-          const float q = scale > 0.0f ? std::nearbyint(val[e] / scale) : 0.0f;
-          const int8_t stored = int8_t(std::max(-127.0f, std::min(127.0f, q)));
+          const int8_t stored = cm::int8_quantize(val[e], scale);
           values[e] = uint8_t(stored);
           val[e] = float(stored) * scale;
         }
@@ -188,7 +187,7 @@ void encode_payload(const dct::ChunkPlan& plan, TopK& topk, ValueEncoding encodi
       for (int64_t c = 0; c < l.chunks; ++c) {
         double sum_abs = 0.0;
         for (int64_t j = 0; j < l.k; ++j) sum_abs += std::fabs(val[c * l.k + j]);
-        const float scale = float(sum_abs / double(l.k));
+        const float scale = cm::sign_scale(sum_abs, l.k);
         put_f32(body + l.scales_at + 4 * c, scale);
         for (int64_t j = 0; j < l.k; ++j) {
           const int64_t e = c * l.k + j;
@@ -200,6 +199,11 @@ void encode_payload(const dct::ChunkPlan& plan, TopK& topk, ValueEncoding encodi
       break;
   }
 
+  seal_payload(plan, topk.k, encoding, dst);
+}
+
+void seal_payload(const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding, uint8_t* dst) {
+  const Layout l = payload_layout(plan, k, encoding);
   put_u32(dst + 0, kWireMagic);
   dst[4] = kWireVersion;
   dst[5] = uint8_t(encoding);
@@ -211,7 +215,7 @@ void encode_payload(const dct::ChunkPlan& plan, TopK& topk, ValueEncoding encodi
   put_u32(dst + 20, to_u32(plan.chunk_cols, "chunk cols"));
   put_u32(dst + 24, to_u32(l.k, "k"));
   put_u32(dst + 28, to_u32(int64_t(l.body_bytes), "body bytes"));
-  put_u32(dst + 32, checksum(body, l.body_bytes));
+  put_u32(dst + 32, checksum(dst + kWireHeaderBytes, l.body_bytes));
 }
 
 void validate_payload(const uint8_t* data, size_t size, const dct::ChunkPlan& plan, int64_t k,
@@ -229,7 +233,7 @@ void validate_payload(const uint8_t* data, size_t size, const dct::ChunkPlan& pl
     reject("value encoding " + std::to_string(data[5]) + ", this replica expects " +
            name_of(encoding));
   }
-  const Layout l = layout_of(plan, k, encoding);
+  const Layout l = payload_layout(plan, k, encoding);
   expect_field(data[6], l.index_bytes, "index width");
   expect_field(data[7], 0, "reserved byte");
   expect_field(get_u32(data + 8), plan.rows, "rows");
@@ -246,19 +250,23 @@ void validate_payload(const uint8_t* data, size_t size, const dct::ChunkPlan& pl
   const uint8_t* body = data + kWireHeaderBytes;
   if (checksum(body, l.body_bytes) != get_u32(data + 32)) reject("checksum mismatch");
   const int64_t limit = plan.chunk_numel();
-  for (int64_t e = 0; e < l.entries; ++e) {
+  for (int64_t e = 0, previous = -1; e < l.entries; ++e) {
     const int64_t index = read_index(body + e * l.index_bytes, l.index_bytes);
     if (index >= limit) {
       reject("index " + std::to_string(index) + " outside a chunk of " + std::to_string(limit) +
              " coefficients");
     }
+    if (e % l.k != 0 && index <= previous) {  // distinct, so the GPU's decode never races
+      reject("chunk " + std::to_string(e / l.k) + "'s indices are not strictly ascending");
+    }
+    previous = index;
   }
 }
 
 SparseChunks decode_mean_sparse(const std::vector<const uint8_t*>& payloads, size_t size,
                                 const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding) {
   for (const uint8_t* p : payloads) validate_payload(p, size, plan, k, encoding);
-  const Layout l = layout_of(plan, k, encoding);
+  const Layout l = payload_layout(plan, k, encoding);
   const int64_t capacity = int64_t(payloads.size()) * l.k;
   SparseChunks out;
   out.positions = at::empty({l.chunks, capacity}, at::kInt);
@@ -291,7 +299,7 @@ SparseChunks decode_mean_sparse(const std::vector<const uint8_t*>& payloads, siz
         }
       }
       for (int64_t s = 0; s < count; ++s) {  // divide once per coefficient, reset the slots
-        if (seen[s] > 1) val_out[s] /= float(seen[s]);
+        val_out[s] = cm::mean_of(val_out[s], seen[s]);
         slot[pos_out[s]] = -1;
       }
       counts[c] = count;

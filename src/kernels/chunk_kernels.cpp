@@ -450,20 +450,21 @@ void sign_step(const float* x, int64_t x_stride, const StepUpdate& update, float
 
 // AdamW over the update's rows and columns (see StepUpdate), element by element in
 // torch.optim.AdamW's order of operations.
-void adamw_step(const float* x, int64_t x_stride, const StepUpdate& up, float* p,
+void adamw_step(const float* x, int64_t x_stride, const StepUpdate& update, float* p,
                 int64_t p_stride) {
-  for (int u = 0; u < up.valid_h; ++u) {
+  const chunk_math::AdamWConstants& c = update.adamw;
+  for (int u = 0; u < update.valid_h; ++u) {
     const float* xr = x + u * x_stride;
     float* pr = p + u * p_stride;
-    float* mr = up.m + u * p_stride;
-    float* vr = up.v + u * p_stride;
-    for (int c = 0; c < up.valid_w; ++c) {
-      const float g = up.sign ? float((xr[c] > 0.0f) - (xr[c] < 0.0f)) : xr[c];
-      const float m = mr[c] * up.beta1 + g * up.one_minus_beta1;
-      const float v = vr[c] * up.beta2 + up.one_minus_beta2 * g * g;
-      mr[c] = m;
-      vr[c] = v;
-      pr[c] = up.keep * pr[c] - up.lr * m / (__builtin_sqrtf(v) / up.sqrt_bc2 + up.eps);
+    float* mr = update.m + u * p_stride;
+    float* vr = update.v + u * p_stride;
+    for (int j = 0; j < update.valid_w; ++j) {
+      const float g = c.sign ? float((xr[j] > 0.0f) - (xr[j] < 0.0f)) : xr[j];
+      const float m = mr[j] * c.beta1 + g * c.one_minus_beta1;
+      const float v = vr[j] * c.beta2 + c.one_minus_beta2 * g * g;
+      mr[j] = m;
+      vr[j] = v;
+      pr[j] = c.keep * pr[j] - c.lr * m / (__builtin_sqrtf(v) / c.sqrt_bc2 + c.eps);
     }
   }
 }

@@ -4,6 +4,8 @@
 // copy in its own namespace; kernels.cpp picks the best one this CPU runs (runtime dispatch).
 #pragma once
 
+#include "chunk_math.h"
+
 #include <cstdint>
 
 namespace flexdemo::kernels {
@@ -44,18 +46,14 @@ struct ChunkShape {
 // Instead of writing the inverse x, the inner optimizer's step on the parameters at out, fused,
 // for u < valid_h, v < valid_w:
 //   sign-SGD (m == nullptr): out = keep * out - lr * sign(x)
-//   AdamW: g = sign ? sign(x) : x, with the moments m and v laid out as out,
-//          m = beta1 m + (1 - beta1) g, v = beta2 v + (1 - beta2) g g,
-//          out = keep * out - lr * m / (sqrt(v) / sqrt_bc2 + eps)   (lr: lr / bias_correction1)
+//   AdamW: chunk_math::adamw_step with the constants in adamw, the moments m and v laid out as out
 struct StepUpdate {
   float lr = 0.0f;
   float keep = 1.0f;
   int valid_h = 0, valid_w = 0;
   float* m = nullptr;  // AdamW
   float* v = nullptr;
-  float beta1 = 0.0f, one_minus_beta1 = 0.0f, beta2 = 0.0f, one_minus_beta2 = 0.0f;
-  float sqrt_bc2 = 1.0f, eps = 0.0f;
-  bool sign = true;
+  chunk_math::AdamWConstants adamw;
 };
 
 // Entries of scratch select_topk needs for n values.
@@ -94,5 +92,15 @@ extern const KernelTable table;
 namespace avx2 {
 extern const KernelTable table;
 }
+namespace portable {  // chunk_math.h's arithmetic, as the CUDA kernels run it
+extern const KernelTable table;
+}
+
+// AdamW's per-element constants for one step (kernels.h's numbers rounded to float once).
+struct AdamWHyper;
+chunk_math::AdamWConstants adamw_constants(const AdamWHyper& step);
+
+// The factorised plan of size n, built once and never freed (thread safe).
+const Dct1d& dct1d(int64_t n);
 
 }  // namespace flexdemo::kernels

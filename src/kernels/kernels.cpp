@@ -21,17 +21,27 @@ namespace flexdemo::kernels {
 
 // ====== Instruction sets ======
 std::string to_string(Isa isa) {
-  return isa == Isa::Avx2 ? "avx2" : "baseline";
+  switch (isa) {
+    case Isa::Avx2:
+      return "avx2";
+    case Isa::Portable:
+      return "portable";
+    case Isa::Baseline:
+      break;
+  }
+  return "baseline";
 }
 
 Isa parse_isa(const std::string& name) {
-  if (name == "baseline") return Isa::Baseline;
-  if (name == "avx2") return Isa::Avx2;
-  throw std::invalid_argument("unknown instruction set '" + name + "'; accepted: baseline, avx2");
+  for (Isa isa : {Isa::Baseline, Isa::Avx2, Isa::Portable}) {
+    if (name == to_string(isa)) return isa;
+  }
+  throw std::invalid_argument("unknown instruction set '" + name +
+                              "'; accepted: baseline, avx2, portable");
 }
 
 bool supported(Isa isa) {
-  if (isa == Isa::Baseline) return true;
+  if (isa != Isa::Avx2) return true;
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
@@ -55,7 +65,15 @@ std::atomic<Isa>& isa_setting() {
 }
 
 const KernelTable& table() {
-  return active_isa() == Isa::Avx2 ? avx2::table : baseline::table;
+  switch (active_isa()) {
+    case Isa::Avx2:
+      return avx2::table;
+    case Isa::Portable:
+      return portable::table;
+    case Isa::Baseline:
+      break;
+  }
+  return baseline::table;
 }
 
 }  // namespace
@@ -147,6 +165,8 @@ std::unique_ptr<Dct1dStorage> build_dct1d(int n) {
   return s;
 }
 
+}  // namespace
+
 const Dct1d& dct1d(int64_t n) {
   static std::mutex mutex;
   static std::map<int64_t, std::unique_ptr<Dct1dStorage>> cache;
@@ -155,6 +175,8 @@ const Dct1d& dct1d(int64_t n) {
   if (!slot) slot = build_dct1d(int(n));
   return slot->plan;
 }
+
+namespace {
 
 ChunkShape shape_of(const dct::ChunkPlan& plan) {
   ChunkShape s;
@@ -379,21 +401,27 @@ void idct_sparse_sign_step(const compress::SparseChunks& coeffs, const dct::Chun
   inverse_chunks(coeffs, plan, step_target(step.param, plan, who, "param"), &update, who);
 }
 
+chunk_math::AdamWConstants adamw_constants(const AdamWHyper& step) {
+  chunk_math::AdamWConstants c;
+  c.lr = float(step.lr / step.bias_correction1);
+  c.keep = float(1.0 - step.lr * step.weight_decay);
+  c.beta1 = float(step.beta1);
+  c.one_minus_beta1 = float(1.0 - step.beta1);
+  c.beta2 = float(step.beta2);
+  c.one_minus_beta2 = float(1.0 - step.beta2);
+  c.sqrt_bc2 = float(std::sqrt(step.bias_correction2));
+  c.eps = float(step.eps);
+  c.sign = step.sign;
+  return c;
+}
+
 void idct_sparse_adamw_step(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan,
                             const AdamWStep& step) {
   const char* who = "idct_sparse_adamw_step";
   StepUpdate update;
-  update.lr = float(step.lr / step.bias_correction1);
-  update.keep = float(1.0 - step.lr * step.weight_decay);
   update.m = step_target(step.exp_avg, plan, who, "exp_avg");
   update.v = step_target(step.exp_avg_sq, plan, who, "exp_avg_sq");
-  update.beta1 = float(step.beta1);
-  update.one_minus_beta1 = float(1.0 - step.beta1);
-  update.beta2 = float(step.beta2);
-  update.one_minus_beta2 = float(1.0 - step.beta2);
-  update.sqrt_bc2 = float(std::sqrt(step.bias_correction2));
-  update.eps = float(step.eps);
-  update.sign = step.sign;
+  update.adamw = adamw_constants(step);
   inverse_chunks(coeffs, plan, step_target(step.param, plan, who, "param"), &update, who);
 }
 

@@ -1,0 +1,62 @@
+// The DeMo step's CUDA kernels over a whole bucket of tensors, one launch per bucket: (1) encode —
+// chunked DCT fused with the residual update, per-chunk top-k, error feedback and the payload
+// bodies in the wire format; (2) decode — the mean over replicas, the inverse DCT and the inner
+// optimizer's step, fused. Every element is computed with chunk_math.h, as the portable CPU
+// kernels compute it. Plain pointers only (no ATen): cuda_bucket.cpp prepares the arguments.
+#pragma once
+
+#include "chunk_math.h"
+
+#include <cstdint>
+
+typedef struct CUstream_st* cudaStream_t;
+
+namespace flexdemo::kernels::cuda {
+
+// One tensor of a bucket, as the kernels see it. Pointers are device memory.
+struct TensorDesc {
+  const float* grad = nullptr;  // [rows, cols] row-major; null: a zero gradient (encode)
+  float* residual = nullptr;    // [padded_rows, padded_cols] block-layout coefficients (encode)
+  float* param = nullptr;       // [rows, cols] row-major (decode)
+  float* exp_avg = nullptr;     // [rows, cols] AdamW's moments, or null (decode)
+  float* exp_avg_sq = nullptr;
+  const float* basis_rows = nullptr;  // DCT-II of size chunk_h, row stride basis_rows_stride
+  const float* basis_cols = nullptr;  // DCT-II of size chunk_w
+  int64_t basis_rows_stride = 0, basis_cols_stride = 0;
+  int64_t rows = 0, cols = 0, padded_cols = 0;
+  int chunk_h = 1, chunk_w = 1;
+  int64_t col_chunks = 1;
+  int64_t first_chunk = 0;     // the bucket-wide number of its chunk 0
+  int64_t payload_offset = 0;  // bytes from the start of a replica's bucket to its payload
+  int64_t k = 1;               // top-k per chunk
+  int index_bytes = 2;         // compress::index_bytes_for(chunk_h * chunk_w)
+  int64_t scales_at = 0;       // offsets inside the payload's body (after the 36-byte header)
+  int64_t values_at = 0;
+};
+
+// The whole bucket: tensors and chunk_tensor (per bucket chunk: its tensor) in device memory.
+struct Bucket {
+  const TensorDesc* tensors = nullptr;
+  const int32_t* chunk_tensor = nullptr;
+  int64_t num_chunks = 0;
+  int max_chunk_numel = 1;  // sizes the kernels' shared memory
+  int encoding = 0;         // compress::ValueEncoding
+};
+
+// Encode: residual = beta * residual + alpha * DCT(grad), its top-k, residual -= what a receiver
+// decodes, and each payload's body written at payloads + payload_offset + 36 (the header and its
+// checksum are the host's: compress::seal_payload). payloads holds bucket_bytes, zeroed first.
+void encode(const Bucket& bucket, float beta, float alpha, uint8_t* payloads, int64_t bucket_bytes,
+            cudaStream_t stream);
+
+// Decode and step: `replicas` buckets of payloads back to back (each bucket_bytes, validated),
+// per coefficient the mean of the replicas that sent it (in rank order), its inverse DCT, and the
+// sign-SGD step (adamw == nullptr) or AdamW's on each tensor's param (and moments).
+void decode_step(const Bucket& bucket, const uint8_t* gathered, int64_t bucket_bytes, int replicas,
+                 float lr, float keep, const chunk_math::AdamWConstants* adamw,
+                 cudaStream_t stream);
+
+// The largest chunk (coefficients) the kernels take: their shared memory holds two chunks.
+constexpr int kMaxChunkNumel = 16384;
+
+}  // namespace flexdemo::kernels::cuda

@@ -1,0 +1,247 @@
+// kernels::GpuBucket: the host side of the CUDA DeMo kernels (cuda_kernels.cu) — chunk tables and
+// DCT bases on the device, the per-step pointers, the launches on the current stream, and the
+// payloads' headers and checksums on the host. Without FLEXDEMO_CUDA it only says so.
+#include "flexdemo/kernels.h"
+
+#include "chunk_kernels.h"
+
+#include <ATen/ATen.h>
+
+#include <stdexcept>
+
+#if defined(FLEXDEMO_CUDA)
+#include "cuda_kernels.h"
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cstring>
+#include <map>
+#endif
+
+namespace flexdemo::kernels {
+
+#if defined(FLEXDEMO_CUDA)
+
+bool cuda_built() {
+  return true;
+}
+
+bool cuda_available() {
+  return at::hasCUDA();
+}
+
+struct GpuBucket::Impl {
+  std::vector<dct::ChunkPlan> plans;
+  int64_t k = 1;
+  compress::ValueEncoding encoding = compress::ValueEncoding::Bf16;
+  at::Device device = at::kCPU;
+  std::vector<size_t> offsets, sizes;  // per tensor, in one replica's bucket
+  size_t bytes = 0;
+  std::vector<cuda::TensorDesc> descs;  // host copy; the step's pointers are set per call
+  at::Tensor descs_on_device;           // uint8, the descs
+  at::Tensor chunk_tensor;              // int32 [chunks] on the device
+  std::map<int64_t, at::Tensor> bases;  // DCT-II of size n on the device, Dct1d::full's layout
+  cuda::Bucket bucket;
+
+  const float* basis(int64_t n, int64_t* stride) {
+    const Dct1d& plan = dct1d(n);
+    *stride = plan.full_stride;
+    at::Tensor& slot = bases[n];
+    if (!slot.defined()) {
+      const at::Tensor host = at::from_blob(const_cast<float*>(plan.full),
+                                            {n * plan.full_stride}, at::kFloat);
+      slot = host.to(device);
+    }
+    return slot.data_ptr<float>();
+  }
+
+  // The descs with this call's pointers, to the device; the launch's bucket.
+  const cuda::Bucket& upload() {
+    const at::Tensor host = at::from_blob(descs.data(),
+                                          {int64_t(descs.size() * sizeof(cuda::TensorDesc))},
+                                          at::kByte);
+    descs_on_device.copy_(host);  // synchronous from pageable memory: descs may change after
+    bucket.tensors = reinterpret_cast<const cuda::TensorDesc*>(descs_on_device.data_ptr());
+    return bucket;
+  }
+};
+
+GpuBucket::GpuBucket(const std::vector<dct::ChunkPlan>& plans, int64_t k,
+                     compress::ValueEncoding encoding, at::Device device)
+    : impl_(std::make_unique<Impl>()) {
+  if (!device.is_cuda()) throw std::invalid_argument("GpuBucket: a CUDA device is needed");
+  Impl& m = *impl_;
+  const c10::cuda::CUDAGuard guard(device);
+  m.plans = plans;
+  m.k = k;
+  m.encoding = encoding;
+  m.device = device;
+  std::vector<int32_t> chunk_tensor;
+  for (size_t i = 0; i < plans.size(); ++i) {
+    const dct::ChunkPlan& plan = plans[i];
+    if (plan.chunk_numel() > cuda::kMaxChunkNumel) {
+      throw std::invalid_argument("GPU DeMo kernels: chunks of " +
+                                  std::to_string(plan.chunk_numel()) +
+                                  " coefficients; at most " +
+                                  std::to_string(cuda::kMaxChunkNumel) + " (a smaller --chunk)");
+    }
+    cuda::TensorDesc d;
+    d.basis_rows = m.basis(plan.chunk_rows, &d.basis_rows_stride);
+    d.basis_cols = m.basis(plan.chunk_cols, &d.basis_cols_stride);
+    d.rows = plan.rows;
+    d.cols = plan.cols;
+    d.padded_cols = plan.padded_cols;
+    d.chunk_h = int(plan.chunk_rows);
+    d.chunk_w = int(plan.chunk_cols);
+    d.col_chunks = plan.col_chunks();
+    d.first_chunk = int64_t(chunk_tensor.size());
+    d.payload_offset = int64_t(m.bytes);
+    d.k = compress::clamp_topk(k, plan);
+    const compress::PayloadLayout layout = compress::payload_layout(plan, k, encoding);
+    d.index_bytes = layout.index_bytes;
+    d.scales_at = int64_t(layout.scales_at);
+    d.values_at = int64_t(layout.values_at);
+    m.descs.push_back(d);
+    chunk_tensor.insert(chunk_tensor.end(), size_t(plan.num_chunks()), int32_t(i));
+    m.offsets.push_back(m.bytes);
+    m.sizes.push_back(compress::wire_payload_bytes(plan, k, encoding));
+    m.bytes += m.sizes.back();
+    m.bucket.max_chunk_numel = std::max(m.bucket.max_chunk_numel, int(plan.chunk_numel()));
+  }
+  m.chunk_tensor = at::from_blob(chunk_tensor.data(), {int64_t(chunk_tensor.size())}, at::kInt)
+                       .to(device);
+  m.descs_on_device =
+      at::empty({int64_t(m.descs.size() * sizeof(cuda::TensorDesc))}, at::dtype(at::kByte).device(device));
+  m.bucket.chunk_tensor = m.chunk_tensor.data_ptr<int32_t>();
+  m.bucket.num_chunks = int64_t(chunk_tensor.size());
+  m.bucket.encoding = int(encoding);
+}
+
+GpuBucket::~GpuBucket() = default;
+
+size_t GpuBucket::bytes() const {
+  return impl_->bytes;
+}
+
+size_t GpuBucket::offset(size_t i) const {
+  return impl_->offsets.at(i);
+}
+
+namespace {
+
+// t as a float32 device tensor of `numel` elements the kernels may read or write in place.
+float* device_floats(const at::Tensor& t, int64_t numel, at::Device device, const char* what) {
+  if (!t.defined() || t.scalar_type() != at::kFloat || t.device() != device ||
+      !t.is_contiguous() || t.numel() != numel) {
+    throw std::invalid_argument(std::string("GpuBucket: ") + what + " must be a contiguous float32 tensor of " +
+                                std::to_string(numel) + " elements on " + device.str());
+  }
+  return t.data_ptr<float>();
+}
+
+}  // namespace
+
+void GpuBucket::encode(const std::vector<at::Tensor>& grads,
+                       const std::vector<at::Tensor>& residuals, double beta, double alpha,
+                       const at::Tensor& send) const {
+  Impl& m = *impl_;
+  const c10::cuda::CUDAGuard guard(m.device);
+  std::vector<at::Tensor> inputs;  // kept alive until the launch is queued
+  for (size_t i = 0; i < m.plans.size(); ++i) {
+    const dct::ChunkPlan& plan = m.plans[i];
+    cuda::TensorDesc& d = m.descs[i];
+    d.residual = device_floats(residuals.at(i), plan.padded_numel(), m.device, "a residual");
+    d.grad = nullptr;
+    if (grads.at(i).defined()) {
+      inputs.push_back(grads[i].to(m.device, at::kFloat).contiguous());
+      d.grad = device_floats(inputs.back(), plan.numel(), m.device, "a gradient");
+    }
+  }
+  if (send.scalar_type() != at::kByte || send.device() != m.device || !send.is_contiguous() ||
+      size_t(send.numel()) != m.bytes) {
+    throw std::invalid_argument("GpuBucket: send must be " + std::to_string(m.bytes) +
+                                " contiguous bytes on " + m.device.str());
+  }
+  cuda::encode(m.upload(), float(beta), float(alpha), send.data_ptr<uint8_t>(), int64_t(m.bytes),
+               c10::cuda::getCurrentCUDAStream(m.device.index()).stream());
+}
+
+void GpuBucket::seal(uint8_t* payloads) const {
+  for (size_t i = 0; i < impl_->plans.size(); ++i) {
+    compress::seal_payload(impl_->plans[i], impl_->k, impl_->encoding, payloads + impl_->offsets[i]);
+  }
+}
+
+void GpuBucket::validate(const uint8_t* gathered, int replicas) const {
+  const Impl& m = *impl_;
+  for (int r = 0; r < replicas; ++r) {
+    for (size_t i = 0; i < m.plans.size(); ++i) {
+      compress::validate_payload(gathered + r * m.bytes + m.offsets[i], m.sizes[i], m.plans[i],
+                                 m.k, m.encoding);
+    }
+  }
+}
+
+void GpuBucket::decode_step(const at::Tensor& gathered, int replicas,
+                            const std::vector<at::Tensor>& params,
+                            const std::vector<at::Tensor>& exp_avg,
+                            const std::vector<at::Tensor>& exp_avg_sq,
+                            const AdamWHyper& hyper) const {
+  Impl& m = *impl_;
+  const c10::cuda::CUDAGuard guard(m.device);
+  const bool adamw = !exp_avg.empty();
+  for (size_t i = 0; i < m.plans.size(); ++i) {
+    const int64_t numel = m.plans[i].numel();
+    cuda::TensorDesc& d = m.descs[i];
+    d.param = device_floats(params.at(i), numel, m.device, "a parameter");
+    d.exp_avg = adamw ? device_floats(exp_avg.at(i), numel, m.device, "exp_avg") : nullptr;
+    d.exp_avg_sq = adamw ? device_floats(exp_avg_sq.at(i), numel, m.device, "exp_avg_sq") : nullptr;
+  }
+  if (gathered.scalar_type() != at::kByte || gathered.device() != m.device ||
+      !gathered.is_contiguous() || size_t(gathered.numel()) != m.bytes * size_t(replicas)) {
+    throw std::invalid_argument("GpuBucket: gathered must be " + std::to_string(replicas) + " x " +
+                                std::to_string(m.bytes) + " contiguous bytes on " + m.device.str());
+  }
+  const chunk_math::AdamWConstants constants = adamw_constants(hyper);
+  cuda::decode_step(m.upload(), gathered.data_ptr<uint8_t>(), int64_t(m.bytes), replicas,
+                    float(hyper.lr), float(1.0 - hyper.lr * hyper.weight_decay),
+                    adamw ? &constants : nullptr,
+                    c10::cuda::getCurrentCUDAStream(m.device.index()).stream());
+}
+
+#else  // without CUDA
+
+bool cuda_built() {
+  return false;
+}
+
+bool cuda_available() {
+  return false;
+}
+
+struct GpuBucket::Impl {};
+
+GpuBucket::GpuBucket(const std::vector<dct::ChunkPlan>&, int64_t, compress::ValueEncoding,
+                     at::Device) {
+  throw std::runtime_error(
+      "this flexdemo was built without CUDA (scripts/build.sh --cuda builds it with)");
+}
+GpuBucket::~GpuBucket() = default;
+size_t GpuBucket::bytes() const {
+  return 0;
+}
+size_t GpuBucket::offset(size_t) const {
+  return 0;
+}
+void GpuBucket::encode(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, double,
+                       double, const at::Tensor&) const {}
+void GpuBucket::seal(uint8_t*) const {}
+void GpuBucket::validate(const uint8_t*, int) const {}
+void GpuBucket::decode_step(const at::Tensor&, int, const std::vector<at::Tensor>&,
+                            const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                            const AdamWHyper&) const {}
+
+#endif
+
+}  // namespace flexdemo::kernels
