@@ -56,6 +56,9 @@ class Communicator {
 
   virtual int rank() const = 0;
   virtual int size() const = 0;
+  // Where this backend's collectives take tensors without staging them: the CPU (MPI) or its
+  // GPU (NCCL). Tensors elsewhere are staged (MPI) or rejected (NCCL).
+  virtual at::Device device() const { return at::kCPU; }
 
   // ====== Non-blocking collectives (complete with Work::wait) ======
   // output.numel() == size() * input.numel(); output[r] is rank r's input. Same dtype.
@@ -118,5 +121,15 @@ class MpiRuntime {
  private:
   bool owns_mpi_ = false;
 };
+
+// ====== NCCL backend (CUDA builds) ======
+// Whether this build has it.
+bool nccl_built();
+// Collective over bootstrap (an MPI communicator over the same ranks, which shares NCCL's unique
+// id): a communicator on `gpu`, one GPU per rank (two ranks on one GPU: std::invalid_argument).
+// Its collectives run on their own CUDA stream; split() makes NCCL communicators too. Throws
+// std::invalid_argument in a build without CUDA.
+std::shared_ptr<Communicator> make_nccl_communicator(std::shared_ptr<Communicator> bootstrap,
+                                                     at::Device gpu);
 
 }  // namespace flexdemo::comm

@@ -43,6 +43,9 @@ struct ShardOptions {
   // recomputing the unit (FSDP's FULL_SHARD with checkpointing); false: keep them until the
   // backward (SHARD_GRAD_OP).
   bool reshard_after_forward = true;
+  // Where the shards, the gathered parameters and the gradients live (the full parameters given
+  // may be anywhere). The shard group's communicator must take tensors there.
+  at::Device device = at::kCPU;
 };
 
 // fn(full parameters, inputs) -> output. Must be deterministic: it may run twice.

@@ -29,6 +29,8 @@ enum class OptimizerKind {
 enum class TokenizerKind { Bpe, Bytes };
 enum class ProgressMode { Auto, Bar, Lines };
 enum class NonFinitePolicy { Skip, Stop };
+enum class DeviceKind { Auto, Cpu, Cuda };
+enum class BackendKind { Auto, Mpi, Nccl };
 
 // ====== How an option is checked and kept ======
 // What a resumed run (--resume) and a checkpoint's readers do with an option.
@@ -145,6 +147,15 @@ struct OptionSpec {
     "ranks per shard group (0: the node)")                                                         \
   X(reshard, bool, true, Run, anything(),                                                          \
     "free gathered parameters after forward and recompute in backward")                            \
+  /* ====== Devices ====== */                                                                      \
+  X(device, DeviceKind, DeviceKind::Auto, Run, anything(),                                         \
+    "cpu or cuda; each rank takes GPU local_rank % GPUs (auto: cuda when flexdemo is built with "  \
+    "CUDA and a GPU is visible)")                                                                  \
+  X(intra_backend, BackendKind, BackendKind::Auto, Run, anything(),                                \
+    "collectives inside a node: mpi or nccl (auto: nccl on GPUs when no two ranks of the node "    \
+    "share one, else mpi)")                                                                        \
+  X(inter_backend, BackendKind, BackendKind::Auto, Run, anything(),                                \
+    "collectives between nodes: mpi (through pinned host memory) or nccl (auto: mpi)")             \
   /* ====== Run ====== */                                                                          \
   X(eval_every, int64_t, 0, Run, at_least(0), "evaluate every N steps (0: only at the end)")       \
   X(eval_seqs, int64_t, 64, Run, at_least(1), "validation sequences per evaluation")               \
@@ -231,5 +242,21 @@ struct NameTable<train::NonFinitePolicy> {
   static constexpr const char* what = "--on-nonfinite";
   static constexpr std::pair<train::NonFinitePolicy, const char*> entries[] = {
       {train::NonFinitePolicy::Skip, "skip"}, {train::NonFinitePolicy::Stop, "stop"}};
+};
+template <>
+struct NameTable<train::DeviceKind> {
+  static constexpr const char* what = "--device";
+  static constexpr std::pair<train::DeviceKind, const char*> entries[] = {
+      {train::DeviceKind::Auto, "auto"},
+      {train::DeviceKind::Cpu, "cpu"},
+      {train::DeviceKind::Cuda, "cuda"}};
+};
+template <>
+struct NameTable<train::BackendKind> {
+  static constexpr const char* what = "collective backend";
+  static constexpr std::pair<train::BackendKind, const char*> entries[] = {
+      {train::BackendKind::Auto, "auto"},
+      {train::BackendKind::Mpi, "mpi"},
+      {train::BackendKind::Nccl, "nccl"}};
 };
 }  // namespace flexdemo

@@ -70,7 +70,7 @@ at::Tensor block_forward(const Params& p, const at::Tensor& x, const GptConfig& 
   const at::Tensor k = qkv[1].view({B, T, H, D}).transpose(1, 2);
   const at::Tensor v = qkv[2].view({B, T, H, D}).transpose(1, 2);
   at::Tensor att = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(D)));
-  const at::Tensor future = at::ones({T, T}, at::kBool).triu(1);
+  const at::Tensor future = at::ones({T, T}, x.options().dtype(at::kBool)).triu(1);
   att = dropout(at::softmax(att.masked_fill(future, -INFINITY), -1), c.dropout);
   at::Tensor y = at::matmul(att, v).transpose(1, 2).reshape({B, T, C});
   at::Tensor out = x + dropout(at::linear(y, p[4], p[5]), c.dropout);

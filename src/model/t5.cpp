@@ -45,9 +45,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w) {
 
 // T5's relative position buckets: half exact small distances, half log-spaced up to
 // kMaxDistance; bidirectional attention also tells left from right.
-at::Tensor position_buckets(int64_t q_len, int64_t k_len, bool bidirectional) {
-  const at::Tensor rel = at::arange(k_len, at::kLong).view({1, -1}) -
-                         at::arange(q_len, at::kLong).view({-1, 1});  // key - query
+at::Tensor position_buckets(int64_t q_len, int64_t k_len, bool bidirectional, at::Device device) {
+  const auto options = at::dtype(at::kLong).device(device);
+  const at::Tensor rel = at::arange(k_len, options).view({1, -1}) -
+                         at::arange(q_len, options).view({-1, 1});  // key - query
   int64_t buckets = kBuckets;
   at::Tensor out = at::zeros_like(rel);
   at::Tensor n = -rel;
@@ -78,9 +79,9 @@ at::Tensor attention(const at::Tensor& x, const at::Tensor& kv, const at::Tensor
   if (bias) {
     scores =
         scores +
-        at::embedding(*bias, position_buckets(T, S, bidirectional)).permute({2, 0, 1}).unsqueeze(0);
+        at::embedding(*bias, position_buckets(T, S, bidirectional, q.device())).permute({2, 0, 1}).unsqueeze(0);
   }
-  if (causal) scores = scores.masked_fill(at::ones({T, S}, at::kBool).triu(1), -INFINITY);
+  if (causal) scores = scores.masked_fill(at::ones({T, S}, scores.options().dtype(at::kBool)).triu(1), -INFINITY);
   const at::Tensor y = at::matmul(at::softmax(scores, -1), v).transpose(1, 2).reshape({B, T, C});
   return at::linear(y, wo);
 }
@@ -152,9 +153,13 @@ class T5 final : public UnitModel {
 
   // tokens [B, T + 1]: the text is corrupted into (inputs, targets), then teacher-forced.
   at::Tensor loss(const at::Tensor& tokens) override {
-    const auto [inputs, targets] = corrupt_spans(tokens.narrow(1, 0, tokens.size(1) - 1));
+    // Corrupted on the CPU (the spans are drawn from its generator), trained where tokens are.
+    const auto [text_inputs, text_targets] =
+        corrupt_spans(tokens.narrow(1, 0, tokens.size(1) - 1).cpu());
+    const at::Tensor inputs = text_inputs.to(tokens.device());
+    const at::Tensor targets = text_targets.to(tokens.device());
     const at::Tensor decoder_in =
-        at::cat({at::full({targets.size(0), 1}, c_.eot, at::kLong),  // start: end-of-text
+        at::cat({at::full({targets.size(0), 1}, c_.eot, targets.options()),  // start: end-of-text
                  targets.narrow(1, 0, targets.size(1) - 1)},
                 1);
     const at::Tensor logits = forward(inputs, decoder_in);

@@ -2,7 +2,10 @@
 // in the DCT domain, per-chunk top-k with error feedback, deterministic decode, inverse DCT. The
 // payloads travel in buckets, one all-gather each: by default one bucket of every tensor per step;
 // tensors whose gradients are final early (start()) go in their own buckets, started at once. With
-// overlap_step the all-gather is non-blocking and its result is applied one step later.
+// overlap_step the all-gather is non-blocking and its result is applied one step later. On a GPU
+// every tensor goes in the one bucket, encoded and decoded by kernels::GpuBucket (one launch
+// each); the payloads travel through pinned host memory (MPI) or stay on the device (NCCL), and
+// are validated on the host either way.
 #include "inner.h"
 #include "replicator.h"
 
@@ -23,21 +26,28 @@ struct Bucket {
   std::vector<size_t> tensors;  // replicator indices
   std::vector<size_t> offsets;  // of each tensor's payload in the bucket
   size_t bytes = 0;             // one replica's payloads
-  at::Tensor send;              // uint8 [bytes]
-  at::Tensor recv;              // uint8 [replicas * bytes], rank order
+  at::Tensor send;              // uint8 [bytes], host (pinned when the state is on a GPU)
+  at::Tensor recv;              // uint8 [replicas * bytes], rank order, host
   std::unique_ptr<comm::Work> work;
 };
 
 class DemoReplicator final : public Replicator {
  public:
   DemoReplicator(const std::vector<dct::ChunkPlan>& plans, const OptimizerOptions& options,
-                 std::shared_ptr<comm::Communicator> group)
-      : plans_(plans), options_(options), group_(std::move(group)), started_(plans.size(), 0) {
+                 std::shared_ptr<comm::Communicator> group, at::Device device)
+      : plans_(plans),
+        options_(options),
+        group_(std::move(group)),
+        started_(plans.size(), 0) {
+    if (device.is_cuda() && options.overlap_step) {
+      throw std::invalid_argument("DeMo: overlap_step runs on CPUs only");
+    }
     int64_t largest = 1;
     std::vector<size_t> all;
+    const auto floats = at::dtype(at::kFloat).device(device);
     for (size_t i = 0; i < plans_.size(); ++i) {
       const dct::ChunkPlan& plan = plans_[i];
-      residuals_.push_back(at::zeros({plan.padded_rows, plan.padded_cols}, at::kFloat));
+      residuals_.push_back(at::zeros({plan.padded_rows, plan.padded_cols}, floats));
       payload_bytes_.push_back(compress::wire_payload_bytes(plan, options.topk, options.values));
       largest = std::max(largest, plan.padded_numel());
       traffic_.kept_coefficients += plan.num_chunks() * compress::clamp_topk(options.topk, plan);
@@ -51,9 +61,18 @@ class DemoReplicator final : public Replicator {
         committed_.push_back(at::empty({plan.rows, plan.cols}, at::kFloat));
       }
     }
-    decoded_ = at::empty({largest}, at::kFloat);
-    samples_ = at::empty({largest}, at::kFloat);
-    scratch_ = at::empty({largest}, at::kFloat);
+    decoded_ = at::empty({largest}, floats);
+    samples_ = at::empty({largest}, floats);
+    scratch_ = at::empty({largest}, floats);
+    if (device.is_cuda()) {
+      gpu_ = std::make_unique<kernels::GpuBucket>(plans_, options.topk, options.values, device);
+      const auto bytes = at::dtype(at::kByte).device(device);
+      device_send_ = at::empty({int64_t(all_.bytes)}, bytes);
+      device_recv_ = at::empty({int64_t(all_.bytes) * replicas()}, bytes);
+      all_.send = at::empty({int64_t(all_.bytes)}, at::dtype(at::kByte).pinned_memory(true));
+      all_.recv = at::empty({int64_t(all_.bytes) * replicas()},
+                            at::dtype(at::kByte).pinned_memory(true));
+    }
   }
 
   void accumulate(const std::vector<at::Tensor>& grads, double lr) override {
@@ -62,7 +81,7 @@ class DemoReplicator final : public Replicator {
 
   void start(const std::vector<size_t>& tensors, const std::vector<at::Tensor>& grads,
              double lr) override {
-    if (options_.overlap_step) return;  // everything goes in the one bucket carried over
+    if (options_.overlap_step || gpu_) return;  // everything goes in the one bucket
     std::vector<size_t> fresh;
     for (size_t k = 0; k < tensors.size(); ++k) {
       if (started_.at(tensors[k])) {
@@ -80,6 +99,10 @@ class DemoReplicator final : public Replicator {
   }
 
   void exchange(const std::vector<at::Tensor>& grads, double lr, InnerOptimizer& inner) override {
+    if (gpu_) {
+      exchange_on_gpu(grads, lr, inner);
+      return;
+    }
     if (options_.overlap_step) {
       // One step stale: apply what the previous step's exchange brought (it travelled during
       // this step's forward and backward) to the committed parameters, then start this step's.
@@ -153,6 +176,28 @@ class DemoReplicator final : public Replicator {
     }
   }
 
+  // Encode on the GPU; the headers and checksums on the host; the all-gather over the replica
+  // group's device (MPI: the pinned host buffers; NCCL: the device ones); every payload validated
+  // on the host; decode and step on the GPU.
+  void exchange_on_gpu(const std::vector<at::Tensor>& grads, double lr, InnerOptimizer& inner) {
+    gpu_->encode(grads, residuals_, options_.decay, lr, device_send_);
+    all_.send.copy_(device_send_);  // waits for the kernel
+    gpu_->seal(all_.send.data_ptr<uint8_t>());
+    const bool on_device = replicas() > 1 && group_->device().is_cuda();
+    if (replicas() == 1) {
+      all_.recv.copy_(all_.send);
+    } else if (on_device) {
+      device_send_.copy_(all_.send);
+      group_->all_gather(device_send_, device_recv_);
+      all_.recv.copy_(device_recv_);
+    } else {
+      group_->all_gather(all_.send, all_.recv);
+    }
+    gpu_->validate(all_.recv.data_ptr<uint8_t>(), replicas());
+    if (!on_device) device_recv_.copy_(all_.recv, /*non_blocking=*/true);
+    inner.apply_gpu(*gpu_, device_recv_, replicas());
+  }
+
   // --overlap-step with sign-SGD previews this replica's own update (see exchange()).
   bool previews() const {
     return options_.overlap_step && options_.inner == InnerKind::SignSgd && options_.sign;
@@ -187,7 +232,7 @@ class DemoReplicator final : public Replicator {
 
   // residual = decay * residual + lr * DCT(grad)
   void accumulate_one(size_t i, const at::Tensor& grad, double lr) {
-    if (options_.fast_path) {
+    if (options_.fast_path && !gpu_) {
       kernels::dct_accumulate(grad, plans_[i], options_.decay, lr, residuals_[i]);
     } else if (grad.defined()) {
       dct::chunked_dct_accumulate(grad, plans_[i], options_.decay, lr, residuals_[i], &scratch_);
@@ -277,14 +322,18 @@ class DemoReplicator final : public Replicator {
   // holds payloads not yet applied (a tensor, so that checkpoints carry it).
   std::vector<at::Tensor> committed_;  // the parameters without the preview (float32)
   at::Tensor pending_ = at::zeros({1}, at::kLong);
+  // On a GPU: the kernels, and the bucket's payloads on the device (all_'s are pinned host).
+  std::unique_ptr<kernels::GpuBucket> gpu_;
+  at::Tensor device_send_, device_recv_;
 };
 
 }  // namespace
 
 std::unique_ptr<Replicator> make_demo_replicator(const std::vector<dct::ChunkPlan>& plans,
                                                  const OptimizerOptions& options,
-                                                 std::shared_ptr<comm::Communicator> group) {
-  return std::make_unique<DemoReplicator>(plans, options, std::move(group));
+                                                 std::shared_ptr<comm::Communicator> group,
+                                                 at::Device device) {
+  return std::make_unique<DemoReplicator>(plans, options, std::move(group), device);
 }
 
 }  // namespace flexdemo::optim

@@ -29,11 +29,11 @@ std::vector<int64_t> bucket_offsets(const std::vector<dct::ChunkPlan>& plans, in
 class DenseReplicator final : public Replicator {
  public:
   DenseReplicator(const std::vector<dct::ChunkPlan>& plans, const OptimizerOptions& options,
-                  std::shared_ptr<comm::Communicator> group, bool exchange)
+                  std::shared_ptr<comm::Communicator> group, bool exchange, at::Device device)
       : plans_(plans), options_(options), group_(std::move(group)), exchange_(exchange) {
     int64_t total = 0;
     offsets_ = bucket_offsets(plans_, &total);
-    bucket_ = at::zeros({total}, at::kFloat);
+    bucket_ = at::zeros({total}, at::dtype(at::kFloat).device(device));
     traffic_.params = total;
     traffic_.wire_bytes = exchange_ ? uint64_t(total) * 4 : 0;
   }
@@ -108,17 +108,17 @@ std::vector<int64_t> pick_units(uint64_t seed, uint64_t exchange, uint64_t tenso
 class RandomReplicator final : public Replicator {
  public:
   RandomReplicator(const std::vector<dct::ChunkPlan>& plans, const OptimizerOptions& options,
-                   std::shared_ptr<comm::Communicator> group)
-      : plans_(plans), options_(options), group_(std::move(group)) {
+                   std::shared_ptr<comm::Communicator> group, at::Device device)
+      : plans_(plans), options_(options), group_(std::move(group)), device_(device) {
     int64_t total = 0;
     for (const auto& p : plans_) {
-      residuals_.push_back(at::zeros({p.rows, p.cols}, at::kFloat));
+      residuals_.push_back(at::zeros({p.rows, p.cols}, at::dtype(at::kFloat).device(device)));
       const Units u = units_of(p);
       picked_.push_back(std::max<int64_t>(1, std::llround(options.random_fraction * u.count)));
       total += picked_.back() * u.length;
       traffic_.params += p.numel();
     }
-    bucket_ = at::empty({total}, at::kFloat);
+    bucket_ = at::empty({total}, at::dtype(at::kFloat).device(device));
     traffic_.wire_bytes = uint64_t(total) * 4;
   }
 
@@ -137,7 +137,7 @@ class RandomReplicator final : public Replicator {
       const Units u = units_of(plans_[i]);
       const std::vector<int64_t> picked =
           pick_units(options_.seed, exchanges_, i, u.count, picked_[i]);
-      indices.push_back(at::tensor(picked, at::kLong));
+      indices.push_back(at::tensor(picked, at::kLong).to(device_));
       const at::Tensor units = residuals_[i].view({u.count, u.length});
       bucket_.narrow(0, offset, picked_[i] * u.length)
           .view({picked_[i], u.length})
@@ -149,7 +149,7 @@ class RandomReplicator final : public Replicator {
     offset = 0;
     for (size_t i = 0; i < plans_.size(); ++i) {
       const Units u = units_of(plans_[i]);
-      at::Tensor direction = at::zeros({u.count, u.length}, at::kFloat);
+      at::Tensor direction = at::zeros({u.count, u.length}, bucket_.options());
       direction.index_copy_(
           0, indices[i],
           bucket_.narrow(0, offset, picked_[i] * u.length).view({picked_[i], u.length}));
@@ -168,6 +168,7 @@ class RandomReplicator final : public Replicator {
   std::vector<dct::ChunkPlan> plans_;
   OptimizerOptions options_;
   std::shared_ptr<comm::Communicator> group_;
+  at::Device device_;                  // where the state lives
   std::vector<at::Tensor> residuals_;  // per tensor, sample domain, [rows, cols]
   std::vector<int64_t> picked_;        // units exchanged per tensor
   at::Tensor bucket_;                  // float32: the picked units of every tensor
@@ -180,14 +181,15 @@ class RandomReplicator final : public Replicator {
 std::unique_ptr<Replicator> make_dense_replicator(const std::vector<dct::ChunkPlan>& plans,
                                                   const OptimizerOptions& options,
                                                   std::shared_ptr<comm::Communicator> group,
-                                                  bool exchange) {
-  return std::make_unique<DenseReplicator>(plans, options, std::move(group), exchange);
+                                                  bool exchange, at::Device device) {
+  return std::make_unique<DenseReplicator>(plans, options, std::move(group), exchange, device);
 }
 
 std::unique_ptr<Replicator> make_random_replicator(const std::vector<dct::ChunkPlan>& plans,
                                                    const OptimizerOptions& options,
-                                                   std::shared_ptr<comm::Communicator> group) {
-  return std::make_unique<RandomReplicator>(plans, options, std::move(group));
+                                                   std::shared_ptr<comm::Communicator> group,
+                                                   at::Device device) {
+  return std::make_unique<RandomReplicator>(plans, options, std::move(group), device);
 }
 
 }  // namespace flexdemo::optim

@@ -18,10 +18,11 @@ bool all_finite(const std::vector<OptimParam>& params) {
 
 double clip_grad_norm(const std::vector<OptimParam>& params, double max_norm,
                       comm::Communicator& group) {
-  at::Tensor sq = at::zeros({1}, at::kDouble);
+  double local = 0.0;  // summed on the host, tensor by tensor, wherever the gradients are
   for (const auto& p : params) {
-    if (p.leaf.grad().defined()) sq += p.leaf.grad().to(at::kDouble).pow(2).sum();
+    if (p.leaf.grad().defined()) local += p.leaf.grad().to(at::kDouble).pow(2).sum().item<double>();
   }
+  at::Tensor sq = at::full({1}, local, at::kDouble);
   group.all_reduce(sq, comm::ReduceOp::Sum);
   const double norm = std::sqrt(sq.item<double>());
   if (norm > max_norm) {

@@ -17,8 +17,9 @@ InnerOptimizer::InnerOptimizer(const std::vector<OptimParam>& params,
     params_.push_back(
         p.leaf.view(-1).narrow(0, 0, p.plan.numel()).view({p.plan.rows, p.plan.cols}));
     if (options.inner == InnerKind::AdamW) {
-      exp_avg_.push_back(at::zeros({p.plan.rows, p.plan.cols}, at::kFloat));
-      exp_avg_sq_.push_back(at::zeros({p.plan.rows, p.plan.cols}, at::kFloat));
+      const auto options = at::dtype(at::kFloat).device(p.leaf.device());
+      exp_avg_.push_back(at::zeros({p.plan.rows, p.plan.cols}, options));
+      exp_avg_sq_.push_back(at::zeros({p.plan.rows, p.plan.cols}, options));
     }
   }
 }
@@ -32,8 +33,8 @@ namespace {
 
 // p -= lr * sign(d) (or lr * d) with one pass over memory where the layout allows it.
 void sgd_update(at::Tensor& p, const at::Tensor& d, float lr, bool sign) {
-  if (p.scalar_type() == at::kFloat && p.is_contiguous() && d.is_contiguous() &&
-      d.scalar_type() == at::kFloat) {
+  if (p.is_cpu() && d.is_cpu() && p.scalar_type() == at::kFloat && p.is_contiguous() &&
+      d.is_contiguous() && d.scalar_type() == at::kFloat) {
     float* dst = p.data_ptr<float>();
     const float* u = d.data_ptr<float>();
     at::parallel_for(0, p.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
@@ -77,7 +78,7 @@ bool InnerOptimizer::apply_sparse(size_t i, const compress::SparseChunks& coeffs
                                   const dct::ChunkPlan& plan) {
   const at::Tensor& p = params_.at(i);
   const OptimizerOptions& o = options_;
-  if (p.scalar_type() != at::kFloat) return false;
+  if (p.scalar_type() != at::kFloat || !p.is_cpu()) return false;
   if (o.inner == InnerKind::SignSgd) {
     if (!o.sign) return false;  // plain SGD on the direction: apply() in one pass
     kernels::idct_sparse_sign_step(coeffs, plan,
@@ -85,18 +86,32 @@ bool InnerOptimizer::apply_sparse(size_t i, const compress::SparseChunks& coeffs
     return true;
   }
   kernels::AdamWStep step;
+  static_cast<kernels::AdamWHyper&>(step) = hyper();
   step.param = p;
   step.exp_avg = exp_avg_[i];
   step.exp_avg_sq = exp_avg_sq_[i];
-  step.lr = lr_;
-  step.weight_decay = o.weight_decay;
-  step.beta1 = o.beta1;
-  step.beta2 = o.beta2;
-  step.eps = o.eps;
-  std::tie(step.bias_correction1, step.bias_correction2) = bias_corrections();
-  step.sign = o.sign;
   kernels::idct_sparse_adamw_step(coeffs, plan, step);
   return true;
+}
+
+kernels::AdamWHyper InnerOptimizer::hyper() const {
+  kernels::AdamWHyper h;
+  h.lr = lr_;
+  h.weight_decay = options_.weight_decay;
+  h.beta1 = options_.beta1;
+  h.beta2 = options_.beta2;
+  h.eps = options_.eps;
+  std::tie(h.bias_correction1, h.bias_correction2) = bias_corrections();
+  h.sign = options_.sign;
+  return h;
+}
+
+void InnerOptimizer::apply_gpu(const kernels::GpuBucket& bucket, const at::Tensor& gathered,
+                               int replicas) {
+  if (options_.inner == InnerKind::SignSgd && !options_.sign) {
+    throw std::invalid_argument("DeMo on a GPU: sign-SGD needs sign on (plain SGD runs on CPUs)");
+  }
+  bucket.decode_step(gathered, replicas, params_, exp_avg_, exp_avg_sq_, hyper());
 }
 
 std::vector<std::pair<std::string, at::Tensor>> InnerOptimizer::state_tensors() const {

@@ -23,6 +23,11 @@ class InnerOptimizer {
   // inverse (kernels.h; the same update as apply()), where the tensor is float32; false (and
   // nothing done) otherwise.
   bool apply_sparse(size_t i, const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan);
+  // Every tensor's step on the GPU from a bucket of all of them (kernels::GpuBucket), gathered
+  // from `replicas` replicas on the device: the same update as apply_sparse's.
+  void apply_gpu(const kernels::GpuBucket& bucket, const at::Tensor& gathered, int replicas);
+  // This step's numbers (AdamW's; sign-SGD reads lr and weight_decay).
+  kernels::AdamWHyper hyper() const;
   at::Tensor param(size_t i) const { return params_.at(i); }  // [rows, cols] view of tensor i
   // AdamW's moments, named for files (handles: loading copies into them).
   std::vector<std::pair<std::string, at::Tensor>> state_tensors() const;

@@ -84,17 +84,23 @@ Optimizer::Optimizer(std::vector<OptimParam> params, OptimizerOptions options,
     const OptimParam& p = params[i];
     s.slot.push_back(-1);
     if (p.plan.numel() == 0) continue;  // an empty shard: nothing to update or send
-    if (!p.leaf.defined() || !p.leaf.is_cpu() || !at::isFloatingType(p.leaf.scalar_type()) ||
+    if (!p.leaf.defined() || !at::isFloatingType(p.leaf.scalar_type()) ||
         !p.leaf.is_contiguous() || p.leaf.numel() < p.plan.numel()) {
       throw std::invalid_argument("DeMo: parameter " + std::to_string(i) +
-                                  " must be a contiguous floating CPU tensor of at least " +
+                                  " must be a contiguous floating tensor of at least " +
                                   std::to_string(p.plan.numel()) + " elements");
+    }
+    if (!s.params.empty() && p.leaf.device() != s.params.front().leaf.device()) {
+      throw std::invalid_argument("DeMo: parameter " + std::to_string(i) + " is on " +
+                                  p.leaf.device().str() + ", the others on " +
+                                  s.params.front().leaf.device().str());
     }
     s.slot.back() = int64_t(s.params.size());
     s.params.push_back(p);
     s.plans.push_back(p.plan);
   }
-  s.replicator = make_replicator(s.plans, options, std::move(replica_group));
+  const at::Device device = s.params.empty() ? at::Device(at::kCPU) : s.params.front().leaf.device();
+  s.replicator = make_replicator(s.plans, options, std::move(replica_group), device);
   s.inner = std::make_unique<InnerOptimizer>(s.params, options);
 }
 

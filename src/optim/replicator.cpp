@@ -13,16 +13,17 @@ const at::Tensor& Replicator::residual(size_t) const {
 
 std::unique_ptr<Replicator> make_replicator(const std::vector<dct::ChunkPlan>& plans,
                                             const OptimizerOptions& options,
-                                            std::shared_ptr<comm::Communicator> group) {
+                                            std::shared_ptr<comm::Communicator> group,
+                                            at::Device device) {
   switch (options.replicator) {
     case ReplicatorKind::Demo:
-      return make_demo_replicator(plans, options, std::move(group));
+      return make_demo_replicator(plans, options, std::move(group), device);
     case ReplicatorKind::Full:
-      return make_dense_replicator(plans, options, std::move(group), true);
+      return make_dense_replicator(plans, options, std::move(group), true, device);
     case ReplicatorKind::None:
-      return make_dense_replicator(plans, options, std::move(group), false);
+      return make_dense_replicator(plans, options, std::move(group), false, device);
     case ReplicatorKind::Random:
-      return make_random_replicator(plans, options, std::move(group));
+      return make_random_replicator(plans, options, std::move(group), device);
   }
   throw std::invalid_argument("unknown replicator");
 }

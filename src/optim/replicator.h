@@ -60,21 +60,25 @@ class Replicator {
   virtual std::vector<at::Tensor> committed_params() const { return {}; }
 };
 
+// The state lives on `device`, the parameters' (CPU or a GPU).
 std::unique_ptr<Replicator> make_replicator(const std::vector<dct::ChunkPlan>& plans,
                                             const OptimizerOptions& options,
-                                            std::shared_ptr<comm::Communicator> replica_group);
+                                            std::shared_ptr<comm::Communicator> replica_group,
+                                            at::Device device);
 
 // ====== The implementations (one file each) ======
 std::unique_ptr<Replicator> make_demo_replicator(const std::vector<dct::ChunkPlan>& plans,
                                                  const OptimizerOptions& options,
-                                                 std::shared_ptr<comm::Communicator> group);
+                                                 std::shared_ptr<comm::Communicator> group,
+                                                 at::Device device);
 // Full (exchange = true) and None (exchange = false): the mean gradient since the last exchange.
 std::unique_ptr<Replicator> make_dense_replicator(const std::vector<dct::ChunkPlan>& plans,
                                                   const OptimizerOptions& options,
                                                   std::shared_ptr<comm::Communicator> group,
-                                                  bool exchange);
+                                                  bool exchange, at::Device device);
 std::unique_ptr<Replicator> make_random_replicator(const std::vector<dct::ChunkPlan>& plans,
                                                    const OptimizerOptions& options,
-                                                   std::shared_ptr<comm::Communicator> group);
+                                                   std::shared_ptr<comm::Communicator> group,
+                                                   at::Device device);
 
 }  // namespace flexdemo::optim

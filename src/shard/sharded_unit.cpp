@@ -36,11 +36,11 @@ struct ShardedUnit::Impl {
   std::vector<at::Tensor> all_gather() const {
     at::NoGradGuard no_grad;
     const int64_t S = group->size();
-    at::Tensor local = at::empty({bucket_numel}, at::kFloat);
+    at::Tensor local = at::empty({bucket_numel}, float_options());
     for (size_t i = 0; i < shards.size(); ++i) {
       local.narrow(0, offsets[i], specs[i].shard_numel).copy_(shards[i]);
     }
-    at::Tensor all = at::empty({S * bucket_numel}, at::kFloat);
+    at::Tensor all = at::empty({S * bucket_numel}, float_options());
     group->all_gather(local, all);
     const at::Tensor rows = all.view({S, bucket_numel});
     std::vector<at::Tensor> full;
@@ -59,7 +59,7 @@ struct ShardedUnit::Impl {
   void reduce_scatter_into_grads(const variable_list& full_grads) {
     at::NoGradGuard no_grad;
     const int64_t S = group->size();
-    at::Tensor input = at::zeros({S, bucket_numel}, at::kFloat);
+    at::Tensor input = at::zeros({S, bucket_numel}, float_options());
     for (size_t i = 0; i < shards.size(); ++i) {
       if (!full_grads[i].defined()) continue;  // unused in this forward: contributes zero
       const int64_t n = specs[i].plan.numel(), sn = specs[i].shard_numel;
@@ -67,7 +67,7 @@ struct ShardedUnit::Impl {
       if (S * sn > n) flat = at::constant_pad_nd(flat, {0, S * sn - n});
       input.narrow(1, offsets[i], sn).copy_(flat.view({S, sn}));
     }
-    at::Tensor out = at::empty({bucket_numel}, at::kFloat);
+    at::Tensor out = at::empty({bucket_numel}, float_options());
     group->reduce_scatter(input, out, comm::ReduceOp::Avg);
     for (size_t i = 0; i < shards.size(); ++i) {
       const at::Tensor g = out.narrow(0, offsets[i], specs[i].shard_numel);
@@ -80,6 +80,10 @@ struct ShardedUnit::Impl {
     }
     if (--outstanding == 0 && on_ready) on_ready();
   }
+
+  at::TensorOptions float_options() const { return at::dtype(at::kFloat).device(options.device); }
+  // The generator dropout draws from on this unit's device.
+  at::Generator generator() const { return at::globalContext().defaultGenerator(options.device); }
 
   static Impl* from_id(int64_t id) { return reinterpret_cast<Impl*>(id); }
   int64_t id() { return reinterpret_cast<int64_t>(this); }
@@ -111,8 +115,8 @@ struct RecomputeUnit : public torch::autograd::Function<RecomputeUnit> {
     ctx->saved_data["fn"] = fn_id;
     ctx->save_for_backward(inputs.vec());
     // The recomputation must draw the same random numbers (dropout) as this forward.
-    ctx->saved_data["rng"] = at::detail::getDefaultCPUGenerator().get_state();
-    ctx->saved_data["autocast"] = autocast::cpu_enabled();  // recompute alike
+    ctx->saved_data["rng"] = impl->generator().get_state();
+    ctx->saved_data["autocast"] = autocast::enabled(impl->options.device.type());  // alike
     return impl->pending.at(fn_id)(impl->all_gather(), inputs.vec());
   }
 
@@ -141,14 +145,15 @@ struct RecomputeUnit : public torch::autograd::Function<RecomputeUnit> {
     }
     at::Tensor out;
     {
-      at::Generator gen = at::detail::getDefaultCPUGenerator();
+      at::Generator gen = impl->generator();
       const at::Tensor now = gen.get_state();
       gen.set_state(ctx->saved_data["rng"].toTensor());
-      const bool autocast_was = autocast::cpu_enabled();
-      autocast::set_cpu_enabled(ctx->saved_data["autocast"].toBool());
+      const c10::DeviceType device = impl->options.device.type();
+      const bool autocast_was = autocast::enabled(device);
+      autocast::set_enabled(device, ctx->saved_data["autocast"].toBool());
       at::AutoGradMode enable(true);
       out = fn(full, inputs);
-      autocast::set_cpu_enabled(autocast_was);
+      autocast::set_enabled(device, autocast_was);
       gen.set_state(now);
     }
     const variable_list grads =
@@ -181,7 +186,7 @@ ShardedUnit::ShardedUnit(std::string name, const std::vector<at::Tensor>& full_p
     }
     ShardSpec spec = make_shard_spec(p.sizes(), options.chunk, options.chunk_mode, s.group->rank(),
                                      s.group->size());
-    at::Tensor shard = at::zeros({spec.shard_numel}, at::kFloat);
+    at::Tensor shard = at::zeros({spec.shard_numel}, s.float_options());
     shard.narrow(0, 0, spec.end - spec.begin)
         .copy_(p.detach().reshape({-1}).narrow(0, spec.begin, spec.end - spec.begin));
     s.offsets.push_back(s.bucket_numel);

@@ -95,7 +95,7 @@ int run_generate(const std::string& checkpoint, const GenerateOptions& o,
     const int64_t start = std::max<int64_t>(0, int64_t(ids.size()) - context);
     const at::Tensor window =
         at::tensor(std::vector<int64_t>(ids.begin() + start, ids.end()), at::kLong).view({1, -1});
-    at::Tensor logits = s->lm->next_token_logits(window)[0];
+    at::Tensor logits = s->lm->next_token_logits(window.to(s->device))[0].to(at::kCPU, at::kFloat);
     int64_t next = 0;
     if (o.temperature == 0) {
       next = logits.argmax().item<int64_t>();

@@ -5,6 +5,7 @@
 #include "options.h"
 
 #include "flexdemo/comm.h"
+#include "flexdemo/kernels.h"
 #include "flexdemo/runtime.h"
 #include "runtime/autocast.h"
 
@@ -68,6 +69,42 @@ data::TokenData load_tokens(const TrainConfig& cfg, comm::Communicator& world) {
   return tokens;
 }
 
+// This rank's device: --device resolved (auto: a GPU when there is one), GPU local_rank % GPUs.
+at::Device choose_device(const TrainConfig& cfg, const comm::Topology& topo) {
+  const bool gpus = kernels::cuda_available();
+  if (cfg.device == DeviceKind::Cuda && !gpus) {
+    throw std::invalid_argument(
+        "--device cuda: no usable GPU (needs a CUDA build, scripts/build.sh --cuda, and a visible "
+        "GPU)");
+  }
+  const bool cuda = cfg.device == DeviceKind::Cuda || (cfg.device == DeviceKind::Auto && gpus);
+  if (!cuda) {
+    for (const auto& [flag, backend] : {std::pair{"--intra-backend", cfg.intra_backend},
+                                        std::pair{"--inter-backend", cfg.inter_backend}}) {
+      if (backend == BackendKind::Nccl) {
+        throw std::invalid_argument(fmt::format("{} nccl needs --device cuda", flag));
+      }
+    }
+    return at::kCPU;
+  }
+  return at::Device(at::kCUDA, int8_t(topo.local_rank % int(at::getNumGPUs())));
+}
+
+// NCCL for the shard group (auto: on GPUs when no two ranks of the node share one) and the
+// replica group (only when asked), bootstrapped through their MPI communicators.
+void choose_backends(const TrainConfig& cfg, at::Device device, comm::Topology& topo) {
+  if (!device.is_cuda()) return;
+  const bool own_gpu = topo.ranks_per_node <= int(at::getNumGPUs());
+  const bool intra = cfg.intra_backend == BackendKind::Nccl ||
+                     (cfg.intra_backend == BackendKind::Auto && own_gpu);
+  if (intra && topo.shard_size > 1) {
+    topo.shard_group = comm::make_nccl_communicator(topo.shard_group, device);
+  }
+  if (cfg.inter_backend == BackendKind::Nccl && topo.replicas > 1) {
+    topo.replica_group = comm::make_nccl_communicator(topo.replica_group, device);
+  }
+}
+
 }  // namespace
 
 std::unique_ptr<Session> open_session(const TrainConfig& config,
@@ -78,9 +115,11 @@ std::unique_ptr<Session> open_session(const TrainConfig& config,
   cfg.validate();
   cfg.resolve();
   set_num_threads(cfg.threads);
-  autocast::set_cpu_dtype(at::kBFloat16);
   const optim::OptimizerOptions options = optimizer_options(cfg);
   s->topo = comm::make_topology(world, {cfg.ranks_per_node, cfg.shard_size});
+  s->device = choose_device(cfg, s->topo);
+  choose_backends(cfg, s->device, s->topo);
+  autocast::set_dtype(s->device.type(), at::kBFloat16);
   const int P = world->size();
   if (cfg.batch % P != 0) {
     throw std::invalid_argument(
@@ -100,6 +139,7 @@ std::unique_ptr<Session> open_session(const TrainConfig& config,
   shard::ShardOptions so;
   so.chunk = cfg.chunk;
   so.reshard_after_forward = cfg.reshard;
+  so.device = s->device;
   if (is_t5(cfg)) {
     model::T5Config tc = t5_config(cfg, s->tokens.vocab_size);
     tc.eot = s->tokens.eot;
@@ -120,7 +160,8 @@ double evaluate(Session& s) {
   double sum = 0.0;
   for (int64_t done = 0; done < mine; done += s.micro) {
     const int64_t n = std::min(s.micro, mine - done);
-    sum += s.lm->loss(s.val_data->windows(world->rank() * mine + done, n)).item<double>() * n;
+    const at::Tensor windows = s.val_data->windows(world->rank() * mine + done, n).to(s.device);
+    sum += s.lm->loss(windows).item<double>() * n;
   }
   at::Tensor mean = at::full({1}, sum / double(mine), at::kDouble);
   world->all_reduce(mean, comm::ReduceOp::Avg);

@@ -23,7 +23,8 @@ struct Session {
   std::unique_ptr<model::LanguageModel> lm;
   std::vector<optim::OptimParam> params;  // the model's shards, as the optimizer indexes them
   std::unique_ptr<optim::Optimizer> optimizer;
-  int64_t per_rank = 0;  // sequences of the global batch on each rank
+  at::Device device = at::kCPU;  // where this rank's model, gradients and optimizer state live
+  int64_t per_rank = 0;          // sequences of the global batch on each rank
   int64_t micro = 0;     // sequences per forward
 };
 

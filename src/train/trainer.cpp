@@ -59,10 +59,10 @@ double forward_backward(Session& s, int64_t step, const NonFiniteInjection& inje
       s.topo.replica_rank * (cfg.batch / s.topo.replicas) + s.topo.shard_rank * s.per_rank;
   double loss_sum = 0.0;
   for (int64_t a = 0; a < s.per_rank; a += s.micro) {
-    const at::Tensor batch = s.train_data->rows(step, first_row + a, s.micro);
-    autocast::set_cpu_enabled(cfg.bf16);
+    const at::Tensor batch = s.train_data->rows(step, first_row + a, s.micro).to(s.device);
+    autocast::set_enabled(s.device.type(), cfg.bf16);
     at::Tensor loss = s.lm->loss(batch).to(at::kFloat) * (double(s.micro) / double(s.per_rank));
-    autocast::set_cpu_enabled(false);
+    autocast::set_enabled(s.device.type(), false);
     at::autocast::clear_cache();
     if (inject.step == step + 1 && inject.rank == s.topo.world->rank()) loss = loss * NAN;
     {
@@ -173,7 +173,7 @@ void check_replicas(const std::vector<at::Tensor>& shards,
                     const std::shared_ptr<comm::Communicator>& world, int64_t step) {
   uLong crc = crc32(0L, Z_NULL, 0);
   for (const at::Tensor& shard : shards) {
-    const at::Tensor t = shard.detach().contiguous();
+    const at::Tensor t = shard.detach().to(at::kCPU).contiguous();
     crc =
         crc32_z(crc, static_cast<const Bytef*>(t.data_ptr()), size_t(t.numel()) * t.element_size());
   }

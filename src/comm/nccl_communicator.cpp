@@ -1,0 +1,374 @@
+// NCCL backend of the Communicator (CUDA builds): one GPU per rank, bootstrapped through an MPI
+// communicator over the same ranks (rank 0's unique id is broadcast over it). Collectives run on
+// the communicator's own stream after the caller's queued work; wait() blocks the host until
+// they are done (polling, so that the collective timeout holds), as the MPI backend's does.
+// Tensors elsewhere than this GPU are staged through it. Byte counts follow comm.h's formulas.
+#include "flexdemo/comm.h"
+
+#include <ATen/ATen.h>
+
+#include <stdexcept>
+#include <string>
+
+#if defined(FLEXDEMO_CUDA)
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <set>
+#include <thread>
+#endif
+
+namespace flexdemo::comm {
+
+#if defined(FLEXDEMO_CUDA)
+
+namespace {
+
+// ====== Errors ======
+void check_nccl(ncclResult_t result, const char* call, const char* file, int line) {
+  if (result == ncclSuccess) return;
+  throw CommError(std::string(call) + " failed (" + file + ":" + std::to_string(line) +
+                  "): " + ncclGetErrorString(result));
+}
+void check_cuda(cudaError_t result, const char* call, const char* file, int line) {
+  if (result == cudaSuccess) return;
+  throw CommError(std::string(call) + " failed (" + file + ":" + std::to_string(line) +
+                  "): " + cudaGetErrorString(result));
+}
+#define FLEXDEMO_NCCL_CHECK(call) check_nccl((call), #call, __FILE__, __LINE__)
+#define FLEXDEMO_CUDA_CHECK(call) check_cuda((call), #call, __FILE__, __LINE__)
+
+ncclDataType_t nccl_type(at::ScalarType t, bool reduction) {
+  switch (t) {
+    case at::kFloat:
+      return ncclFloat32;
+    case at::kDouble:
+      return ncclFloat64;
+    case at::kBFloat16:
+      return ncclBfloat16;
+    case at::kInt:
+      return ncclInt32;
+    case at::kLong:
+      return ncclInt64;
+    case at::kByte:
+      if (!reduction) return ncclUint8;
+      [[fallthrough]];
+    default:
+      throw std::invalid_argument(std::string("NCCL collective does not support dtype ") +
+                                  c10::toString(t) +
+                                  "; accepted: float32, float64, bfloat16, int32, int64" +
+                                  (reduction ? "" : ", uint8"));
+  }
+}
+
+// A tensor as NCCL sees it: contiguous memory on this GPU; `user` gets the result back when it is
+// not that memory itself.
+struct Staged {
+  at::Tensor user, device;
+  bool copy_back = false;
+  static Staged of(const at::Tensor& t, at::Device gpu, bool keep_contents, bool is_output) {
+    Staged s{t, t, false};
+    if (t.device() != gpu || !t.is_contiguous()) {
+      s.device = keep_contents ? t.to(gpu).contiguous()
+                               : at::empty(t.sizes(), t.options().device(gpu));
+      s.copy_back = is_output;
+    }
+    return s;
+  }
+};
+
+struct SharedStats {
+  std::mutex mutex;
+  CommStats stats;
+};
+
+using Clock = std::chrono::steady_clock;
+
+class NcclWork final : public Work {
+ public:
+  NcclWork(std::shared_ptr<SharedStats> stats, ncclComm_t comm, at::Device gpu,
+           std::vector<Staged> outputs, std::vector<at::Tensor> keep, uint64_t sent,
+           uint64_t received)
+      : stats_(std::move(stats)),
+        comm_(comm),
+        gpu_(gpu),
+        outputs_(std::move(outputs)),
+        keep_(std::move(keep)),
+        sent_(sent),
+        received_(received) {
+    FLEXDEMO_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
+  }
+  ~NcclWork() override {
+    try {
+      wait();
+    } catch (...) {  // a destructor must not throw; the error was the caller's to see
+    }
+    cudaEventDestroy(done_);
+  }
+  cudaEvent_t event() const { return done_; }
+
+  void wait() override {
+    if (completed_) return;
+    const c10::cuda::CUDAGuard guard(gpu_);
+    const auto start = Clock::now();
+    const double timeout = collective_timeout();
+    for (;;) {
+      const cudaError_t state = cudaEventQuery(done_);
+      if (state == cudaSuccess) break;
+      if (state != cudaErrorNotReady) FLEXDEMO_CUDA_CHECK(state);
+      ncclResult_t async_error = ncclSuccess;
+      FLEXDEMO_NCCL_CHECK(ncclCommGetAsyncError(comm_, &async_error));
+      FLEXDEMO_NCCL_CHECK(async_error);
+      const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+      if (timeout > 0 && waited > timeout) {
+        ncclCommAbort(comm_);
+        throw CommError("NCCL collective did not complete within " + std::to_string(timeout) +
+                        " s (a rank has died or hangs, or the network is down)");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+    for (Staged& s : outputs_) {
+      if (s.copy_back) s.user.copy_(s.device);
+    }
+    completed_ = true;
+    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    std::lock_guard<std::mutex> lock(stats_->mutex);
+    stats_->stats.bytes_sent += sent_;
+    stats_->stats.bytes_received += received_;
+    stats_->stats.seconds += seconds;
+    stats_->stats.collectives += 1;
+  }
+  bool is_completed() override { return completed_ || cudaEventQuery(done_) == cudaSuccess; }
+
+ private:
+  std::shared_ptr<SharedStats> stats_;
+  ncclComm_t comm_;
+  at::Device gpu_;
+  std::vector<Staged> outputs_;
+  std::vector<at::Tensor> keep_;  // inputs staged on the GPU, alive until done
+  uint64_t sent_, received_;
+  cudaEvent_t done_ = nullptr;
+  bool completed_ = false;
+};
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(std::shared_ptr<Communicator> bootstrap, at::Device gpu)
+      : bootstrap_(std::move(bootstrap)),
+        gpu_(gpu),
+        stats_(std::make_shared<SharedStats>()),
+        stream_(c10::cuda::getStreamFromPool(false, gpu.index())) {
+    if (!gpu.is_cuda()) throw std::invalid_argument("NCCL communicator: a CUDA device is needed");
+    check_distinct_gpus();
+    ncclUniqueId id;
+    if (bootstrap_->rank() == 0) FLEXDEMO_NCCL_CHECK(ncclGetUniqueId(&id));
+    at::Tensor bytes = at::empty({int64_t(sizeof(id))}, at::kByte);
+    if (bootstrap_->rank() == 0) std::memcpy(bytes.data_ptr(), &id, sizeof(id));
+    bootstrap_->broadcast(bytes, 0);
+    std::memcpy(&id, bytes.data_ptr(), sizeof(id));
+    const c10::cuda::CUDAGuard guard(gpu_);
+    FLEXDEMO_NCCL_CHECK(ncclCommInitRank(&comm_, bootstrap_->size(), id, bootstrap_->rank()));
+  }
+  ~NcclCommunicator() override {
+    if (comm_ != nullptr) ncclCommDestroy(comm_);
+  }
+
+  int rank() const override { return bootstrap_->rank(); }
+  int size() const override { return bootstrap_->size(); }
+  at::Device device() const override { return gpu_; }
+
+  std::unique_ptr<Work> iall_gather(const at::Tensor& input, const at::Tensor& output) override {
+    require_same(input, output, "all_gather");
+    if (output.numel() != size() * input.numel()) {
+      throw std::invalid_argument("all_gather: output must hold size() * input elements");
+    }
+    const Staged in = Staged::of(input, gpu_, true, false);
+    const Staged out = Staged::of(output, gpu_, false, true);
+    const uint64_t n = uint64_t(input.numel()) * input.element_size();
+    return launch({out}, {in.device}, (size() - 1) * n, (size() - 1) * n, [&] {
+      FLEXDEMO_NCCL_CHECK(ncclAllGather(in.device.data_ptr(), out.device.data_ptr(),
+                                        size_t(input.numel()), nccl_type(input.scalar_type(), false),
+                                        comm_, stream_.stream()));
+    });
+  }
+
+  std::unique_ptr<Work> iall_gather_v(const at::Tensor& input, const at::Tensor& output,
+                                      const std::vector<int64_t>& counts) override {
+    require_same(input, output, "all_gather_v");
+    if (int(counts.size()) != size() || counts[rank()] != input.numel()) {
+      throw std::invalid_argument("all_gather_v: counts must list every rank's input size");
+    }
+    const Staged in = Staged::of(input, gpu_, true, false);
+    const Staged out = Staged::of(output, gpu_, false, true);
+    const size_t element = input.element_size();
+    uint64_t others = 0;
+    for (int r = 0; r < size(); ++r) others += r == rank() ? 0 : uint64_t(counts[r]) * element;
+    const uint64_t mine = uint64_t(input.numel()) * element;
+    return launch({out}, {in.device}, mine * (size() - 1), others, [&] {
+      const ncclDataType_t type = nccl_type(input.scalar_type(), false);
+      auto* base = static_cast<uint8_t*>(out.device.data_ptr());
+      FLEXDEMO_NCCL_CHECK(ncclGroupStart());
+      int64_t offset = 0;
+      for (int r = 0; r < size(); ++r) {  // one broadcast per rank into its place
+        const void* send = r == rank() ? in.device.data_ptr() : nullptr;
+        FLEXDEMO_NCCL_CHECK(ncclBroadcast(send, base + offset * element, size_t(counts[r]), type, r,
+                                          comm_, stream_.stream()));
+        offset += counts[r];
+      }
+      FLEXDEMO_NCCL_CHECK(ncclGroupEnd());
+    });
+  }
+
+  std::unique_ptr<Work> iall_reduce(const at::Tensor& tensor, ReduceOp op) override {
+    const Staged t = Staged::of(tensor, gpu_, true, true);
+    const uint64_t n = uint64_t(tensor.numel()) * tensor.element_size();
+    const uint64_t bus = size() > 1 ? 2 * (size() - 1) * n / size() : 0;
+    return launch({t}, {}, bus, bus, [&] {
+      FLEXDEMO_NCCL_CHECK(ncclAllReduce(t.device.data_ptr(), t.device.data_ptr(),
+                                        size_t(tensor.numel()),
+                                        nccl_type(tensor.scalar_type(), true), nccl_op(tensor, op),
+                                        comm_, stream_.stream()));
+    });
+  }
+
+  std::unique_ptr<Work> ireduce_scatter(const at::Tensor& input, const at::Tensor& output,
+                                        ReduceOp op) override {
+    require_same(input, output, "reduce_scatter");
+    if (input.numel() != size() * output.numel()) {
+      throw std::invalid_argument("reduce_scatter: input must hold size() * output elements");
+    }
+    const Staged in = Staged::of(input, gpu_, true, false);
+    const Staged out = Staged::of(output, gpu_, false, true);
+    const uint64_t n = uint64_t(input.numel()) * input.element_size();
+    const uint64_t bus = (size() - 1) * n / size();
+    return launch({out}, {in.device}, bus, bus, [&] {
+      FLEXDEMO_NCCL_CHECK(ncclReduceScatter(in.device.data_ptr(), out.device.data_ptr(),
+                                            size_t(output.numel()),
+                                            nccl_type(input.scalar_type(), true),
+                                            nccl_op(input, op), comm_, stream_.stream()));
+    });
+  }
+
+  std::unique_ptr<Work> ibroadcast(const at::Tensor& tensor, int root) override {
+    if (root < 0 || root >= size()) throw std::invalid_argument("broadcast: bad root");
+    const Staged t = Staged::of(tensor, gpu_, true, true);
+    const uint64_t n = uint64_t(tensor.numel()) * tensor.element_size();
+    return launch({t}, {}, rank() == root ? n : 0, rank() == root ? 0 : n, [&] {
+      FLEXDEMO_NCCL_CHECK(ncclBroadcast(t.device.data_ptr(), t.device.data_ptr(),
+                                        size_t(tensor.numel()),
+                                        nccl_type(tensor.scalar_type(), false), root, comm_,
+                                        stream_.stream()));
+    });
+  }
+
+  std::unique_ptr<Work> ibarrier() override {
+    const at::Tensor one = at::ones({1}, at::dtype(at::kInt).device(gpu_));
+    return iall_reduce(one, ReduceOp::Sum);
+  }
+
+  std::shared_ptr<Communicator> split(int color, int key) override {
+    return std::make_shared<NcclCommunicator>(bootstrap_->split(color, key), gpu_);
+  }
+  std::shared_ptr<Communicator> split_by_host() override {
+    return std::make_shared<NcclCommunicator>(bootstrap_->split_by_host(), gpu_);
+  }
+
+  CommStats stats() const override {
+    std::lock_guard<std::mutex> lock(stats_->mutex);
+    return stats_->stats;
+  }
+  void reset_stats() override {
+    std::lock_guard<std::mutex> lock(stats_->mutex);
+    stats_->stats = {};
+  }
+
+ private:
+  static void require_same(const at::Tensor& a, const at::Tensor& b, const char* what) {
+    if (a.scalar_type() != b.scalar_type()) {
+      throw std::invalid_argument(std::string(what) + ": input and output dtypes differ");
+    }
+  }
+  static ncclRedOp_t nccl_op(const at::Tensor& t, ReduceOp op) {
+    if (op == ReduceOp::Avg && !at::isFloatingType(t.scalar_type())) {
+      throw std::invalid_argument("Avg reduces floating tensors only");
+    }
+    return op == ReduceOp::Sum ? ncclSum : ncclAvg;
+  }
+
+  // NCCL cannot put two ranks of one communicator on the same GPU: say so before it fails.
+  void check_distinct_gpus() {
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    const int64_t host_hash = int64_t(std::hash<std::string>()(host) & 0x7fffffffffffffffull);
+    at::Tensor mine = at::tensor({host_hash, int64_t(gpu_.index())}, at::kLong);
+    at::Tensor all = at::empty({2 * bootstrap_->size()}, at::kLong);
+    bootstrap_->all_gather(mine, all);
+    std::set<std::pair<int64_t, int64_t>> seen;
+    for (int r = 0; r < bootstrap_->size(); ++r) {
+      if (!seen.insert({all[2 * r].item<int64_t>(), all[2 * r + 1].item<int64_t>()}).second) {
+        throw std::invalid_argument(
+            "NCCL cannot put two ranks of one communicator on the same GPU: ranks share GPU " +
+            std::to_string(all[2 * r + 1].item<int64_t>()) +
+            " (one rank per GPU, or --intra-backend/--inter-backend mpi)");
+      }
+    }
+  }
+
+  // Runs `enqueue` on the communicator's stream after the caller's queued work; the returned
+  // Work completes when it is done.
+  template <typename Enqueue>
+  std::unique_ptr<Work> launch(std::vector<Staged> outputs, std::vector<at::Tensor> keep,
+                               uint64_t sent, uint64_t received, Enqueue&& enqueue) {
+    const c10::cuda::CUDAGuard guard(gpu_);
+    cudaEvent_t ready;
+    FLEXDEMO_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+    FLEXDEMO_CUDA_CHECK(cudaEventRecord(ready, c10::cuda::getCurrentCUDAStream(gpu_.index())));
+    FLEXDEMO_CUDA_CHECK(cudaStreamWaitEvent(stream_.stream(), ready, 0));
+    cudaEventDestroy(ready);
+    for (const Staged& s : outputs) keep.push_back(s.device);
+    auto work = std::make_unique<NcclWork>(stats_, comm_, gpu_, std::move(outputs),
+                                           std::move(keep), sent, received);
+    enqueue();
+    FLEXDEMO_CUDA_CHECK(cudaEventRecord(work->event(), stream_.stream()));
+    return work;
+  }
+
+  std::shared_ptr<Communicator> bootstrap_;
+  at::Device gpu_;
+  std::shared_ptr<SharedStats> stats_;
+  c10::cuda::CUDAStream stream_;
+  ncclComm_t comm_ = nullptr;
+};
+
+}  // namespace
+
+bool nccl_built() {
+  return true;
+}
+
+std::shared_ptr<Communicator> make_nccl_communicator(std::shared_ptr<Communicator> bootstrap,
+                                                     at::Device gpu) {
+  return std::make_shared<NcclCommunicator>(std::move(bootstrap), gpu);
+}
+
+#else  // without CUDA
+
+bool nccl_built() {
+  return false;
+}
+
+std::shared_ptr<Communicator> make_nccl_communicator(std::shared_ptr<Communicator>, at::Device) {
+  throw std::invalid_argument(
+      "NCCL needs a CUDA build of flexdemo (scripts/build.sh --cuda) and a GPU per rank");
+}
+
+#endif
+
+}  // namespace flexdemo::comm
