@@ -45,6 +45,7 @@ optim::OptimizerOptions demo_options(const DemoBenchArgs& args);
 
 struct OptimizerBenchArgs : DemoBenchArgs {
   int threads = 1;
+  std::string device = "cpu";  // or "cuda"
 };
 int run_bench_optimizer(const OptimizerBenchArgs& args);
 

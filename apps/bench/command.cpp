@@ -38,6 +38,11 @@ std::vector<Subcommand> add_bench(CLI::App& app) {
       "optimizer", "time a DeMo step (one replica) against an AdamW step on GPT-2-shaped params");
   add_demo_bench_flags(optimizer.cli, *opt);
   optimizer.cli->add_option("--threads", opt->threads, "intra-op threads")->capture_default_str();
+  optimizer.cli
+      ->add_option("--device", opt->device,
+                   "cpu, or cuda (GPU 0: the CUDA kernels, and LibTorch's fused AdamW besides)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   optimizer.run = [opt](std::shared_ptr<comm::Communicator>) {
     return bench::run_bench_optimizer(*opt);
   };

@@ -8,8 +8,10 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <fmt/core.h>
 #include <torch/optim/adamw.h>
+#include <torch/version.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -56,28 +58,58 @@ std::vector<NamedShape> gpt2_parameter_shapes(const GptShape& g) {
 
 namespace {
 
-std::vector<at::Tensor> make_params(const std::vector<NamedShape>& shapes) {
+std::vector<at::Tensor> make_params(const std::vector<NamedShape>& shapes, at::Device device) {
   std::vector<at::Tensor> params;
   for (const auto& s : shapes) {
-    at::Tensor p = (at::randn(s.shape) * 0.02).set_requires_grad(true);
-    p.mutable_grad() = at::randn(s.shape);
+    at::Tensor p = (at::randn(s.shape) * 0.02).to(device).set_requires_grad(true);
+    p.mutable_grad() = at::randn(s.shape).to(device);
     params.push_back(p);
   }
   return params;
 }
 
+// A step's median wall time; on a GPU each step ends when the device is done with it.
 template <typename Step>
-double median_step_ms(int steps, Step&& step) {
-  for (int i = 0; i < 2; ++i) step();  // warm-up: first-touch allocations and caches
+double median_step_ms(int steps, at::Device device, Step&& step) {
+  auto synced = [&] {
+    step();
+    if (device.is_cuda()) at::detail::getCUDAHooks().deviceSynchronize(device.index());
+  };
+  for (int i = 0; i < 2; ++i) synced();  // warm-up: first-touch allocations and caches
   std::vector<double> ms;
   for (int i = 0; i < steps; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
-    step();
+    synced();
     ms.push_back(
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
   std::sort(ms.begin(), ms.end());
   return ms[ms.size() / 2];
+}
+
+// LibTorch's fused AdamW (one kernel over every tensor, as torch.optim.AdamW(fused=True)) on
+// the same parameters: the GPU baseline. LibTorch 2.0 and later; 0 (not measured) before.
+double fused_adamw_step_ms(const std::vector<at::Tensor>& params, int steps) {
+#if TORCH_VERSION_MAJOR >= 2
+  std::vector<at::Tensor> grads, exp_avg, exp_avg_sq, step_counts;
+  for (const at::Tensor& p : params) {
+    grads.push_back(p.grad());
+    exp_avg.push_back(at::zeros_like(p));
+    exp_avg_sq.push_back(at::zeros_like(p));
+    step_counts.push_back(at::zeros({}, p.options()));
+  }
+  std::vector<at::Tensor> leaves;
+  for (const at::Tensor& p : params) leaves.push_back(p.detach());
+  return median_step_ms(steps, params.front().device(), [&] {
+    for (at::Tensor& s : step_counts) s.add_(1);
+    at::_fused_adamw_(leaves, grads, exp_avg, exp_avg_sq, {}, step_counts, 1e-3, 0.9, 0.999, 0.0,
+                      1e-8, false, false);
+  });
+#else
+  (void)params;
+  (void)steps;
+  return 0.0;
+#endif
 }
 
 }  // namespace
@@ -108,15 +140,22 @@ int run_bench_optimizer(const OptimizerBenchArgs& args) {
   set_num_threads(args.threads);
   at::manual_seed(0);
 
+  const at::Device device = args.device == "cuda" ? at::Device(at::kCUDA, 0) : at::kCPU;
+  if (device.is_cuda() && !kernels::cuda_available()) {
+    throw std::invalid_argument(
+        "--device cuda: no usable GPU (needs a CUDA build, scripts/build.sh --cuda, and a visible "
+        "GPU)");
+  }
   const auto shapes = gpt2_parameter_shapes(gpt2_shape(args.scale));
-  std::vector<at::Tensor> demo_params = make_params(shapes);
-  std::vector<at::Tensor> adamw_params = make_params(shapes);
+  std::vector<at::Tensor> demo_params = make_params(shapes, device);
+  std::vector<at::Tensor> adamw_params = make_params(shapes, device);
 
   optim::Optimizer demo(demo_params, options);
   torch::optim::AdamW adamw(adamw_params, torch::optim::AdamWOptions(1e-3).weight_decay(0.0));
 
-  const double demo_ms = median_step_ms(args.steps, [&] { demo.step(); });
-  const double adamw_ms = median_step_ms(args.steps, [&] { adamw.step(); });
+  const double demo_ms = median_step_ms(args.steps, device, [&] { demo.step(); });
+  const double adamw_ms = median_step_ms(args.steps, device, [&] { adamw.step(); });
+  const double fused_ms = device.is_cuda() ? fused_adamw_step_ms(adamw_params, args.steps) : 0.0;
   const optim::ExchangeTraffic t = demo.traffic();
 
   nlohmann::ordered_json out;
@@ -124,6 +163,11 @@ int run_bench_optimizer(const OptimizerBenchArgs& args) {
   out["demo_ms"] = demo_ms;
   out["adamw_ms"] = adamw_ms;
   out["ratio"] = demo_ms / adamw_ms;
+  out["device"] = device.str();
+  if (device.is_cuda()) {
+    out["adamw_fused_ms"] = fused_ms;
+    out["ratio_fused"] = demo_ms / fused_ms;
+  }
   out["wire_bytes"] = t.wire_bytes;
   out["kept_coefficients"] = t.kept_coefficients;
   out["bytes_per_param"] = double(t.wire_bytes) / double(t.params);
@@ -136,6 +180,11 @@ int run_bench_optimizer(const OptimizerBenchArgs& args) {
     fmt::print("demo_ms            {:.2f}\n", demo_ms);
     fmt::print("adamw_ms           {:.2f}\n", adamw_ms);
     fmt::print("ratio              {:.2f}   (demo_ms / adamw_ms)\n", demo_ms / adamw_ms);
+    if (device.is_cuda()) {
+      fmt::print("adamw_fused_ms     {:.2f}   (LibTorch's fused CUDA AdamW)\n", fused_ms);
+      fmt::print("ratio_fused        {:.2f}   (demo_ms / adamw_fused_ms)\n", demo_ms / fused_ms);
+    }
+    fmt::print("device             {}\n", device.str());
     fmt::print("wire_bytes         {}\n", t.wire_bytes);
     fmt::print("kept_coefficients  {}   ({:.3f} bytes each)\n", t.kept_coefficients,
                double(t.wire_bytes) / double(t.kept_coefficients));

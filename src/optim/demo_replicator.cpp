@@ -181,12 +181,14 @@ class DemoReplicator final : public Replicator {
   // on the host; decode and step on the GPU.
   void exchange_on_gpu(const std::vector<at::Tensor>& grads, double lr, InnerOptimizer& inner) {
     gpu_->encode(grads, residuals_, options_.decay, lr, device_send_);
+    if (replicas() == 1) {  // nothing travels: decode this replica's own payloads where they are
+      inner.apply_gpu(*gpu_, device_send_, 1);
+      return;
+    }
     all_.send.copy_(device_send_);  // waits for the kernel
     gpu_->seal(all_.send.data_ptr<uint8_t>());
-    const bool on_device = replicas() > 1 && group_->device().is_cuda();
-    if (replicas() == 1) {
-      all_.recv.copy_(all_.send);
-    } else if (on_device) {
+    const bool on_device = group_->device().is_cuda();
+    if (on_device) {
       device_send_.copy_(all_.send);
       group_->all_gather(device_send_, device_recv_);
       all_.recv.copy_(device_recv_);
