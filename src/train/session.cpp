@@ -95,12 +95,12 @@ at::Device choose_device(const TrainConfig& cfg, const comm::Topology& topo) {
 void choose_backends(const TrainConfig& cfg, at::Device device, comm::Topology& topo) {
   if (!device.is_cuda()) return;
   const bool own_gpu = topo.ranks_per_node <= int(at::getNumGPUs());
-  const bool intra = cfg.intra_backend == BackendKind::Nccl ||
-                     (cfg.intra_backend == BackendKind::Auto && own_gpu);
-  if (intra && topo.shard_size > 1) {
+  // Asked for, NCCL serves even a group of one rank (a smoke test); auto only where it moves data.
+  if (cfg.intra_backend == BackendKind::Nccl ||
+      (cfg.intra_backend == BackendKind::Auto && own_gpu && topo.shard_size > 1)) {
     topo.shard_group = comm::make_nccl_communicator(topo.shard_group, device);
   }
-  if (cfg.inter_backend == BackendKind::Nccl && topo.replicas > 1) {
+  if (cfg.inter_backend == BackendKind::Nccl) {
     topo.replica_group = comm::make_nccl_communicator(topo.replica_group, device);
   }
 }
