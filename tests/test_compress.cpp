@@ -285,9 +285,16 @@ TEST(DecodeMean, AveragesOverReplicasThatSelectedEachCoefficient) {
 // The bfloat16 rounding the CPU and GPU encoders share (chunk_math.h) is LibTorch's own, on every
 // bit pattern class: random floats, ties, the largest finite values, infinities, NaN, zeros.
 TEST(ChunkMath, Bf16RoundingIsLibTorchs) {
-  std::vector<float> values = {0.0f, -0.0f, 1.0f, -1.0f, 3.4028235e38f, -3.4028235e38f,
+  std::vector<float> values = {0.0f,
+                               -0.0f,
+                               1.0f,
+                               -1.0f,
+                               3.4028235e38f,
+                               -3.4028235e38f,
                                std::numeric_limits<float>::infinity(),
-                               -std::numeric_limits<float>::infinity(), 1e-40f, -1e-45f};
+                               -std::numeric_limits<float>::infinity(),
+                               1e-40f,
+                               -1e-45f};
   for (uint32_t tie : {0x3f808000u, 0x3f818000u, 0x7f7f8000u, 0x00008000u}) {
     float x;
     std::memcpy(&x, &tie, 4);

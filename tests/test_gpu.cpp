@@ -16,9 +16,9 @@ using compress::ValueEncoding;
 
 namespace {
 
-#define SKIP_WITHOUT_GPU()                                                          \
-  if (!kernels::cuda_available()) {                                                 \
-    GTEST_SKIP() << (kernels::cuda_built() ? "no GPU visible: GPU test skipped"     \
+#define SKIP_WITHOUT_GPU()                                                            \
+  if (!kernels::cuda_available()) {                                                   \
+    GTEST_SKIP() << (kernels::cuda_built() ? "no GPU visible: GPU test skipped"       \
                                            : "built without CUDA: GPU test skipped"); \
   }
 
@@ -85,7 +85,8 @@ TEST_P(GpuKernels, EncodeDecodeAndStepEqualTheCpuBitForBit) {
       cpu_encode(plans, grads, 0.9, 0.01, k, encoding, bucket, cpu[r]);
       std::vector<at::Tensor> on_gpu;
       for (const at::Tensor& g : grads) on_gpu.push_back(g.defined() ? g.to(gpu) : g);
-      const at::Tensor send = at::empty({int64_t(bucket.bytes())}, at::device(gpu).dtype(at::kByte));
+      const at::Tensor send =
+          at::empty({int64_t(bucket.bytes())}, at::device(gpu).dtype(at::kByte));
       bucket.encode(on_gpu, gpu_residuals[r], 0.9, 0.01, send);
       at::Tensor host = send.cpu();
       bucket.seal(host.data_ptr<uint8_t>());
@@ -122,7 +123,8 @@ TEST_P(GpuKernels, EncodeDecodeAndStepEqualTheCpuBitForBit) {
       for (size_t i = 0; i < plans.size(); ++i) {
         std::vector<const uint8_t*> payloads;
         for (int r = 0; r < replicas; ++r) {
-          payloads.push_back(gathered_cpu.data_ptr<uint8_t>() + r * bucket.bytes() + bucket.offset(i));
+          payloads.push_back(gathered_cpu.data_ptr<uint8_t>() + r * bucket.bytes() +
+                             bucket.offset(i));
         }
         const compress::SparseChunks coeffs = compress::decode_mean_sparse(
             payloads, compress::wire_payload_bytes(plans[i], k, encoding), plans[i], k, encoding);
@@ -156,7 +158,8 @@ INSTANTIATE_TEST_SUITE_P(Encodings, GpuKernels,
 
 TEST(GpuKernels, WithoutAGpuTheBucketSaysWhy) {
   if (kernels::cuda_available()) {
-    EXPECT_NO_THROW(kernels::GpuBucket(test_plans(), 4, ValueEncoding::Bf16, at::Device(at::kCUDA, 0)));
+    EXPECT_NO_THROW(
+        kernels::GpuBucket(test_plans(), 4, ValueEncoding::Bf16, at::Device(at::kCUDA, 0)));
   } else {
     EXPECT_THROW(kernels::GpuBucket(test_plans(), 4, ValueEncoding::Bf16, at::Device(at::kCUDA, 0)),
                  std::exception);

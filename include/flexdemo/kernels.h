@@ -86,8 +86,8 @@ class GpuBucket {
   GpuBucket(const GpuBucket&) = delete;
   GpuBucket& operator=(const GpuBucket&) = delete;
 
-  size_t bytes() const;              // one replica's payloads, back to back
-  size_t offset(size_t i) const;     // of tensor i's payload
+  size_t bytes() const;           // one replica's payloads, back to back
+  size_t offset(size_t i) const;  // of tensor i's payload
   // For every tensor: residual = beta * residual + alpha * DCT(grad) (grads: plan.numel()
   // elements on the device, undefined = zero; residuals: float32 block layout on the device),
   // top-k, error feedback, and the payload's body into send (uint8 [bytes()] on the device). The
@@ -101,8 +101,8 @@ class GpuBucket {
   // of the replicas that sent it, the inverse DCT, and the sign-SGD step (lr, weight decay from
   // hyper; exp_avg empty) or AdamW's on each params[i] (float32 [rows, cols], contiguous).
   void decode_step(const at::Tensor& gathered, int replicas, const std::vector<at::Tensor>& params,
-                   const std::vector<at::Tensor>& exp_avg, const std::vector<at::Tensor>& exp_avg_sq,
-                   const AdamWHyper& hyper) const;
+                   const std::vector<at::Tensor>& exp_avg,
+                   const std::vector<at::Tensor>& exp_avg_sq, const AdamWHyper& hyper) const;
 
  private:
   struct Impl;

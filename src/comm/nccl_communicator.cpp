@@ -61,10 +61,9 @@ ncclDataType_t nccl_type(at::ScalarType t, bool reduction) {
       if (!reduction) return ncclUint8;
       [[fallthrough]];
     default:
-      throw std::invalid_argument(std::string("NCCL collective does not support dtype ") +
-                                  c10::toString(t) +
-                                  "; accepted: float32, float64, bfloat16, int32, int64" +
-                                  (reduction ? "" : ", uint8"));
+      throw std::invalid_argument(
+          std::string("NCCL collective does not support dtype ") + c10::toString(t) +
+          "; accepted: float32, float64, bfloat16, int32, int64" + (reduction ? "" : ", uint8"));
   }
 }
 
@@ -76,8 +75,8 @@ struct Staged {
   static Staged of(const at::Tensor& t, at::Device gpu, bool keep_contents, bool is_output) {
     Staged s{t, t, false};
     if (t.device() != gpu || !t.is_contiguous()) {
-      s.device = keep_contents ? t.to(gpu).contiguous()
-                               : at::empty(t.sizes(), t.options().device(gpu));
+      s.device =
+          keep_contents ? t.to(gpu).contiguous() : at::empty(t.sizes(), t.options().device(gpu));
       s.copy_back = is_output;
     }
     return s;
@@ -193,9 +192,9 @@ class NcclCommunicator final : public Communicator {
     const Staged out = Staged::of(output, gpu_, false, true);
     const uint64_t n = uint64_t(input.numel()) * input.element_size();
     return launch({out}, {in.device}, (size() - 1) * n, (size() - 1) * n, [&] {
-      FLEXDEMO_NCCL_CHECK(ncclAllGather(in.device.data_ptr(), out.device.data_ptr(),
-                                        size_t(input.numel()), nccl_type(input.scalar_type(), false),
-                                        comm_, stream_.stream()));
+      FLEXDEMO_NCCL_CHECK(
+          ncclAllGather(in.device.data_ptr(), out.device.data_ptr(), size_t(input.numel()),
+                        nccl_type(input.scalar_type(), false), comm_, stream_.stream()));
     });
   }
 
@@ -231,10 +230,9 @@ class NcclCommunicator final : public Communicator {
     const uint64_t n = uint64_t(tensor.numel()) * tensor.element_size();
     const uint64_t bus = size() > 1 ? 2 * (size() - 1) * n / size() : 0;
     return launch({t}, {}, bus, bus, [&] {
-      FLEXDEMO_NCCL_CHECK(ncclAllReduce(t.device.data_ptr(), t.device.data_ptr(),
-                                        size_t(tensor.numel()),
-                                        nccl_type(tensor.scalar_type(), true), nccl_op(tensor, op),
-                                        comm_, stream_.stream()));
+      FLEXDEMO_NCCL_CHECK(ncclAllReduce(
+          t.device.data_ptr(), t.device.data_ptr(), size_t(tensor.numel()),
+          nccl_type(tensor.scalar_type(), true), nccl_op(tensor, op), comm_, stream_.stream()));
     });
   }
 
@@ -249,10 +247,9 @@ class NcclCommunicator final : public Communicator {
     const uint64_t n = uint64_t(input.numel()) * input.element_size();
     const uint64_t bus = (size() - 1) * n / size();
     return launch({out}, {in.device}, bus, bus, [&] {
-      FLEXDEMO_NCCL_CHECK(ncclReduceScatter(in.device.data_ptr(), out.device.data_ptr(),
-                                            size_t(output.numel()),
-                                            nccl_type(input.scalar_type(), true),
-                                            nccl_op(input, op), comm_, stream_.stream()));
+      FLEXDEMO_NCCL_CHECK(ncclReduceScatter(
+          in.device.data_ptr(), out.device.data_ptr(), size_t(output.numel()),
+          nccl_type(input.scalar_type(), true), nccl_op(input, op), comm_, stream_.stream()));
     });
   }
 
@@ -261,10 +258,9 @@ class NcclCommunicator final : public Communicator {
     const Staged t = Staged::of(tensor, gpu_, true, true);
     const uint64_t n = uint64_t(tensor.numel()) * tensor.element_size();
     return launch({t}, {}, rank() == root ? n : 0, rank() == root ? 0 : n, [&] {
-      FLEXDEMO_NCCL_CHECK(ncclBroadcast(t.device.data_ptr(), t.device.data_ptr(),
-                                        size_t(tensor.numel()),
-                                        nccl_type(tensor.scalar_type(), false), root, comm_,
-                                        stream_.stream()));
+      FLEXDEMO_NCCL_CHECK(
+          ncclBroadcast(t.device.data_ptr(), t.device.data_ptr(), size_t(tensor.numel()),
+                        nccl_type(tensor.scalar_type(), false), root, comm_, stream_.stream()));
     });
   }
 
@@ -333,8 +329,8 @@ class NcclCommunicator final : public Communicator {
     FLEXDEMO_CUDA_CHECK(cudaStreamWaitEvent(stream_.stream(), ready, 0));
     cudaEventDestroy(ready);
     for (const Staged& s : outputs) keep.push_back(s.device);
-    auto work = std::make_unique<NcclWork>(stats_, comm_, gpu_, std::move(outputs),
-                                           std::move(keep), sent, received);
+    auto work = std::make_unique<NcclWork>(stats_, comm_, gpu_, std::move(outputs), std::move(keep),
+                                           sent, received);
     enqueue();
     FLEXDEMO_CUDA_CHECK(cudaEventRecord(work->event(), stream_.stream()));
     return work;

@@ -22,7 +22,6 @@ int64_t clamp_topk(int64_t k, const dct::ChunkPlan& plan) {
 
 namespace {
 
-
 void check_coeffs(const at::Tensor& coeffs, const dct::ChunkPlan& plan, const char* who) {
   if (coeffs.scalar_type() != at::kFloat || !coeffs.is_contiguous() || !coeffs.is_cpu() ||
       coeffs.numel() != plan.padded_numel()) {

@@ -1,5 +1,5 @@
-// The DeMo step's CUDA kernels (see cuda_kernels.h): one block per chunk of the bucket, the chunk in
-// shared memory, every element computed by chunk_math.h's functions in their fixed order; all
+// The DeMo step's CUDA kernels (see cuda_kernels.h): one block per chunk of the bucket, the chunk
+// in shared memory, every element computed by chunk_math.h's functions in their fixed order; all
 // reductions whose order could change a bit (sums of floats) run in one fixed order, the others
 // (counts, maxima, ORs) are order-free. Compiled with --fmad=false: no contraction nvcc would
 // choose and the host compiler would not.
@@ -121,9 +121,9 @@ __global__ void encode_kernel(Bucket bucket, float beta, float alpha, uint8_t* p
   const int64_t c = chunk - t.first_chunk;
   const int h = t.chunk_h, w = t.chunk_w, n = h * w, k = int(t.k);
   const Place place = place_of(t, c);
-  float* x = shared;                                    // the chunk, then its new residual
-  float* y = shared + n;                                // the transform along the columns
-  int32_t* selected = reinterpret_cast<int32_t*>(y);    // then the top-k's positions, ascending
+  float* x = shared;                                  // the chunk, then its new residual
+  float* y = shared + n;                              // the transform along the columns
+  int32_t* selected = reinterpret_cast<int32_t*>(y);  // then the top-k's positions, ascending
   float* residual = t.residual + place.ci * h * t.padded_cols + place.cj * w;
 
   // 1. The chunk (zeros outside the tensor), transformed along each axis, folded into the residual.
@@ -249,15 +249,15 @@ __device__ float read_value(const uint8_t* body, const TensorDesc& t, int encodi
 }
 
 __global__ void decode_step_kernel(Bucket bucket, const uint8_t* gathered, int64_t bucket_bytes,
-                                   int replicas, float lr, float keep,
-                                   cm::AdamWConstants adamw, bool use_adamw) {
+                                   int replicas, float lr, float keep, cm::AdamWConstants adamw,
+                                   bool use_adamw) {
   extern __shared__ float shared[];
   const int64_t chunk = blockIdx.x;
   const TensorDesc& t = bucket.tensors[bucket.chunk_tensor[chunk]];
   const int64_t c = chunk - t.first_chunk;
   const int h = t.chunk_h, w = t.chunk_w, n = h * w, k = int(t.k);
   const Place place = place_of(t, c);
-  float* X = shared;                                         // sums, then the mean coefficients
+  float* X = shared;                                          // sums, then the mean coefficients
   uint32_t* count = reinterpret_cast<uint32_t*>(shared + n);  // then the inverse along the rows
   float* rows_done = shared + n;
 
@@ -312,8 +312,8 @@ void allow_shared(Kernel kernel, size_t bytes) {
 void check_bucket(const Bucket& bucket) {
   if (bucket.max_chunk_numel > kMaxChunkNumel) {
     throw std::invalid_argument("GPU DeMo kernels: chunks of " +
-                                std::to_string(bucket.max_chunk_numel) +
-                                " coefficients; at most " + std::to_string(kMaxChunkNumel));
+                                std::to_string(bucket.max_chunk_numel) + " coefficients; at most " +
+                                std::to_string(kMaxChunkNumel));
   }
 }
 
@@ -327,7 +327,7 @@ void encode(const Bucket& bucket, float beta, float alpha, uint8_t* payloads, in
   const size_t bytes = shared_bytes(bucket);
   allow_shared(encode_kernel, bytes);
   encode_kernel<<<unsigned(bucket.num_chunks), kThreads, bytes, stream>>>(bucket, beta, alpha,
-                                                                        payloads);
+                                                                          payloads);
   check(cudaGetLastError(), "encode kernel launch");
 }
 

@@ -49,8 +49,8 @@ struct GpuBucket::Impl {
     *stride = plan.full_stride;
     at::Tensor& slot = bases[n];
     if (!slot.defined()) {
-      const at::Tensor host = at::from_blob(const_cast<float*>(plan.full),
-                                            {n * plan.full_stride}, at::kFloat);
+      const at::Tensor host =
+          at::from_blob(const_cast<float*>(plan.full), {n * plan.full_stride}, at::kFloat);
       slot = host.to(device);
     }
     return slot.data_ptr<float>();
@@ -58,9 +58,8 @@ struct GpuBucket::Impl {
 
   // The descs with this call's pointers, to the device; the launch's bucket.
   const cuda::Bucket& upload() {
-    const at::Tensor host = at::from_blob(descs.data(),
-                                          {int64_t(descs.size() * sizeof(cuda::TensorDesc))},
-                                          at::kByte);
+    const at::Tensor host =
+        at::from_blob(descs.data(), {int64_t(descs.size() * sizeof(cuda::TensorDesc))}, at::kByte);
     descs_on_device.copy_(host);  // synchronous from pageable memory: descs may change after
     bucket.tensors = reinterpret_cast<const cuda::TensorDesc*>(descs_on_device.data_ptr());
     return bucket;
@@ -82,8 +81,7 @@ GpuBucket::GpuBucket(const std::vector<dct::ChunkPlan>& plans, int64_t k,
     const dct::ChunkPlan& plan = plans[i];
     if (plan.chunk_numel() > cuda::kMaxChunkNumel) {
       throw std::invalid_argument("GPU DeMo kernels: chunks of " +
-                                  std::to_string(plan.chunk_numel()) +
-                                  " coefficients; at most " +
+                                  std::to_string(plan.chunk_numel()) + " coefficients; at most " +
                                   std::to_string(cuda::kMaxChunkNumel) + " (a smaller --chunk)");
     }
     cuda::TensorDesc d;
@@ -109,10 +107,10 @@ GpuBucket::GpuBucket(const std::vector<dct::ChunkPlan>& plans, int64_t k,
     m.bytes += m.sizes.back();
     m.bucket.max_chunk_numel = std::max(m.bucket.max_chunk_numel, int(plan.chunk_numel()));
   }
-  m.chunk_tensor = at::from_blob(chunk_tensor.data(), {int64_t(chunk_tensor.size())}, at::kInt)
-                       .to(device);
-  m.descs_on_device =
-      at::empty({int64_t(m.descs.size() * sizeof(cuda::TensorDesc))}, at::dtype(at::kByte).device(device));
+  m.chunk_tensor =
+      at::from_blob(chunk_tensor.data(), {int64_t(chunk_tensor.size())}, at::kInt).to(device);
+  m.descs_on_device = at::empty({int64_t(m.descs.size() * sizeof(cuda::TensorDesc))},
+                                at::dtype(at::kByte).device(device));
   m.bucket.chunk_tensor = m.chunk_tensor.data_ptr<int32_t>();
   m.bucket.num_chunks = int64_t(chunk_tensor.size());
   m.bucket.encoding = int(encoding);
@@ -132,10 +130,11 @@ namespace {
 
 // t as a float32 device tensor of `numel` elements the kernels may read or write in place.
 float* device_floats(const at::Tensor& t, int64_t numel, at::Device device, const char* what) {
-  if (!t.defined() || t.scalar_type() != at::kFloat || t.device() != device ||
-      !t.is_contiguous() || t.numel() != numel) {
-    throw std::invalid_argument(std::string("GpuBucket: ") + what + " must be a contiguous float32 tensor of " +
-                                std::to_string(numel) + " elements on " + device.str());
+  if (!t.defined() || t.scalar_type() != at::kFloat || t.device() != device || !t.is_contiguous() ||
+      t.numel() != numel) {
+    throw std::invalid_argument(std::string("GpuBucket: ") + what +
+                                " must be a contiguous float32 tensor of " + std::to_string(numel) +
+                                " elements on " + device.str());
   }
   return t.data_ptr<float>();
 }
@@ -169,7 +168,8 @@ void GpuBucket::encode(const std::vector<at::Tensor>& grads,
 
 void GpuBucket::seal(uint8_t* payloads) const {
   for (size_t i = 0; i < impl_->plans.size(); ++i) {
-    compress::seal_payload(impl_->plans[i], impl_->k, impl_->encoding, payloads + impl_->offsets[i]);
+    compress::seal_payload(impl_->plans[i], impl_->k, impl_->encoding,
+                           payloads + impl_->offsets[i]);
   }
 }
 
@@ -177,8 +177,8 @@ void GpuBucket::validate(const uint8_t* gathered, int replicas) const {
   const Impl& m = *impl_;
   for (int r = 0; r < replicas; ++r) {
     for (size_t i = 0; i < m.plans.size(); ++i) {
-      compress::validate_payload(gathered + r * m.bytes + m.offsets[i], m.sizes[i], m.plans[i],
-                                 m.k, m.encoding);
+      compress::validate_payload(gathered + r * m.bytes + m.offsets[i], m.sizes[i], m.plans[i], m.k,
+                                 m.encoding);
     }
   }
 }

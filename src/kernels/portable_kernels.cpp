@@ -21,10 +21,12 @@ void dct_accumulate(const ChunkShape& shape, const float* src, int64_t src_strid
   float* x = scratch;          // the chunk, zeros outside the tensor: h x w
   float* y = scratch + h * w;  // transformed along the rows' axis (columns): h x w
   for (int i = 0; i < h; ++i) {
-    for (int j = 0; j < w; ++j) x[i * w + j] = i < valid_h && j < valid_w ? src[i * src_stride + j] : 0.0f;
+    for (int j = 0; j < w; ++j)
+      x[i * w + j] = i < valid_h && j < valid_w ? src[i * src_stride + j] : 0.0f;
   }
   for (int u = 0; u < h; ++u) {
-    for (int j = 0; j < w; ++j) y[u * w + j] = cm::forward_dot(rows.full, rows.full_stride, u, x + j, w, h);
+    for (int j = 0; j < w; ++j)
+      y[u * w + j] = cm::forward_dot(rows.full, rows.full_stride, u, x + j, w, h);
   }
   for (int u = 0; u < h; ++u) {
     for (int v = 0; v < w; ++v) {
@@ -56,7 +58,8 @@ void idct_sparse(const ChunkShape& shape, const int32_t* positions, const float*
   std::fill(X, X + h * w, 0.0f);
   for (int64_t e = 0; e < nnz; ++e) X[positions[e]] = values[e];
   for (int u = 0; u < h; ++u) {
-    for (int j = 0; j < w; ++j) t[u * w + j] = cm::inverse_dot(cols.full, cols.full_stride, j, X + u * w, 1, w);
+    for (int j = 0; j < w; ++j)
+      t[u * w + j] = cm::inverse_dot(cols.full, cols.full_stride, j, X + u * w, 1, w);
   }
   for (int i = 0; i < h; ++i) {
     for (int j = 0; j < w; ++j) {
@@ -68,7 +71,8 @@ void idct_sparse(const ChunkShape& shape, const int32_t* positions, const float*
         if (update->m == nullptr) {
           p = cm::sign_step(p, x, update->keep, update->lr);
         } else {
-          cm::adamw_step(p, update->m[i * out_stride + j], update->v[i * out_stride + j], x, update->adamw);
+          cm::adamw_step(p, update->m[i * out_stride + j], update->v[i * out_stride + j], x,
+                         update->adamw);
         }
       }
     }

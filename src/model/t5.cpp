@@ -77,11 +77,13 @@ at::Tensor attention(const at::Tensor& x, const at::Tensor& kv, const at::Tensor
   const at::Tensor v = at::linear(kv, wv).view({B, S, H, D}).transpose(1, 2);
   at::Tensor scores = at::matmul(q, k.transpose(-2, -1));  // T5 folds the scaling into init
   if (bias) {
-    scores =
-        scores +
-        at::embedding(*bias, position_buckets(T, S, bidirectional, q.device())).permute({2, 0, 1}).unsqueeze(0);
+    scores = scores + at::embedding(*bias, position_buckets(T, S, bidirectional, q.device()))
+                          .permute({2, 0, 1})
+                          .unsqueeze(0);
   }
-  if (causal) scores = scores.masked_fill(at::ones({T, S}, scores.options().dtype(at::kBool)).triu(1), -INFINITY);
+  if (causal)
+    scores =
+        scores.masked_fill(at::ones({T, S}, scores.options().dtype(at::kBool)).triu(1), -INFINITY);
   const at::Tensor y = at::matmul(at::softmax(scores, -1), v).transpose(1, 2).reshape({B, T, C});
   return at::linear(y, wo);
 }

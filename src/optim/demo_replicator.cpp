@@ -35,10 +35,7 @@ class DemoReplicator final : public Replicator {
  public:
   DemoReplicator(const std::vector<dct::ChunkPlan>& plans, const OptimizerOptions& options,
                  std::shared_ptr<comm::Communicator> group, at::Device device)
-      : plans_(plans),
-        options_(options),
-        group_(std::move(group)),
-        started_(plans.size(), 0) {
+      : plans_(plans), options_(options), group_(std::move(group)), started_(plans.size(), 0) {
     if (device.is_cuda() && options.overlap_step) {
       throw std::invalid_argument("DeMo: overlap_step runs on CPUs only");
     }
@@ -70,8 +67,8 @@ class DemoReplicator final : public Replicator {
       device_send_ = at::empty({int64_t(all_.bytes)}, bytes);
       device_recv_ = at::empty({int64_t(all_.bytes) * replicas()}, bytes);
       all_.send = at::empty({int64_t(all_.bytes)}, at::dtype(at::kByte).pinned_memory(true));
-      all_.recv = at::empty({int64_t(all_.bytes) * replicas()},
-                            at::dtype(at::kByte).pinned_memory(true));
+      all_.recv =
+          at::empty({int64_t(all_.bytes) * replicas()}, at::dtype(at::kByte).pinned_memory(true));
     }
   }
 

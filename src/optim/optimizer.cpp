@@ -84,8 +84,8 @@ Optimizer::Optimizer(std::vector<OptimParam> params, OptimizerOptions options,
     const OptimParam& p = params[i];
     s.slot.push_back(-1);
     if (p.plan.numel() == 0) continue;  // an empty shard: nothing to update or send
-    if (!p.leaf.defined() || !at::isFloatingType(p.leaf.scalar_type()) ||
-        !p.leaf.is_contiguous() || p.leaf.numel() < p.plan.numel()) {
+    if (!p.leaf.defined() || !at::isFloatingType(p.leaf.scalar_type()) || !p.leaf.is_contiguous() ||
+        p.leaf.numel() < p.plan.numel()) {
       throw std::invalid_argument("DeMo: parameter " + std::to_string(i) +
                                   " must be a contiguous floating tensor of at least " +
                                   std::to_string(p.plan.numel()) + " elements");
@@ -99,7 +99,8 @@ Optimizer::Optimizer(std::vector<OptimParam> params, OptimizerOptions options,
     s.params.push_back(p);
     s.plans.push_back(p.plan);
   }
-  const at::Device device = s.params.empty() ? at::Device(at::kCPU) : s.params.front().leaf.device();
+  const at::Device device =
+      s.params.empty() ? at::Device(at::kCPU) : s.params.front().leaf.device();
   s.replicator = make_replicator(s.plans, options, std::move(replica_group), device);
   s.inner = std::make_unique<InnerOptimizer>(s.params, options);
 }

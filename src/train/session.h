@@ -25,7 +25,7 @@ struct Session {
   std::unique_ptr<optim::Optimizer> optimizer;
   at::Device device = at::kCPU;  // where this rank's model, gradients and optimizer state live
   int64_t per_rank = 0;          // sequences of the global batch on each rank
-  int64_t micro = 0;     // sequences per forward
+  int64_t micro = 0;             // sequences per forward
 };
 
 // Collective over world: validates the config, makes the topology, loads (rank 0 tokenizes) the
