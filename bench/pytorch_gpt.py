@@ -65,15 +65,17 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--bf16", action="store_true", help="bf16 autocast of the forward")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu (gpu-check.sh --rehearse)")
     a = p.parse_args()
-    device = torch.device("cuda")
+    device = torch.device(a.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.manual_seed(0)
     model = Gpt(a.vocab, a.width, a.layers, a.heads, a.context).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     tokens = torch.randint(0, a.vocab, (a.batch, a.seq + 1), device=device)
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.bf16):
             logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, a.vocab), tokens[:, 1:].reshape(-1))
         loss.backward()
@@ -83,11 +85,11 @@ def main():
 
     for _ in range(a.warmup):
         step()
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     for _ in range(a.steps):
         loss = step()
-    torch.cuda.synchronize()
+    sync()
     seconds = time.perf_counter() - start
     print(json.dumps({"tokens_per_s": a.steps * a.batch * a.seq / seconds,
                       "step_ms": 1000 * seconds / a.steps, "loss": float(loss)}))

@@ -15,9 +15,16 @@
 #   tokens_per_s, pytorch_tokens_per_s  gpt2-small training on one GPU against PyTorch eager on
 #                              the same shapes and batch (bench/pytorch_gpt.py), same script
 #   scripts/gpu-check.sh OUT_DIR
+#   scripts/gpu-check.sh --rehearse OUT_DIR   the same steps on the CPU, a small model for the
+#                                            speed runs: checks the script itself without a GPU
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
-out=${1:?usage: scripts/gpu-check.sh OUT_DIR}
+device=cuda speed_model=gpt2-small
+if [ "${1:-}" = "--rehearse" ]; then
+  shift
+  device=cpu speed_model=gpt-nano
+fi
+out=${1:?usage: scripts/gpu-check.sh [--rehearse] OUT_DIR}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 log="$out/gpu-check.log"
@@ -77,8 +84,8 @@ fi
 cat "$work/test_gpu.txt" >> "$log"
 say "payloads identical: $payload_identical"
 
-"$build/flexdemo" bench optimizer --device cuda --scale 1 --topk 32 --chunk 64 --values bf16 \
-  --steps 20 --json > "$work/bench.json" 2>> "$log" || fail "bench optimizer (see $log)"
+"$build/flexdemo" bench optimizer --device "$device" --scale 1 --topk 32 --chunk 64 --values bf16 \
+  --steps 20 --json > "$work/bench.json" 2>> "$log" || say "bench optimizer failed (see $log)"
 say "bench: $(cat "$work/bench.json")"
 
 # A small GPT on the corpus, 2 nodes x 2 ranks sharing the GPU (MPI: NCCL cannot put two ranks of
@@ -89,31 +96,34 @@ train_2x2() {  # DEVICE -> its run folder
   "${mpirun[@]}" -np 4 "$build/flexdemo" "${small[@]}" --device "$1" --intra-backend mpi \
     --inter-backend mpi --out "$work/$1" >> "$log" 2>&1
 }
-train_2x2 cuda; gpu_rc=$?
+train_2x2 "$device"; gpu_rc=$?
 train_2x2 cpu; cpu_rc=$?
-say "2x2 runs: cuda exit $gpu_rc, cpu exit $cpu_rc"
+say "2x2 runs: $device exit $gpu_rc, cpu exit $cpu_rc"
 
 "${mpirun[@]}" -np 1 "$build/flexdemo" train --model gpt-nano --tokenizer bytes --data "$corpus" \
-  --seq 64 --batch 8 --steps 5 --eval-seqs 8 --progress lines --device cuda --intra-backend nccl \
+  --seq 64 --batch 8 --steps 5 --eval-seqs 8 --progress lines --device "$device" --intra-backend nccl \
   --inter-backend nccl --out "$work/nccl" >> "$log" 2>&1
 nccl_rc=$?
 say "NCCL smoke: exit $nccl_rc"
 
 big=(--seq 256 --batch 16)
-"$build/flexdemo" train --model gpt2-small --tokenizer bytes --data "$corpus" "${big[@]}" \
-  --steps 30 --warmup 0 --eval-seqs 16 --optimizer adamw --device cuda --progress lines \
-  --out "$work/speed" >> "$log" 2>&1 || say "gpt2-small training failed (see $log)"
+[ "$speed_model" = gpt-nano ] && big=(--seq 64 --batch 16)
+"$build/flexdemo" train --model "$speed_model" --tokenizer bytes --data "$corpus" "${big[@]}" \
+  --steps 30 --warmup 0 --eval-seqs 16 --optimizer adamw --device "$device" --progress lines \
+  --out "$work/speed" >> "$log" 2>&1 || say "$speed_model training failed (see $log)"
 vocab=$($python -c "import json; print(json.load(open('$work/speed/config.json'))['vocab_size'])" \
   2> /dev/null || echo 257)
-$python bench/pytorch_gpt.py --vocab "$vocab" --width 768 --layers 12 --heads 12 --context 1024 \
-  "${big[@]}" --steps 30 > "$work/pytorch.json" 2>> "$log" || say "PyTorch baseline failed"
+shape=(--width 768 --layers 12 --heads 12 --context 1024)
+[ "$speed_model" = gpt-nano ] && shape=(--width 128 --layers 4 --heads 4 --context 128)
+$python bench/pytorch_gpt.py --device "$device" --vocab "$vocab" "${big[@]}" "${shape[@]}" \
+  --steps 30 > "$work/pytorch.json" 2>> "$log" || say "PyTorch baseline failed"
 say "speed runs done"
 
 # ====== 4. The report ======
 $python - "$work" "$payload_identical" "$gpu_rc" "$cpu_rc" "$nccl_rc" "$out/gpu-check.json" \
-  "$((SECONDS - started))" << 'EOF'
+  "$((SECONDS - started))" "$device" << 'EOF'
 import json, os, sys
-work, identical, gpu_rc, cpu_rc, nccl_rc, path, seconds = sys.argv[1:]
+work, identical, gpu_rc, cpu_rc, nccl_rc, path, seconds, device = sys.argv[1:]
 def load(*parts):
     try:
         return json.load(open(os.path.join(work, *parts)))
@@ -128,13 +138,14 @@ report = {
     "demo_over_fused": bench.get("ratio_fused"),
     "params": bench.get("params"),
     "gpu_2x2": {"replicas_identical": gpu_rc == "0",
-                "final_val_loss": load("cuda", "summary.json").get("final_val_loss")},
+                "final_val_loss": load(device, "summary.json").get("final_val_loss")},
     "cpu_2x2": {"replicas_identical": cpu_rc == "0",
                 "final_val_loss": load("cpu", "summary.json").get("final_val_loss")},
     "nccl_smoke": nccl_rc == "0",
     "tokens_per_s": load("speed", "summary.json").get("tokens_per_s"),
     "pytorch_tokens_per_s": load("pytorch.json").get("tokens_per_s"),
     "seconds": int(seconds),
+    "device": device,  # cpu: a rehearsal (--rehearse), no GPU measured
 }
 report["replicas_identical"] = report["gpu_2x2"]["replicas_identical"]
 json.dump(report, open(path, "w"), indent=2)
