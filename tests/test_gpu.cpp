@@ -1,14 +1,13 @@
 // The CUDA DeMo kernels against the CPU's portable kernels (the same arithmetic, chunk_math.h):
 // payload bytes, residuals and stepped parameters must be bit-identical. Skipped, with one line
 // saying so, where no GPU is visible (or the build has no CUDA).
-#include "flexdemo/compress.h"
+#include "bucket_check.h"
+
 #include "flexdemo/kernels.h"
-#include "isa.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
-#include <cstring>
 #include <vector>
 
 using namespace flexdemo;
@@ -22,133 +21,14 @@ namespace {
                                            : "built without CUDA: GPU test skipped"); \
   }
 
-// Shapes that exercise whole chunks, padded chunks, awkward divisors and vectors.
-std::vector<dct::ChunkPlan> test_plans() {
-  return {dct::make_chunk_plan({128, 192}, 64, dct::ChunkMode::Divisor),
-          dct::make_chunk_plan({100, 70}, 32, dct::ChunkMode::Padded),
-          dct::make_chunk_plan({96, 50}, 16, dct::ChunkMode::Divisor),
-          dct::make_chunk_plan({1000}, 64, dct::ChunkMode::Padded)};
-}
-
-struct CpuReplica {  // one replica's state on the CPU path, portable kernels
-  std::vector<at::Tensor> residuals;
-  std::vector<uint8_t> payloads;
-};
-
-// The CPU encoder (what DemoReplicator's fast path does), with the portable kernels.
-void cpu_encode(const std::vector<dct::ChunkPlan>& plans, const std::vector<at::Tensor>& grads,
-                double beta, double alpha, int64_t k, ValueEncoding encoding,
-                const kernels::GpuBucket& layout, CpuReplica& replica) {
-  isa_testing::ScopedIsa portable(kernels::Isa::Portable);
-  replica.payloads.assign(layout.bytes(), 0);
-  for (size_t i = 0; i < plans.size(); ++i) {
-    compress::TopK topk =
-        kernels::dct_accumulate_topk(grads[i], plans[i], beta, alpha, replica.residuals[i], k);
-    compress::encode_payload(plans[i], topk, encoding, replica.payloads.data() + layout.offset(i));
-    compress::add_selected(replica.residuals[i], plans[i], topk, -1.0f);
-  }
-}
-
-bool bit_equal(const at::Tensor& a, const at::Tensor& b) {
-  const at::Tensor x = a.cpu().contiguous(), y = b.cpu().contiguous();
-  return x.sizes() == y.sizes() &&
-         std::memcmp(x.data_ptr(), y.data_ptr(), size_t(x.numel()) * x.element_size()) == 0;
-}
-
 class GpuKernels : public testing::TestWithParam<ValueEncoding> {};
 
 TEST_P(GpuKernels, EncodeDecodeAndStepEqualTheCpuBitForBit) {
   SKIP_WITHOUT_GPU();
-  const ValueEncoding encoding = GetParam();
   const at::Device gpu(at::kCUDA, 0);
-  const std::vector<dct::ChunkPlan> plans = test_plans();
-  const int64_t k = 6;
-  const int replicas = 3;
-  const kernels::GpuBucket bucket(plans, k, encoding, gpu);
-  at::manual_seed(7);
-
-  // Three replicas, two steps each: the second step starts from the residual the first left.
-  std::vector<CpuReplica> cpu(replicas);
-  std::vector<std::vector<at::Tensor>> gpu_residuals(replicas);
-  for (int r = 0; r < replicas; ++r) {
-    for (const dct::ChunkPlan& p : plans) {
-      cpu[r].residuals.push_back(at::zeros({p.padded_rows, p.padded_cols}));
-      gpu_residuals[r].push_back(at::zeros({p.padded_rows, p.padded_cols}, at::device(gpu)));
-    }
-  }
-  at::Tensor gathered_cpu = at::empty({int64_t(bucket.bytes()) * replicas}, at::kByte);
-  for (int step = 0; step < 2; ++step) {
-    for (int r = 0; r < replicas; ++r) {
-      std::vector<at::Tensor> grads;
-      for (const dct::ChunkPlan& p : plans) grads.push_back(at::randn({p.rows, p.cols}));
-      if (step == 1 && r == 0) grads[1] = at::Tensor();  // a tensor without gradient
-      cpu_encode(plans, grads, 0.9, 0.01, k, encoding, bucket, cpu[r]);
-      std::vector<at::Tensor> on_gpu;
-      for (const at::Tensor& g : grads) on_gpu.push_back(g.defined() ? g.to(gpu) : g);
-      const at::Tensor send =
-          at::empty({int64_t(bucket.bytes())}, at::device(gpu).dtype(at::kByte));
-      bucket.encode(on_gpu, gpu_residuals[r], 0.9, 0.01, send);
-      at::Tensor host = send.cpu();
-      bucket.seal(host.data_ptr<uint8_t>());
-      ASSERT_EQ(std::memcmp(host.data_ptr<uint8_t>(), cpu[r].payloads.data(), bucket.bytes()), 0)
-          << "payloads differ: replica " << r << " step " << step << " " << name_of(encoding);
-      for (size_t i = 0; i < plans.size(); ++i) {
-        ASSERT_TRUE(bit_equal(gpu_residuals[r][i], cpu[r].residuals[i]))
-            << "residual " << i << " replica " << r << " step " << step;
-      }
-      std::memcpy(gathered_cpu.data_ptr<uint8_t>() + r * bucket.bytes(), host.data_ptr<uint8_t>(),
-                  bucket.bytes());
-    }
-  }
-  bucket.validate(gathered_cpu.data_ptr<uint8_t>(), replicas);
-
-  // Decode and step: sign-SGD, then AdamW (with and without sign), against the CPU's.
-  for (int variant = 0; variant < 3; ++variant) {
-    kernels::AdamWHyper hyper;
-    hyper.lr = 0.01, hyper.weight_decay = 0.1, hyper.sign = variant != 2;
-    hyper.bias_correction1 = 1 - 0.9 * 0.9, hyper.bias_correction2 = 1 - 0.999 * 0.999;
-    std::vector<at::Tensor> params, m, v, params_gpu, m_gpu, v_gpu;
-    for (const dct::ChunkPlan& p : plans) {
-      params.push_back(at::randn({p.rows, p.cols}));
-      params_gpu.push_back(params.back().to(gpu));
-      if (variant > 0) {
-        m.push_back(at::randn({p.rows, p.cols}) * 0.1);
-        v.push_back(at::rand({p.rows, p.cols}) * 0.1);
-        m_gpu.push_back(m.back().to(gpu));
-        v_gpu.push_back(v.back().to(gpu));
-      }
-    }
-    {
-      isa_testing::ScopedIsa portable(kernels::Isa::Portable);
-      for (size_t i = 0; i < plans.size(); ++i) {
-        std::vector<const uint8_t*> payloads;
-        for (int r = 0; r < replicas; ++r) {
-          payloads.push_back(gathered_cpu.data_ptr<uint8_t>() + r * bucket.bytes() +
-                             bucket.offset(i));
-        }
-        const compress::SparseChunks coeffs = compress::decode_mean_sparse(
-            payloads, compress::wire_payload_bytes(plans[i], k, encoding), plans[i], k, encoding);
-        if (variant == 0) {
-          kernels::idct_sparse_sign_step(
-              coeffs, plans[i],
-              {params[i], float(hyper.lr), float(1.0 - hyper.lr * hyper.weight_decay)});
-        } else {
-          kernels::AdamWStep step;
-          static_cast<kernels::AdamWHyper&>(step) = hyper;
-          step.param = params[i], step.exp_avg = m[i], step.exp_avg_sq = v[i];
-          kernels::idct_sparse_adamw_step(coeffs, plans[i], step);
-        }
-      }
-    }
-    bucket.decode_step(gathered_cpu.to(gpu), replicas, params_gpu, m_gpu, v_gpu, hyper);
-    for (size_t i = 0; i < plans.size(); ++i) {
-      EXPECT_TRUE(bit_equal(params_gpu[i], params[i])) << "param " << i << " variant " << variant;
-      if (variant > 0) {
-        EXPECT_TRUE(bit_equal(m_gpu[i], m[i])) << "exp_avg " << i << " variant " << variant;
-        EXPECT_TRUE(bit_equal(v_gpu[i], v[i])) << "exp_avg_sq " << i << " variant " << variant;
-      }
-    }
-  }
+  const std::vector<dct::ChunkPlan> plans = bucket_check::test_plans();
+  const kernels::GpuBucket bucket(plans, 6, GetParam(), gpu);
+  bucket_check::expect_bucket_equals_cpu(bucket, plans, 6, GetParam(), gpu);
 }
 
 INSTANTIATE_TEST_SUITE_P(Encodings, GpuKernels,
@@ -159,9 +39,9 @@ INSTANTIATE_TEST_SUITE_P(Encodings, GpuKernels,
 TEST(GpuKernels, WithoutAGpuTheBucketSaysWhy) {
   if (kernels::cuda_available()) {
     EXPECT_NO_THROW(
-        kernels::GpuBucket(test_plans(), 4, ValueEncoding::Bf16, at::Device(at::kCUDA, 0)));
+        kernels::GpuBucket(bucket_check::test_plans(), 4, ValueEncoding::Bf16, at::Device(at::kCUDA, 0)));
   } else {
-    EXPECT_THROW(kernels::GpuBucket(test_plans(), 4, ValueEncoding::Bf16, at::Device(at::kCUDA, 0)),
+    EXPECT_THROW(kernels::GpuBucket(bucket_check::test_plans(), 4, ValueEncoding::Bf16, at::Device(at::kCUDA, 0)),
                  std::exception);
   }
 }

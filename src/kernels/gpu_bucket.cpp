@@ -3,15 +3,15 @@
 // payloads' headers and checksums on the host. Without FLEXDEMO_CUDA it only says so.
 #include "flexdemo/kernels.h"
 
+#include "bucket_layout.h"
 #include "chunk_kernels.h"
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <stdexcept>
 
 #if defined(FLEXDEMO_CUDA)
-#include "cuda_kernels.h"
-
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -20,6 +20,39 @@
 #endif
 
 namespace flexdemo::kernels {
+
+cuda::BucketLayout cuda::bucket_layout(const std::vector<dct::ChunkPlan>& plans, int64_t k,
+                                       compress::ValueEncoding encoding) {
+  BucketLayout layout;
+  for (size_t i = 0; i < plans.size(); ++i) {
+    const dct::ChunkPlan& plan = plans[i];
+    if (plan.chunk_numel() > kMaxChunkNumel) {
+      throw std::invalid_argument("GPU DeMo kernels: chunks of " +
+                                  std::to_string(plan.chunk_numel()) + " coefficients; at most " +
+                                  std::to_string(kMaxChunkNumel) + " (a smaller --chunk)");
+    }
+    TensorDesc d;
+    d.rows = plan.rows;
+    d.cols = plan.cols;
+    d.padded_cols = plan.padded_cols;
+    d.chunk_h = int(plan.chunk_rows);
+    d.chunk_w = int(plan.chunk_cols);
+    d.col_chunks = plan.col_chunks();
+    d.first_chunk = int64_t(layout.chunk_tensor.size());
+    d.payload_offset = int64_t(layout.bytes);
+    d.k = compress::clamp_topk(k, plan);
+    const compress::PayloadLayout body = compress::payload_layout(plan, k, encoding);
+    d.index_bytes = body.index_bytes;
+    d.scales_at = int64_t(body.scales_at);
+    d.values_at = int64_t(body.values_at);
+    layout.tensors.push_back(d);
+    layout.chunk_tensor.insert(layout.chunk_tensor.end(), size_t(plan.num_chunks()), int32_t(i));
+    layout.payload_bytes.push_back(compress::wire_payload_bytes(plan, k, encoding));
+    layout.bytes += layout.payload_bytes.back();
+    layout.max_chunk_numel = std::max(layout.max_chunk_numel, int(plan.chunk_numel()));
+  }
+  return layout;
+}
 
 #if defined(FLEXDEMO_CUDA)
 
@@ -76,43 +109,24 @@ GpuBucket::GpuBucket(const std::vector<dct::ChunkPlan>& plans, int64_t k,
   m.k = k;
   m.encoding = encoding;
   m.device = device;
-  std::vector<int32_t> chunk_tensor;
+  cuda::BucketLayout layout = cuda::bucket_layout(plans, k, encoding);
   for (size_t i = 0; i < plans.size(); ++i) {
-    const dct::ChunkPlan& plan = plans[i];
-    if (plan.chunk_numel() > cuda::kMaxChunkNumel) {
-      throw std::invalid_argument("GPU DeMo kernels: chunks of " +
-                                  std::to_string(plan.chunk_numel()) + " coefficients; at most " +
-                                  std::to_string(cuda::kMaxChunkNumel) + " (a smaller --chunk)");
-    }
-    cuda::TensorDesc d;
-    d.basis_rows = m.basis(plan.chunk_rows, &d.basis_rows_stride);
-    d.basis_cols = m.basis(plan.chunk_cols, &d.basis_cols_stride);
-    d.rows = plan.rows;
-    d.cols = plan.cols;
-    d.padded_cols = plan.padded_cols;
-    d.chunk_h = int(plan.chunk_rows);
-    d.chunk_w = int(plan.chunk_cols);
-    d.col_chunks = plan.col_chunks();
-    d.first_chunk = int64_t(chunk_tensor.size());
-    d.payload_offset = int64_t(m.bytes);
-    d.k = compress::clamp_topk(k, plan);
-    const compress::PayloadLayout layout = compress::payload_layout(plan, k, encoding);
-    d.index_bytes = layout.index_bytes;
-    d.scales_at = int64_t(layout.scales_at);
-    d.values_at = int64_t(layout.values_at);
-    m.descs.push_back(d);
-    chunk_tensor.insert(chunk_tensor.end(), size_t(plan.num_chunks()), int32_t(i));
-    m.offsets.push_back(m.bytes);
-    m.sizes.push_back(compress::wire_payload_bytes(plan, k, encoding));
-    m.bytes += m.sizes.back();
-    m.bucket.max_chunk_numel = std::max(m.bucket.max_chunk_numel, int(plan.chunk_numel()));
+    cuda::TensorDesc& d = layout.tensors[i];
+    d.basis_rows = m.basis(plans[i].chunk_rows, &d.basis_rows_stride);
+    d.basis_cols = m.basis(plans[i].chunk_cols, &d.basis_cols_stride);
+    m.offsets.push_back(size_t(d.payload_offset));
   }
+  m.descs = std::move(layout.tensors);
+  m.sizes = std::move(layout.payload_bytes);
+  m.bytes = layout.bytes;
+  m.bucket.max_chunk_numel = layout.max_chunk_numel;
   m.chunk_tensor =
-      at::from_blob(chunk_tensor.data(), {int64_t(chunk_tensor.size())}, at::kInt).to(device);
+      at::from_blob(layout.chunk_tensor.data(), {int64_t(layout.chunk_tensor.size())}, at::kInt)
+          .to(device);
   m.descs_on_device = at::empty({int64_t(m.descs.size() * sizeof(cuda::TensorDesc))},
                                 at::dtype(at::kByte).device(device));
   m.bucket.chunk_tensor = m.chunk_tensor.data_ptr<int32_t>();
-  m.bucket.num_chunks = int64_t(chunk_tensor.size());
+  m.bucket.num_chunks = int64_t(layout.chunk_tensor.size());
   m.bucket.encoding = int(encoding);
 }
 

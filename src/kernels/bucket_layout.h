@@ -1,0 +1,28 @@
+// How a bucket of tensors is laid out for the CUDA DeMo kernels (cuda_kernels.h): per tensor its
+// geometry, top-k and payload layout, its chunks' place in the bucket-wide numbering and its
+// payload's offset. Host code; the data and DCT-basis pointers are the caller's to fill in.
+#pragma once
+
+#include "cuda_kernels.h"
+
+#include "flexdemo/compress.h"
+#include "flexdemo/dct.h"
+
+#include <cstdint>
+#include <vector>
+
+namespace flexdemo::kernels::cuda {
+
+struct BucketLayout {
+  std::vector<TensorDesc> tensors;   // pointers unset
+  std::vector<int32_t> chunk_tensor;  // per bucket chunk: its tensor
+  std::vector<size_t> payload_bytes;  // per tensor
+  size_t bytes = 0;                   // one replica's payloads, back to back
+  int max_chunk_numel = 1;
+};
+
+// Throws std::invalid_argument for chunks of more than kMaxChunkNumel coefficients.
+BucketLayout bucket_layout(const std::vector<dct::ChunkPlan>& plans, int64_t k,
+                           compress::ValueEncoding encoding);
+
+}  // namespace flexdemo::kernels::cuda
