@@ -31,9 +31,10 @@ struct CpuReplica {  // one replica's state on the CPU path, portable kernels
 };
 
 // The CPU encoder (what DemoReplicator's fast path does), with the portable kernels.
-inline void cpu_encode(const std::vector<dct::ChunkPlan>& plans, const std::vector<at::Tensor>& grads,
-                double beta, double alpha, int64_t k, ValueEncoding encoding,
-                const std::vector<size_t>& offsets, size_t bytes, CpuReplica& replica) {
+inline void cpu_encode(const std::vector<dct::ChunkPlan>& plans,
+                       const std::vector<at::Tensor>& grads, double beta, double alpha, int64_t k,
+                       ValueEncoding encoding, const std::vector<size_t>& offsets, size_t bytes,
+                       CpuReplica& replica) {
   isa_testing::ScopedIsa portable(kernels::Isa::Portable);
   replica.payloads.assign(bytes, 0);
   for (size_t i = 0; i < plans.size(); ++i) {
@@ -69,8 +70,9 @@ void expect_bucket_equals_cpu(const Bucket& bucket, const std::vector<dct::Chunk
   std::vector<std::vector<at::Tensor>> gpu_residuals(replicas);
   for (int r = 0; r < replicas; ++r) {
     for (const dct::ChunkPlan& p : plans) {
-      const at::Tensor start = tied_start ? at::randint(-3, 4, {p.padded_rows, p.padded_cols}, at::kFloat)
-                                          : at::zeros({p.padded_rows, p.padded_cols});
+      const at::Tensor start = tied_start
+                                   ? at::randint(-3, 4, {p.padded_rows, p.padded_cols}, at::kFloat)
+                                   : at::zeros({p.padded_rows, p.padded_cols});
       cpu[r].residuals.push_back(start.clone());
       gpu_residuals[r].push_back(start.to(gpu));
     }
@@ -151,6 +153,5 @@ void expect_bucket_equals_cpu(const Bucket& bucket, const std::vector<dct::Chunk
     }
   }
 }
-
 
 }  // namespace flexdemo::bucket_check

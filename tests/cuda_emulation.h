@@ -110,9 +110,8 @@ inline unsigned atomicOr(unsigned* address, unsigned value) {
 }
 inline unsigned atomicMax(uint32_t* address, uint32_t value) {
   uint32_t old = __atomic_load_n(address, __ATOMIC_SEQ_CST);
-  while (old < value &&
-         !__atomic_compare_exchange_n(address, &old, value, false, __ATOMIC_SEQ_CST,
-                                      __ATOMIC_SEQ_CST)) {
+  while (old < value && !__atomic_compare_exchange_n(address, &old, value, false, __ATOMIC_SEQ_CST,
+                                                     __ATOMIC_SEQ_CST)) {
   }
   return old;
 }

@@ -88,12 +88,11 @@ class EmulatedBucket {
         descs[i].exp_avg_sq = exp_avg_sq[i].data_ptr<float>();
       }
     }
-    cuda_emulation::launch(kernels::cuda::decode_step_kernel,
-                           unsigned(layout_.chunk_tensor.size()), threads_, shared_bytes(),
-                           bucket(descs), static_cast<const uint8_t*>(gathered.data_ptr<uint8_t>()),
-                           int64_t(bytes()), replicas, float(hyper.lr),
-                           float(1.0 - hyper.lr * hyper.weight_decay),
-                           kernels::adamw_constants(hyper), adamw);
+    cuda_emulation::launch(
+        kernels::cuda::decode_step_kernel, unsigned(layout_.chunk_tensor.size()), threads_,
+        shared_bytes(), bucket(descs), static_cast<const uint8_t*>(gathered.data_ptr<uint8_t>()),
+        int64_t(bytes()), replicas, float(hyper.lr), float(1.0 - hyper.lr * hyper.weight_decay),
+        kernels::adamw_constants(hyper), adamw);
   }
 
  private:

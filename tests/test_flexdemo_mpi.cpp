@@ -397,3 +397,49 @@ TEST(FlexDemo, UnitSignalsItsGradientsCompleteOncePerBackward) {
     }
   }
 }
+
+TEST(FlexDemo, PrefetchedGathersGiveTheSameTrainingAndNeverStaleParameters) {
+  // Each unit prefetching the next one's gather (and the one before it in the backward) trains
+  // bit-identically to gathering on demand, through DeMo's fused steps; a prefetched gather of
+  // parameters changed since it started is not used.
+  const comm::Topology topo = two_nodes_of_two();
+  const optim::OptimizerOptions o = demo_options();
+  for (bool reshard : {true, false}) {
+    ShardedMlp plain(topo, o, reshard), prefetching(topo, o, reshard);
+    optim::Optimizer a(plain.optim_params(), o, topo.replica_group);
+    optim::Optimizer b(prefetching.optim_params(), o, topo.replica_group);
+    auto chained_loss = [](ShardedMlp& m, const at::Tensor& x, const at::Tensor& y) {
+      const size_t n = m.units.size();
+      at::Tensor h = x;
+      for (size_t u = 0; u < n; ++u) {
+        h = m.units[u]->forward(
+            kUnitFns[u], {h},
+            {u + 1 < n ? m.units[u + 1].get() : nullptr, u > 0 ? m.units[u - 1].get() : nullptr});
+      }
+      return at::mse_loss(h, y);
+    };
+    for (int step = 0; step < 3; ++step) {
+      auto [x, y] = global_batch(step);
+      a.zero_grad();
+      b.zero_grad();
+      plain.loss(rank_rows(x, topo), rank_rows(y, topo)).backward();
+      chained_loss(prefetching, rank_rows(x, topo), rank_rows(y, topo)).backward();
+      a.step();
+      b.step();
+      const auto pa = plain.full_params(), pb = prefetching.full_params();
+      for (size_t i = 0; i < pa.size(); ++i) {
+        EXPECT_TRUE(at::equal(pa[i], pb[i])) << "tensor " << i << " step " << step;
+      }
+    }
+  }
+  ShardedMlp model(topo, o);
+  const std::vector<at::Tensor> before = model.units[0]->gather();
+  model.units[0]->prefetch();
+  EXPECT_TRUE(at::equal(model.units[0]->gather()[0], before[0]));  // unchanged: used
+  model.units[0]->prefetch();
+  {
+    at::NoGradGuard no_grad;
+    model.units[0]->shards()[0].add_(1.0);  // changed after the prefetch started
+  }
+  EXPECT_TRUE(at::equal(model.units[0]->gather()[0], before[0] + 1.0));
+}

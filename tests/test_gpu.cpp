@@ -81,10 +81,11 @@ TEST(GpuKernels, OptimizerStepsEqualTheCpusPortablePath) {
 
 TEST(GpuKernels, WithoutAGpuTheBucketSaysWhy) {
   if (kernels::cuda_available()) {
-    EXPECT_NO_THROW(
-        kernels::GpuBucket(bucket_check::test_plans(), 4, ValueEncoding::Bf16, at::Device(at::kCUDA, 0)));
+    EXPECT_NO_THROW(kernels::GpuBucket(bucket_check::test_plans(), 4, ValueEncoding::Bf16,
+                                       at::Device(at::kCUDA, 0)));
   } else {
-    EXPECT_THROW(kernels::GpuBucket(bucket_check::test_plans(), 4, ValueEncoding::Bf16, at::Device(at::kCUDA, 0)),
+    EXPECT_THROW(kernels::GpuBucket(bucket_check::test_plans(), 4, ValueEncoding::Bf16,
+                                    at::Device(at::kCUDA, 0)),
                  std::exception);
   }
 }

@@ -52,6 +52,17 @@ struct ShardOptions {
 using UnitFn = std::function<at::Tensor(const std::vector<at::Tensor>& params,
                                         const std::vector<at::Tensor>& inputs)>;
 
+class ShardedUnit;
+
+// Prefetching (as FSDP2 does) around one forward of a unit: next, the unit the forward runs after
+// it, starts its all-gather as soon as this unit's own gather is complete, so that it travels
+// while this unit computes; before, the unit whose output this one takes, likewise in the
+// backward (its backward runs next; with reshard_after_forward, where the backward gathers again).
+struct Prefetch {
+  ShardedUnit* next = nullptr;
+  ShardedUnit* before = nullptr;
+};
+
 // A group of parameters that is gathered and reduce-scattered together (one collective each
 // way), e.g. a transformer block. Must outlive the backward of every forward it ran.
 class ShardedUnit {
@@ -66,7 +77,12 @@ class ShardedUnit {
   const std::string& name() const;
   // Runs fn on the gathered parameters. With grad mode on, gradients reach the shards' .grad()
   // (averaged over the shard group); without, it is a plain gathered evaluation.
-  at::Tensor forward(const UnitFn& fn, const std::vector<at::Tensor>& inputs);
+  at::Tensor forward(const UnitFn& fn, const std::vector<at::Tensor>& inputs,
+                     const Prefetch& prefetch = {});
+  // Starts this unit's all-gather without waiting; its next gather uses it, unless the
+  // parameters have changed since (in-place writes bump their version). Collective: every rank
+  // of the shard group prefetches in the same order.
+  void prefetch();
   // fn runs in the backward, each time the backward of the unit's last outstanding forward (in
   // grad mode) has added its gradients to the shards' .grad(): from then until the next forward
   // the shards' gradients are complete (e.g. to start their exchange). Empty: none.

@@ -14,7 +14,7 @@
 namespace flexdemo::kernels::cuda {
 
 struct BucketLayout {
-  std::vector<TensorDesc> tensors;   // pointers unset
+  std::vector<TensorDesc> tensors;    // pointers unset
   std::vector<int32_t> chunk_tensor;  // per bucket chunk: its tensor
   std::vector<size_t> payload_bytes;  // per tensor
   size_t bytes = 0;                   // one replica's payloads, back to back

@@ -178,6 +178,7 @@ void GpuBucket::encode(const std::vector<at::Tensor>& grads,
   }
   cuda::encode(m.upload(), float(beta), float(alpha), send.data_ptr<uint8_t>(), int64_t(m.bytes),
                c10::cuda::getCurrentCUDAStream(m.device.index()).stream());
+  for (const at::Tensor& r : residuals) r.unsafeGetTensorImpl()->bump_version();
 }
 
 void GpuBucket::seal(uint8_t* payloads) const {
@@ -222,6 +223,13 @@ void GpuBucket::decode_step(const at::Tensor& gathered, int replicas,
                     float(hyper.lr), float(1.0 - hyper.lr * hyper.weight_decay),
                     adamw ? &constants : nullptr,
                     c10::cuda::getCurrentCUDAStream(m.device.index()).stream());
+  for (size_t i = 0; i < m.plans.size(); ++i) {  // written by the kernel, as ATen's ops would
+    params[i].unsafeGetTensorImpl()->bump_version();
+    if (adamw) {
+      exp_avg[i].unsafeGetTensorImpl()->bump_version();
+      exp_avg_sq[i].unsafeGetTensorImpl()->bump_version();
+    }
+  }
 }
 
 #else  // without CUDA

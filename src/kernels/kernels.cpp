@@ -377,6 +377,12 @@ void idct_sparse(const compress::SparseChunks& coeffs, const dct::ChunkPlan& pla
 
 namespace {
 
+// Written through its data pointer: what ATen's in-place ops do to the version counter (readers
+// such as a sharded unit's prefetched gather see that the values changed).
+void bump_version(const at::Tensor& t) {
+  t.unsafeGetTensorImpl()->bump_version();
+}
+
 // A tensor a fused step writes: float32 CPU [plan.rows, plan.cols], rows contiguous.
 float* step_target(const at::Tensor& t, const dct::ChunkPlan& plan, const char* who,
                    const char* what) {
@@ -399,6 +405,7 @@ void idct_sparse_sign_step(const compress::SparseChunks& coeffs, const dct::Chun
   update.lr = step.lr;
   update.keep = step.keep;
   inverse_chunks(coeffs, plan, step_target(step.param, plan, who, "param"), &update, who);
+  bump_version(step.param);
 }
 
 chunk_math::AdamWConstants adamw_constants(const AdamWHyper& step) {
@@ -423,6 +430,7 @@ void idct_sparse_adamw_step(const compress::SparseChunks& coeffs, const dct::Chu
   update.v = step_target(step.exp_avg_sq, plan, who, "exp_avg_sq");
   update.adamw = adamw_constants(step);
   inverse_chunks(coeffs, plan, step_target(step.param, plan, who, "param"), &update, who);
+  for (const at::Tensor& t : {step.param, step.exp_avg, step.exp_avg_sq}) bump_version(t);
 }
 
 }  // namespace flexdemo::kernels

@@ -147,23 +147,29 @@ class Gpt final : public UnitModel {
                                   std::to_string(c_.context));
     }
     const GptConfig c = c_;
-    at::Tensor x = units_.front()->forward(
+    const int64_t L = c_.layers;
+    // Units: 0 embeddings (and the head), 1..L blocks, L+1 ln_f. Each names the unit that runs
+    // after it (its gather is prefetched) and the one whose output it takes (in the backward).
+    auto u = [this](int64_t i) { return units_[i].get(); };
+    at::Tensor x = u(0)->forward(
         [c](const Params& p, const Params& in) {
           const int64_t t = in[0].size(1);
           return dropout(at::embedding(p[0], in[0]) + p[1].narrow(0, 0, t), c.dropout);
         },
-        {inputs});
-    for (int64_t l = 0; l < c_.layers; ++l) {
-      x = units_[1 + l]->forward(
-          [c](const Params& p, const Params& in) { return block_forward(p, in[0], c); }, {x});
+        {inputs}, {u(1), nullptr});
+    for (int64_t l = 0; l < L; ++l) {
+      x = u(1 + l)->forward(
+          [c](const Params& p, const Params& in) { return block_forward(p, in[0], c); }, {x},
+          {u(2 + l), u(l)});
     }
-    x = units_.back()->forward(
+    x = u(L + 1)->forward(
         [c](const Params& p, const Params& in) {
           return at::layer_norm(in[0], {c.width}, p[0], p[1]);
         },
-        {x});
-    return units_.front()->forward(  // the output head is the token table, transposed
-        [](const Params& p, const Params& in) { return at::matmul(in[0], p[0].t()); }, {x});
+        {x}, {u(0), u(L)});
+    return u(0)->forward(  // the output head is the token table, transposed
+        [](const Params& p, const Params& in) { return at::matmul(in[0], p[0].t()); }, {x},
+        {nullptr, u(L + 1)});
   }
 
   GptConfig c_;

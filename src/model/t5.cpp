@@ -223,28 +223,33 @@ class T5 final : public UnitModel {
  private:
   at::Tensor forward(const at::Tensor& inputs, const at::Tensor& decoder_in) {
     const int64_t H = c_.heads, L = c_.layers, d = c_.width;
-    auto& shared = units_.front();
+    // Units: 0 the shared embeddings (and head), 1..L encoder blocks, L+1 encoder ln_f, L+2..2L+1
+    // decoder blocks, 2L+2 decoder ln_f. Each names the unit that runs after it (its gather is
+    // prefetched) and the one whose output it takes (prefetched in the backward).
+    auto u = [this](int64_t i) { return units_[i].get(); };
     auto embed = [](const Params& p, const Params& in) { return at::embedding(p[0], in[0]); };
-    at::Tensor x = shared->forward(embed, {inputs});
+    at::Tensor x = u(0)->forward(embed, {inputs}, {u(1), nullptr});
     for (int64_t l = 0; l < L; ++l) {
-      x = units_[1 + l]->forward(
-          [H](const Params& p, const Params& in) { return encoder_block(p, in[0], H); }, {x});
+      x = u(1 + l)->forward(
+          [H](const Params& p, const Params& in) { return encoder_block(p, in[0], H); }, {x},
+          {u(2 + l), u(l)});
     }
-    const at::Tensor enc = units_[1 + L]->forward(
-        [](const Params& p, const Params& in) { return rms_norm(in[0], p[0]); }, {x});
-    at::Tensor y = shared->forward(embed, {decoder_in});
+    const at::Tensor enc = u(1 + L)->forward(
+        [](const Params& p, const Params& in) { return rms_norm(in[0], p[0]); }, {x}, {u(0), u(L)});
+    at::Tensor y = u(0)->forward(embed, {decoder_in}, {u(L + 2), nullptr});
     for (int64_t l = 0; l < L; ++l) {
-      y = units_[2 + L + l]->forward(
+      y = u(L + 2 + l)->forward(
           [H](const Params& p, const Params& in) { return decoder_block(p, in[0], in[1], H); },
-          {y, enc});
+          {y, enc}, {u(L + 3 + l), l == 0 ? u(0) : u(L + 1 + l)});
     }
-    y = units_.back()->forward(
+    y = u(2 * L + 2)->forward(
         [d](const Params& p, const Params& in) {
           return rms_norm(in[0], p[0]) * (1.0 / std::sqrt(double(d)));  // T5's tied-head scale
         },
-        {y});
-    return shared->forward(
-        [](const Params& p, const Params& in) { return at::matmul(in[0], p[0].t()); }, {y});
+        {y}, {u(0), L > 0 ? u(2 * L + 1) : u(0)});
+    return u(0)->forward(
+        [](const Params& p, const Params& in) { return at::matmul(in[0], p[0].t()); }, {y},
+        {nullptr, u(2 * L + 2)});
   }
 
   T5Config c_;

@@ -44,6 +44,7 @@ void sgd_update(at::Tensor& p, const at::Tensor& d, float lr, bool sign) {
         for (int64_t i = begin; i < end; ++i) dst[i] -= lr * u[i];
       }
     });
+    p.unsafeGetTensorImpl()->bump_version();  // written through its pointer, as ATen's ops would
     return;
   }
   p.sub_(sign ? d.sign() : d, lr);

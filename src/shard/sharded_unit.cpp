@@ -12,7 +12,9 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <map>
+#include <optional>
 #include <stdexcept>
+#include <utility>
 
 namespace flexdemo::shard {
 
@@ -31,17 +33,60 @@ struct ShardedUnit::Impl {
   int64_t next_id = 0;
   int64_t outstanding = 0;  // forwards in grad mode whose backward has not run yet
   std::function<void()> on_ready;
+  Impl* before_in_forward = nullptr;  // this forward's Prefetch::before, for its backward
 
-  // Full parameters from every rank's shards: one all-gather for the whole unit.
-  std::vector<at::Tensor> all_gather() const {
-    at::NoGradGuard no_grad;
-    const int64_t S = group->size();
+  // A prefetched all-gather (prefetch()): the parameters as they were when it started, tagged
+  // with their version so that a gather of since-changed parameters is never used.
+  struct Prefetched {
+    at::Tensor local, all;
+    std::unique_ptr<comm::Work> work;
+    int64_t version = 0;
+  };
+  std::optional<Prefetched> prefetched;
+  Impl* prefetch_after_gather = nullptr;  // started once this unit's own gather is complete
+
+  // The sum of the shards' version counters: every in-place write bumps it.
+  int64_t version() const {
+    int64_t v = 0;
+    for (const at::Tensor& shard : shards) v += shard._version();
+    return v;
+  }
+
+  at::Tensor pack() const {
     at::Tensor local = at::empty({bucket_numel}, float_options());
     for (size_t i = 0; i < shards.size(); ++i) {
       local.narrow(0, offsets[i], specs[i].shard_numel).copy_(shards[i]);
     }
-    at::Tensor all = at::empty({S * bucket_numel}, float_options());
-    group->all_gather(local, all);
+    return local;
+  }
+
+  void prefetch() {
+    at::NoGradGuard no_grad;
+    if (prefetched) return;
+    Prefetched p;
+    p.version = version();
+    p.local = pack();
+    p.all = at::empty({group->size() * bucket_numel}, float_options());
+    p.work = group->iall_gather(p.local, p.all);
+    prefetched = std::move(p);
+  }
+
+  // Full parameters from every rank's shards: one all-gather for the whole unit (the prefetched
+  // one, if the parameters have not changed since it started). Then the next prefetch starts.
+  std::vector<at::Tensor> all_gather() {
+    at::NoGradGuard no_grad;
+    const int64_t S = group->size();
+    at::Tensor all;
+    if (prefetched) {
+      prefetched->work->wait();
+      if (prefetched->version == version()) all = prefetched->all;
+      prefetched.reset();
+    }
+    if (!all.defined()) {
+      all = at::empty({S * bucket_numel}, float_options());
+      group->all_gather(pack(), all);
+    }
+    if (Impl* next = std::exchange(prefetch_after_gather, nullptr)) next->prefetch();
     const at::Tensor rows = all.view({S, bucket_numel});
     std::vector<at::Tensor> full;
     for (size_t i = 0; i < shards.size(); ++i) {
@@ -113,6 +158,7 @@ struct RecomputeUnit : public torch::autograd::Function<RecomputeUnit> {
     auto* impl = ShardedUnit::Impl::from_id(unit);
     ctx->saved_data["unit"] = unit;
     ctx->saved_data["fn"] = fn_id;
+    ctx->saved_data["before"] = reinterpret_cast<int64_t>(impl->before_in_forward);
     ctx->save_for_backward(inputs.vec());
     // The recomputation must draw the same random numbers (dropout) as this forward.
     ctx->saved_data["rng"] = impl->generator().get_state();
@@ -126,6 +172,8 @@ struct RecomputeUnit : public torch::autograd::Function<RecomputeUnit> {
     const UnitFn fn = std::move(node.mapped());
     const variable_list saved = ctx->get_saved_variables();
 
+    // The unit whose output this one took runs its backward next: its gather travels meanwhile.
+    impl->prefetch_after_gather = ShardedUnit::Impl::from_id(ctx->saved_data["before"].toInt());
     std::vector<at::Tensor> full = impl->all_gather();
     std::vector<at::Tensor> inputs, wrt;
     std::vector<int> input_slot(saved.size(), -1);  // where input i's gradient is in wrt
@@ -202,8 +250,11 @@ const std::string& ShardedUnit::name() const {
   return impl_->name;
 }
 
-at::Tensor ShardedUnit::forward(const UnitFn& fn, const std::vector<at::Tensor>& inputs) {
+at::Tensor ShardedUnit::forward(const UnitFn& fn, const std::vector<at::Tensor>& inputs,
+                                const Prefetch& prefetch) {
   Impl& s = *impl_;
+  s.prefetch_after_gather = prefetch.next != nullptr ? prefetch.next->impl_.get() : nullptr;
+  s.before_in_forward = prefetch.before != nullptr ? prefetch.before->impl_.get() : nullptr;
   if (!at::GradMode::is_enabled()) return fn(s.all_gather(), inputs);
   ++s.outstanding;
   if (!s.options.reshard_after_forward) {
@@ -221,6 +272,10 @@ void ShardedUnit::on_gradients_ready(std::function<void()> fn) {
 
 std::vector<at::Tensor> ShardedUnit::gather() const {
   return impl_->all_gather();
+}
+
+void ShardedUnit::prefetch() {
+  impl_->prefetch();
 }
 
 void ShardedUnit::load(const std::vector<at::Tensor>& full_params) {
