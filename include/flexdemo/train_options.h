@@ -164,7 +164,8 @@ struct OptionSpec {
     "auto (a live line when stdout is a terminal), bar, or lines (log lines); under mpirun the "   \
     "ranks always see a terminal")                                                                 \
   X(out, std::string, "runs/latest", Run, anything(), "output folder")                             \
-  X(seed, uint64_t, 1337, Model, anything(), "seed of data order and initialisation")              \
+  X(seed, uint64_t, 1337, Model, anything(),                                                       \
+    "seed of data order and initialisation, and with the rank of span corruption and dropout")     \
   X(threads, int, 1, Run, at_least(1), "intra-op threads per rank")                                \
   X(bf16, bool, false, Run, anything(), "bf16 autocast of the forward (weights stay float32)")     \
   X(check_replicas, int64_t, 0, Run, at_least(0),                                                  \
