@@ -58,10 +58,11 @@ class DemoReplicator final : public Replicator {
         committed_.push_back(at::empty({plan.rows, plan.cols}, at::kFloat));
       }
     }
-    decoded_ = at::empty({largest}, floats);
-    samples_ = at::empty({largest}, floats);
     scratch_ = at::empty({largest}, floats);
-    if (device.is_cuda()) {
+    if (!device.is_cuda()) {  // the CPU paths' decode buffers; the GPU's kernels need none
+      decoded_ = at::empty({largest}, floats);
+      samples_ = at::empty({largest}, floats);
+    } else {
       gpu_ = std::make_unique<kernels::GpuBucket>(plans_, options.topk, options.values, device);
       const auto bytes = at::dtype(at::kByte).device(device);
       device_send_ = at::empty({int64_t(all_.bytes)}, bytes);
@@ -314,8 +315,8 @@ class DemoReplicator final : public Replicator {
   // This step's buckets started early (start()), in order, and which tensors they hold.
   std::vector<Bucket> buckets_;
   std::vector<char> started_;
-  at::Tensor decoded_;  // float32 scratch buffers as large as the largest padded tensor,
-  at::Tensor samples_;  // so that a step allocates nothing big
+  at::Tensor decoded_;  // float32 scratch buffers as large as the largest padded tensor (the
+  at::Tensor samples_;  // first two on CPUs only), so that a step allocates nothing big
   at::Tensor scratch_;
   // --overlap-step: all_ is in flight from one step to the next; pending_: whether all_.recv
   // holds payloads not yet applied (a tensor, so that checkpoints carry it).
