@@ -8,18 +8,26 @@ namespace flexdemo::app {
 Subcommand add_eval(CLI::App& app) {
   struct Args {
     std::string checkpoint;
-    int64_t eval_seqs = 256;
+    train::EvalOptions options;
   };
   auto args = std::make_shared<Args>();
   Subcommand c;
-  c.cli = app.add_subcommand("eval", "validation loss and perplexity of a checkpoint");
+  c.cli = app.add_subcommand(
+      "eval", "validation loss and perplexity of a checkpoint (translation: and chrF)");
   c.cli->add_option("checkpoint", args->checkpoint, "a run folder (or its checkpoint/)")
       ->required()
       ->check(CLI::ExistingDirectory);
-  c.cli->add_option("--eval-seqs", args->eval_seqs, "validation sequences")->capture_default_str();
+  c.cli->add_option("--eval-seqs", args->options.eval_seqs, "validation sequences")
+      ->capture_default_str();
+  c.cli
+      ->add_option("--translate", args->options.translate,
+                   "translation: the first N validation pairs translated for chrF (0: none)")
+      ->capture_default_str();
+  c.cli->add_option("--beam", args->options.beam, "translation: beam search width (1: greedy)")
+      ->capture_default_str();
   c.uses_mpi = true;
   c.run = [args](std::shared_ptr<comm::Communicator> world) {
-    return train::run_eval(args->checkpoint, args->eval_seqs, std::move(world));
+    return train::run_eval(args->checkpoint, args->options, std::move(world));
   };
   return c;
 }
@@ -32,15 +40,20 @@ Subcommand add_generate(CLI::App& app) {
   auto args = std::make_shared<Args>();
   train::GenerateOptions& o = args->options;
   Subcommand c;
-  c.cli = app.add_subcommand("generate", "text from a GPT checkpoint");
+  c.cli = app.add_subcommand(
+      "generate", "text from a GPT checkpoint, or the translation of --prompt by a T5 one");
   c.cli->add_option("checkpoint", args->checkpoint, "a run folder (or its checkpoint/)")
       ->required()
       ->check(CLI::ExistingDirectory);
-  c.cli->add_option("--prompt", o.prompt, "text to continue")->capture_default_str();
-  c.cli->add_option("--tokens", o.tokens, "tokens to generate")->capture_default_str();
-  c.cli->add_option("--temperature", o.temperature, "sampling temperature (0: greedy)")
+  c.cli->add_option("--prompt", o.prompt, "text to continue (translation: to translate)")
       ->capture_default_str();
-  c.cli->add_option("--top-k", o.top_k, "sample among the k likeliest tokens (0: all)")
+  c.cli->add_option("--tokens", o.tokens, "tokens to generate (translation: at most)")
+      ->capture_default_str();
+  c.cli->add_option("--temperature", o.temperature, "GPT: sampling temperature (0: greedy)")
+      ->capture_default_str();
+  c.cli->add_option("--top-k", o.top_k, "GPT: sample among the k likeliest tokens (0: all)")
+      ->capture_default_str();
+  c.cli->add_option("--beam", o.beam, "translation: beam search width (1: greedy)")
       ->capture_default_str();
   c.cli->add_option("--seed", o.seed, "sampling seed")->capture_default_str();
   c.uses_mpi = true;

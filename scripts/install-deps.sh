@@ -23,6 +23,11 @@ packages=(
   libsentencepiece-dev             # BPE tokenizer, trained on the corpus
   gnuplot-nox                      # plots in `flexdemo report`
   fortunes                         # the default corpus: English text, no download
+  gettext libgettextpo-dev         # --data gettext:LANG: msgunfmt, and libgettextpo to read PO
+  # ... and the packages whose message catalogues gettext:LANG reads (gettext_domains() in
+  # src/data/corpus.cpp), so that translation corpus is the same on every machine
+  coreutils git binutils-common gnupg-l10n libc-l10n dpkg libdpkg-perl bash tar wget make apt
+  diffutils findutils sed grep gettext-base procps login xz-utils adduser man-db psmisc m4
   iproute2                         # network namespaces and tc for the emulated cluster
   clang libclang-rt-14-dev         # scripts/test.sh --sanitize: ASan, UBSan, libFuzzer
 )

@@ -5,7 +5,8 @@
 # Files a row may name, made here: $DATA (a small text corpus), $EMPTY (an empty file),
 # $BINARY (random bytes), $TINY (a corpus of 17 bytes), $EMPTYDIR, $TOML (a config file setting
 # steps = 0), $TOML_UNKNOWN (a config with an unknown key), $TOML_SNAKE (a config setting
-# min_lr_ratio = 2 by its config.json key), $RUN (a run with two valid
+# min_lr_ratio = 2 by its config.json key), $BADPAIRS (a TSV of pairs, its line 2 without a
+# tab), $RUN (a run with two valid
 # checkpoints), $OTHER (a run of another model), $DAMAGED (a run whose checkpoints all fail
 # their checksums), $OUT (the --out folder).
 #   tests/bad_input.sh BUILD_DIR DOCS_ERRORS_MD N
@@ -24,7 +25,7 @@ export FLEXDEMO_TOKENIZE="$build/flexdemo-tokenize" OMP_NUM_THREADS=1 CUDA_VISIB
 DATA=$work/data.txt EMPTY=$work/empty.txt BINARY=$work/binary.dat EMPTYDIR=$work/emptydir
 TINY=$work/tiny.txt
 TOML=$work/ok.toml TOML_UNKNOWN=$work/unknown.toml TOML_SNAKE=$work/snake.toml OUT=$work/out
-RUN=$work/run OTHER=$work/other DAMAGED=$work/damaged
+RUN=$work/run OTHER=$work/other DAMAGED=$work/damaged BADPAIRS=$work/pairs.tsv
 for d in $(seq 1 200); do printf 'document %d: a few words of text to train on.\n%%\n' "$d"; done > "$DATA"
 : > "$EMPTY"
 printf 'just a few words\n' > "$TINY"
@@ -33,6 +34,7 @@ mkdir -p "$EMPTYDIR"
 printf 'steps = 0\nbatch = 4\n' > "$TOML"
 printf 'steps = 2\nlearning_rate = 0.1\n' > "$TOML_UNKNOWN"
 printf 'min_lr_ratio = 2\n' > "$TOML_SNAKE"
+printf 'a source\ta target\nno tab here\n' > "$BADPAIRS"
 tiny=(--model gpt-nano --layers 1 --heads 2 --context 16 --seq 16 --batch 2 --chunk 8
       --tokenizer bytes --data "$DATA" --eval-seqs 2 --progress lines)
 case "$command" in
@@ -46,7 +48,7 @@ esac
 
 expand() { # the named files and the launcher in a documented string
   local s=$1
-  for v in DATA EMPTYDIR EMPTY BINARY TINY TOML_UNKNOWN TOML_SNAKE TOML OUT RUN OTHER DAMAGED; do s=${s//\$$v/${!v}}; done
+  for v in DATA EMPTYDIR EMPTY BINARY TINY TOML_UNKNOWN TOML_SNAKE TOML OUT RUN OTHER DAMAGED BADPAIRS; do s=${s//\$$v/${!v}}; done
   printf '%s' "$s"
 }
 command=$(expand "$command")

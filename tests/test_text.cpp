@@ -1,11 +1,14 @@
 // Text to tokens without LibTorch: documents, tokenizers (bytes and SentencePiece BPE round
-// trips), llm.c shards, and the split that holds validation out by document.
+// trips), llm.c shards, the split that holds validation out by document, translation pairs
+// (TSV, JSONL, gettext catalogues) and chrF.
 #include "flexdemo/text.h"
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 namespace fs = std::filesystem;
 using namespace flexdemo::data;
@@ -97,4 +100,75 @@ TEST(Text, ValidationIsHeldOutByDocument) {
   size_t train_tokens = 0;
   for (int d = 0; d < 40; ++d) train_tokens += d % 20 == 19 ? 0 : docs[d].size() + 1;
   EXPECT_EQ(split.train.size(), train_tokens);
+}
+
+TEST(Pairs, ReadFromTsvAndJsonlDeduplicatedAndSplitBySource) {
+  const fs::path tsv = scratch("pairs.tsv"), jsonl = scratch("pairs.jsonl");
+  {
+    std::ofstream t(tsv), j(jsonl);
+    for (int i = 0; i < 100; ++i) {
+      t << "source " << i << "\ttarget " << i << "\n";
+      j << nlohmann::json({{"source", "source " + std::to_string(i)},
+                           {"target", "target\t" + std::to_string(i)}})
+               .dump()
+        << "\n";
+    }
+    t << "source 3\tanother translation of a source already seen\n";
+  }
+  const PairCorpus a = read_pairs(tsv.string()), b = read_pairs(jsonl.string());
+  EXPECT_EQ(a.train.size() + a.val.size(), 100u);  // the repeated source kept once
+  EXPECT_EQ(b.train.size() + b.val.size(), 100u);
+  EXPECT_EQ(b.train[0].target.find('\t'), 6u);  // JSON strings hold what TSV cannot
+  // Validation is decided by the source text: the same pairs in both files, the same split.
+  ASSERT_EQ(a.val.size(), b.val.size());
+  for (size_t i = 0; i < a.val.size(); ++i) EXPECT_EQ(a.val[i].source, b.val[i].source);
+  EXPECT_GT(a.val.size(), 0u);
+  EXPECT_EQ(a.checksum, read_pairs(tsv.string()).checksum);
+  EXPECT_NE(a.checksum, b.checksum);
+  std::ofstream(scratch("bad.tsv")) << "fine\tpair\nno tab here\n";
+  try {
+    read_pairs(scratch("bad.tsv").string());
+    FAIL() << "a line without a tab was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("line 2"), std::string::npos) << e.what();
+  }
+  std::ofstream(scratch("bad.jsonl")) << "{\"source\": \"x\"}\n";
+  EXPECT_THROW(read_pairs(scratch("bad.jsonl").string()), std::invalid_argument);
+  EXPECT_TRUE(is_pair_source("gettext:fr") && is_pair_source("x.tsv") && !is_pair_source("x.txt"));
+}
+
+TEST(Pairs, GettextCataloguesGiveEnglishFrenchPairs) {
+  // The installed catalogues (scripts/install-deps.sh installs their packages): coreutils'
+  // French translation of a message it has carried for decades, read through msgunfmt.
+  const PairCorpus fr = read_pairs("gettext:fr");
+  EXPECT_GT(fr.train.size(), 10000u);
+  std::set<std::string> sources;
+  bool found = false;
+  for (const auto* split : {&fr.train, &fr.val}) {
+    for (const TextPair& p : *split) {
+      EXPECT_TRUE(sources.insert(p.source).second) << "duplicate source: " << p.source;
+      EXPECT_NE(p.source, p.target);
+      found = found || (p.source == "memory exhausted" && p.target == "mémoire insuffisante");
+    }
+  }
+  EXPECT_TRUE(found);
+  EXPECT_EQ(fr.checksum, read_pairs("gettext:fr").checksum);  // the same corpus twice
+  EXPECT_THROW(read_pairs("gettext:../etc"), std::invalid_argument);
+  EXPECT_THROW(read_pairs("gettext:xx_NOWHERE"), std::invalid_argument);
+}
+
+TEST(Chrf, EqualsSacreBleu) {
+  // Expected values printed by sacreBLEU 2.6.0: CHRF().corpus_score(hyps, [refs]).score.
+  const std::vector<std::string> hyps = {"Le chat est sur le tapis.", "Fichier introuvable : %s",
+                                         "Impossible d'ouvrir « %s »", "", "ok"};
+  const std::vector<std::string> refs = {"Le chat est assis sur le tapis.",
+                                         "fichier %s introuvable", "impossible d'ouvrir %s", "vide",
+                                         "ok"};
+  EXPECT_NEAR(chrf(hyps, refs), 71.88801205111837, 1e-9);
+  EXPECT_NEAR(chrf({hyps[0]}, {refs[0]}), 68.9409522915008, 1e-9);
+  // Whitespace (Unicode's too) does not count; characters are code points.
+  EXPECT_NEAR(chrf({"\u00e9t\u00e9\u3000x\u00a0y"}, {"\u00e9t\u00e9 xy"}), 100.0, 1e-9);
+  // By hand: orders 1-3 count (precision = recall = 2/3, 1/2, 0); 4-6 have no n-grams.
+  EXPECT_NEAR(chrf({"abc"}, {"abd"}), 100.0 * 7.0 / 18.0, 1e-9);
+  EXPECT_THROW(chrf({"a"}, {}), std::invalid_argument);
 }

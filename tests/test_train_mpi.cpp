@@ -59,6 +59,39 @@ std::pair<double, double> overfit(model::LanguageModel& lm,
   return {first, last};
 }
 
+// An int64 [rows, columns] tensor of equally long rows.
+at::Tensor long_rows(const std::vector<std::vector<int64_t>>& rows) {
+  std::vector<at::Tensor> out;
+  for (const auto& r : rows) out.push_back(at::tensor(r, at::kLong));
+  return at::stack(out);
+}
+
+// The gradient of loss_fn against its directional derivative along a random direction per
+// tensor. T5's ReLUs have kinks that a difference step can straddle, and float32 limits small
+// steps: the closest of three step sizes must agree (a wrong gradient agrees with none of them).
+void expect_gradients_match(model::LanguageModel& lm, const std::function<at::Tensor()>& loss_fn) {
+  loss_fn().backward();
+  for (const auto& unit : lm.units()) {
+    for (const at::Tensor& shard : unit->shards()) {
+      const at::Tensor direction = at::randn(shard.sizes());
+      const double analytic = (shard.grad() * direction).sum().item<double>();
+      double closest = INFINITY;
+      for (float eps : {1e-3f, 3e-4f, 1e-4f}) {
+        at::NoGradGuard no_grad;
+        const at::Tensor orig = shard.clone();
+        shard.add_(direction, eps);
+        const double up = loss_fn().item<double>();
+        shard.copy_(orig).add_(direction, -eps);
+        const double down = loss_fn().item<double>();
+        shard.copy_(orig);
+        const double numeric = (up - down) / (2 * eps);
+        if (std::abs(numeric - analytic) < std::abs(closest - analytic)) closest = numeric;
+      }
+      EXPECT_NEAR(analytic, closest, 3e-3 + 0.1 * std::abs(analytic)) << unit->name();
+    }
+  }
+}
+
 }  // namespace
 
 TEST(Gpt, ParameterCountIsClosedForm) {
@@ -119,31 +152,65 @@ TEST(T5, SpanCorruptionGradientsAndLearning) {
     at::manual_seed(9);  // the same spans every time
     return lm->loss(tokens);
   };
-  loss_at().backward();
-  // The directional derivative along a random direction per tensor. T5's ReLUs have kinks that
-  // a difference step can straddle, and float32 limits small steps: the closest of three step
-  // sizes must agree (a wrong gradient agrees with none of them).
-  for (const auto& unit : lm->units()) {
-    for (const at::Tensor& shard : unit->shards()) {
-      const at::Tensor direction = at::randn(shard.sizes());
-      const double analytic = (shard.grad() * direction).sum().item<double>();
-      double closest = INFINITY;
-      for (float eps : {1e-3f, 3e-4f, 1e-4f}) {
-        at::NoGradGuard no_grad;
-        const at::Tensor orig = shard.clone();
-        shard.add_(direction, eps);
-        const double up = loss_at().item<double>();
-        shard.copy_(orig).add_(direction, -eps);
-        const double down = loss_at().item<double>();
-        shard.copy_(orig);
-        const double numeric = (up - down) / (2 * eps);
-        if (std::abs(numeric - analytic) < std::abs(closest - analytic)) closest = numeric;
-      }
-      EXPECT_NEAR(analytic, closest, 3e-3 + 0.1 * std::abs(analytic)) << unit->name();
-    }
-  }
+  expect_gradients_match(*lm, loss_at);
   const auto [first, last] = overfit(*lm, loss_at);
   EXPECT_LT(last, 0.5 * first);
+}
+
+TEST(T5, TranslationLossIgnoresPadding) {
+  // Rows [source (6) | target (5)], -1 padded: the batch's loss, per scored token, equals the
+  // token-weighted mean of each pair's loss alone (alone, a pair has no padding), so padding
+  // neither reaches the real tokens through attention nor is scored.
+  model::T5Config c;
+  c.vocab = 11, c.eot = 10, c.width = 8, c.layers = 1, c.heads = 2, c.ff = 16, c.source_len = 6;
+  auto lm = model::make_t5(c, alone(), {}, 7);
+  const at::Tensor rows = long_rows({{3, 4, 5, 6, 7, 10, 1, 2, 3, 10, -1},
+                                     {8, 10, -1, -1, -1, -1, 9, 10, -1, -1, -1},
+                                     {2, 2, 10, -1, -1, -1, 4, 5, 6, 7, 10}});
+  const std::vector<int64_t> target_tokens = {4, 2, 5};
+  double weighted = 0;
+  {
+    at::NoGradGuard no_grad;
+    for (int64_t i = 0; i < 3; ++i) {
+      weighted += lm->loss(rows.narrow(0, i, 1)).item<double>() * double(target_tokens[size_t(i)]);
+    }
+  }
+  at::NoGradGuard no_grad;
+  EXPECT_NEAR(lm->loss(rows).item<double>(), weighted / 11.0, 1e-5);
+}
+
+TEST(T5, TranslationGradientsAndLearning) {
+  model::T5Config c;
+  c.vocab = 11, c.eot = 10, c.width = 8, c.layers = 1, c.heads = 2, c.ff = 16, c.source_len = 6;
+  auto lm = model::make_t5(c, alone(), {}, 7);
+  const at::Tensor rows =
+      long_rows({{3, 4, 5, 6, 7, 10, 1, 2, 3, 10, -1}, {8, 10, -1, -1, -1, -1, 9, 10, -1, -1, -1}});
+  at::manual_seed(8);
+  expect_gradients_match(*lm, [&] { return lm->loss(rows); });
+  const auto [first, last] = overfit(*lm, [&] { return lm->loss(rows); });
+  EXPECT_LT(last, 0.5 * first);
+}
+
+TEST(Sampler, PairRowsArePaddedCutAndDrawnLikeWindows) {
+  // Pairs (source, eot, target, eot): 3 pairs; lengths 2+3, 5+1, 1+2 (end-of-text 0).
+  const std::vector<int32_t> tokens = {5, 0, 6, 7, 0, 1, 2, 3, 4, 0, 0, 9, 0, 8, 8, 0};
+  const data::PairSampler a(tokens, 0, 3, 3, 42), b(tokens, 0, 3, 3, 42);
+  const at::Tensor val = a.windows(0, 4);
+  const at::Tensor expected = long_rows({{5, 0, -1, 6, 7, 0},
+                                         {1, 2, 0, 0, -1, -1},  // source cut, eot kept
+                                         {9, 0, -1, 8, 8, 0},
+                                         {5, 0, -1, 6, 7, 0}});  // wraps around
+  EXPECT_TRUE(at::equal(val, expected)) << val;
+  EXPECT_EQ(a.num_windows(), 3);
+  EXPECT_EQ(a.scored_tokens(val), 3 + 1 + 3 + 3);
+  const at::Tensor whole = a.rows(7, 0, 8);
+  EXPECT_TRUE(at::equal(whole, b.rows(7, 0, 8)));
+  for (int r = 0; r < 8; r += 2) EXPECT_TRUE(at::equal(a.rows(7, r, 2), whole.narrow(0, r, 2)));
+  for (int64_t r = 0; r < 8; ++r) {  // every row is one of the pairs
+    EXPECT_TRUE(at::equal(whole[r], expected[0]) || at::equal(whole[r], expected[1]) ||
+                at::equal(whole[r], expected[2]));
+  }
+  EXPECT_THROW(data::PairSampler({5, 0, 6}, 0, 3, 3, 1), std::invalid_argument);  // no target end
 }
 
 TEST(Sampler, DeterministicAndIndependentOfRankCount) {
@@ -543,4 +610,57 @@ TEST(Trainer, IdenticalT5RunsAreBitIdentical) {
   }
   EXPECT_EQ(losses[0], losses[1]);
   EXPECT_NE(losses[0], losses[2]);
+}
+
+TEST(Trainer, T5TranslatesPairsItLearned) {
+  // A T5 trained on a few TSV pairs until it knows them: `generate` translates a training source
+  // into its target, greedy and by beam search; `eval` scores translations with chrF.
+  auto world = test_world();
+  const fs::path dir = fs::temp_directory_path() / "flexdemo-t5-pairs-test";
+  train::TrainConfig c = tiny_run(dir);
+  const std::vector<std::pair<std::string, std::string>> pairs = {
+      {"one", "un"},     {"two", "deux"},   {"three", "trois"}, {"four", "quatre"},
+      {"five", "cinq"},  {"six", "six!"},   {"seven", "sept"},  {"eight", "huit"},
+      {"nine", "neuf"},  {"ten", "dix"},    {"red", "rouge"},   {"blue", "bleu"},
+      {"green", "vert"}, {"black", "noir"}, {"white", "blanc"}, {"cat", "chat"}};
+  if (world->rank() == 0) {
+    std::ofstream tsv(dir / "pairs.tsv");
+    for (const auto& [source, target] : pairs) tsv << source << "\t" << target << "\n";
+  }
+  world->barrier();
+  c.data = (dir / "pairs.tsv").string();
+  c.model = "t5-nano";
+  c.width = 32, c.layers = 1, c.heads = 2, c.context = 0;
+  c.seq = 8, c.target_seq = 8;
+  c.optimizer = train::OptimizerKind::AdamW;
+  c.lr = 1e-2;
+  c.steps = 100;
+  c.batch = 16;
+  c.eval_every = 0;
+  c.progress = train::ProgressMode::Lines;
+  c.log_every = 50;
+  ASSERT_EQ(train::run_training(c, world), 0);
+  world->barrier();
+  for (int64_t beam : {1, 4}) {
+    train::GenerateOptions o;
+    o.prompt = "three";
+    o.beam = beam;
+    testing::internal::CaptureStdout();
+    ASSERT_EQ(train::run_generate(c.out, o, world), 0);
+    const std::string printed = testing::internal::GetCapturedStdout();
+    if (world->rank() == 0) {
+      EXPECT_EQ(printed, "trois\n") << "beam " << beam;
+    }
+  }
+  train::EvalOptions e;
+  e.translate = 5;
+  testing::internal::CaptureStdout();
+  ASSERT_EQ(train::run_eval(c.out, e, world), 0);
+  const std::string printed = testing::internal::GetCapturedStdout();
+  if (world->rank() == 0) {
+    const auto j = nlohmann::json::parse(printed);
+    EXPECT_GE(j.at("chrf").get<double>(), 0.0);
+    EXPECT_LE(j.at("chrf").get<double>(), 100.0);
+    EXPECT_GE(j.at("translated").get<int64_t>(), 1);
+  }
 }

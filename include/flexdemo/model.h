@@ -41,6 +41,9 @@ struct T5Config {
   int64_t layers = 0;  // encoder layers, and as many decoder layers
   int64_t heads = 0;
   int64_t ff = 0;  // d_ff
+  // 0: trained on running text by span corruption (rows [B, T + 1]); > 0: on translation pairs,
+  // rows [B, source_len + target_len] as data::PairSampler makes them (padded with -1).
+  int64_t source_len = 0;
   void validate() const;
 };
 // t5-small (d_model 512, 6+6 layers, 8 heads, d_ff 2048: the FlexDeMo paper's model) and
@@ -55,6 +58,14 @@ class LanguageModel {
   virtual at::Tensor loss(const at::Tensor& tokens) = 0;
   // Logits of the last position, float32 [B, vocab], for tokens int64 [B, T] (generation).
   virtual at::Tensor next_token_logits(const at::Tensor& tokens) = 0;
+  // Encoder-decoders (translation): whether this is one; the encoder's output for sources int64
+  // [B, S] (padded with -1 at their ends); and the logits of the next target token, float32
+  // [B, vocab], given that output, the sources and target prefixes int64 [B, T] (each starting
+  // with end-of-text, the decoder's start). Collective over the shard group, like loss().
+  virtual bool seq2seq() const { return false; }
+  virtual at::Tensor encode(const at::Tensor& source);
+  virtual at::Tensor next_target_logits(const at::Tensor& encoded, const at::Tensor& source,
+                                        const at::Tensor& prefix);
   virtual const std::vector<std::unique_ptr<shard::ShardedUnit>>& units() const = 0;
   // Per unit, the descriptive names of its parameters ("wte", "h0.attn.qkv.weight", ...).
   virtual const std::vector<std::vector<std::string>>& param_names() const = 0;

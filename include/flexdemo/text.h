@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace flexdemo::data {
@@ -52,5 +53,38 @@ struct TokenSplit {
 };
 TokenSplit tokenize_documents(const std::vector<std::string>& documents, const Tokenizer& tokenizer,
                               int val_every = 20);
+
+// ====== Translation pairs ======
+// A source text and its translation (sequence-to-sequence training).
+struct TextPair {
+  std::string source, target;
+};
+struct PairCorpus {
+  std::vector<TextPair> train, val;
+  std::vector<std::string> files;  // what was read, in order
+  std::string checksum;            // CRC-32 (hex) of every pair in order: the same corpus or not
+};
+// Whether --data names pairs: "gettext:LANG", or a file ending in .tsv (source TAB target per
+// line) or .jsonl ({"source": ..., "target": ...} per line).
+bool is_pair_source(const std::string& data);
+// gettext:LANG: the message catalogues of gettext_domains() installed for LANG
+// (/usr/share/locale/LANG/LC_MESSAGES/DOMAIN.mo), each turned into msgid/msgstr pairs by
+// `msgunfmt` and read with libgettextpo: English source, LANG target; untranslated and
+// identical pairs skipped, plural forms as their singular, format placeholders kept. In every
+// source, pairs are deduplicated by source text (the first kept), and a pair is validation when
+// the CRC-32 of its source text is a multiple of val_every, so a string never lands in both.
+PairCorpus read_pairs(const std::string& data, int val_every = 20);
+// The catalogue files gettext:LANG reads (those of gettext_domains() present), in order.
+std::vector<std::string> gettext_catalogues(const std::string& lang);
+// The text domains and the Debian packages that install them (scripts/install-deps.sh installs
+// them all, so the corpus is the same on every machine of one Debian release).
+std::vector<std::pair<std::string, std::string>> gettext_domains();
+// Pairs as one stream: source, end-of-text, target, end-of-text, ...
+TokenSplit tokenize_pairs(const PairCorpus& corpus, const Tokenizer& tokenizer);
+
+// ====== Scores ======
+// chrF of hypotheses against one reference each, as sacreBLEU 2.x computes it by default
+// (character 6-grams without whitespace, corpus statistics, beta 2): 0 to 100.
+double chrf(const std::vector<std::string>& hypotheses, const std::vector<std::string>& references);
 
 }  // namespace flexdemo::data

@@ -29,18 +29,26 @@ void check_replicas(const std::vector<at::Tensor>& shards,
                     const std::shared_ptr<comm::Communicator>& replica_group,
                     const std::shared_ptr<comm::Communicator>& world, int64_t step);
 
-// Validation loss and perplexity of a run's checkpoint (any number of ranks). Collective.
-int run_eval(const std::string& checkpoint, int64_t eval_seqs,
+struct EvalOptions {
+  int64_t eval_seqs = 256;  // validation sequences (pairs) for the loss
+  int64_t translate = 200;  // translation: the first N validation pairs translated for chrF
+  int64_t beam = 1;         // translation: beams (1: greedy)
+};
+// Validation loss and perplexity of a run's checkpoint (any number of ranks), printed as JSON;
+// for a T5 trained on translation pairs also chrF (sacreBLEU's) of its translations. Collective.
+int run_eval(const std::string& checkpoint, const EvalOptions& options,
              std::shared_ptr<comm::Communicator> world);
 
 struct GenerateOptions {
   std::string prompt;
   int64_t tokens = 100;      // to generate
-  double temperature = 0.8;  // 0: greedy
-  int64_t top_k = 40;        // sample among the k likeliest (0: all)
+  double temperature = 0.8;  // GPT: 0: greedy
+  int64_t top_k = 40;        // GPT: sample among the k likeliest (0: all)
   uint64_t seed = 0;
+  int64_t beam = 4;  // translation: beams of the beam search (1: greedy)
 };
-// Text from a GPT checkpoint, printed to stdout. Collective (run it on one rank).
+// Text from a GPT checkpoint (the prompt and its continuation), or a T5's translation of the
+// prompt, printed to stdout. Collective (run it on one rank).
 int run_generate(const std::string& checkpoint, const GenerateOptions& options,
                  std::shared_ptr<comm::Communicator> world);
 

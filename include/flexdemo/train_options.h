@@ -90,7 +90,8 @@ struct OptionSpec {
 #define FLEXDEMO_TRAIN_OPTIONS(X)                                                                  \
   /* ====== Model ====== */                                                                        \
   X(model, std::string, "gpt-micro", Model, one_of(model::model_presets),                          \
-    "the model preset (t5-*: a T5-style encoder-decoder trained by span corruption)")              \
+    "the model preset (t5-*: a T5-style encoder-decoder, trained by span corruption on text or "  \
+    "on translation pairs)")                                                                       \
   X(width, int64_t, 0, Model, at_least(0, " (0: the preset's)"), "d_model (0: the preset's)")      \
   X(layers, int64_t, 0, Model, at_least(0, " (0: the preset's)"), "blocks (0: the preset's)")      \
   X(heads, int64_t, 0, Model, at_least(0, " (0: the preset's)"),                                   \
@@ -100,7 +101,8 @@ struct OptionSpec {
   X(dropout, double, 0.0, Run, anything(), "dropout probability")                                  \
   /* ====== Data ====== */                                                                         \
   X(data, std::string, "/usr/share/games/fortunes", Model, anything(),                             \
-    "text file or folder, or an llm.c token shard (.bin)")                                         \
+    "text file or folder, an llm.c token shard (.bin), or translation pairs for t5-*: "            \
+    "gettext:LANG (English -> LANG from the installed message catalogues), *.tsv or *.jsonl")      \
   X(tokenizer, TokenizerKind, TokenizerKind::Bpe, Model, anything(),                               \
     "bpe (SentencePiece, trained on --data) or bytes")                                             \
   X(vocab, int32_t, 4096, Model, anything(), "BPE vocabulary size")                                \
@@ -109,7 +111,10 @@ struct OptionSpec {
   X(batch, int64_t, 16, State, at_least(1), "global batch in sequences, divided across ranks")     \
   X(micro_batch, int64_t, 0, State, at_least(0),                                                   \
     "sequences per forward on a rank; accumulates (0: the rank's share)")                          \
-  X(seq, int64_t, 64, Model, at_least(1), "tokens per sequence")                                   \
+  X(seq, int64_t, 64, Model, at_least(1),                                                          \
+    "tokens per sequence (translation pairs: the longest source; longer ones are cut)")            \
+  X(target_seq, int64_t, 0, Model, at_least(0, " (0: --seq)"),                                     \
+    "translation pairs: the longest target in tokens (0: --seq)")                                  \
   X(lr, double, 1e-3, Run, above(0), "peak learning rate")                                         \
   X(warmup, int64_t, 20, Run, at_least(0), "linear warmup steps, then cosine decay")               \
   X(min_lr_ratio, double, 0.1, Run, closed(0, 1), "final lr as a fraction of --lr")                \

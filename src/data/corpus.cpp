@@ -95,6 +95,72 @@ std::vector<std::string> read_text_documents(const std::string& path) {
   return documents;
 }
 
+// ====== gettext catalogues ======
+bool is_pair_source(const std::string& data) {
+  auto ends_with = [&data](const std::string& suffix) {
+    return data.size() >= suffix.size() &&
+           data.compare(data.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  return data.rfind("gettext:", 0) == 0 || ends_with(".tsv") || ends_with(".jsonl");
+}
+
+std::vector<std::pair<std::string, std::string>> gettext_domains() {
+  return {{"coreutils", "coreutils"},
+          {"git", "git"},
+          {"gas", "binutils-common"},
+          {"binutils", "binutils-common"},
+          {"bfd", "binutils-common"},
+          {"ld", "binutils-common"},
+          {"gold", "binutils-common"},
+          {"opcodes", "binutils-common"},
+          {"gprof", "binutils-common"},
+          {"gnupg2", "gnupg-l10n"},
+          {"libc", "libc-l10n"},
+          {"dpkg", "dpkg"},
+          {"dpkg-dev", "libdpkg-perl"},
+          {"bash", "bash"},
+          {"tar", "tar"},
+          {"wget", "wget"},
+          {"make", "make"},
+          {"apt", "apt"},
+          {"diffutils", "diffutils"},
+          {"findutils", "findutils"},
+          {"sed", "sed"},
+          {"grep", "grep"},
+          {"gettext-tools", "gettext"},
+          {"gettext-runtime", "gettext-base"},
+          {"procps-ng", "procps"},
+          {"shadow", "login"},
+          {"xz", "xz-utils"},
+          {"adduser", "adduser"},
+          {"man-db", "man-db"},
+          {"psmisc", "psmisc"},
+          {"m4", "m4"}};
+}
+
+std::vector<std::string> gettext_catalogues(const std::string& lang) {
+  namespace fs = std::filesystem;
+  const bool word =
+      !lang.empty() &&
+      lang.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_@") ==
+          std::string::npos;
+  if (!word) {
+    throw std::invalid_argument("--data gettext:" + lang +
+                                ": LANG must be a locale name such as fr, de or pt_BR");
+  }
+  const fs::path dir = fs::path("/usr/share/locale") / lang / "LC_MESSAGES";
+  std::vector<std::string> files;
+  for (const auto& [domain, package] : gettext_domains()) {
+    const fs::path mo = dir / (domain + ".mo");
+    if (fs::is_regular_file(mo)) files.push_back(mo.string());
+  }
+  if (files.empty()) {
+    throw std::invalid_argument("--data gettext:" + lang + ": no catalogues in " + dir.string() +
+                                " (scripts/install-deps.sh installs the packages that hold them)");
+  }
+  return files;
+}
+
 // ====== llm.c shards ======
 constexpr int32_t kLlmcMagic = 20240520;
 

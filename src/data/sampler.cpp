@@ -33,12 +33,46 @@ std::string quote(const std::string& s) {
   return q + "'";
 }
 
+// Where gettext:LANG's tokens are cached: under the cache folder, named by the language and a
+// hash of its catalogues' paths, sizes and modification times (an upgraded package is a new
+// corpus, tokenized again).
+std::string gettext_cache_dir(const std::string& data, const std::string& tokenizer,
+                              int32_t vocab) {
+  namespace fs = std::filesystem;
+  std::string key;
+  for (const std::string& file : gettext_catalogues(data.substr(8))) {
+    key += file + ":" + std::to_string(fs::file_size(file)) + ":" +
+           std::to_string(fs::last_write_time(file).time_since_epoch().count()) + ";";
+  }
+  const char* xdg = std::getenv("XDG_CACHE_HOME");
+  const char* home = std::getenv("HOME");
+  const fs::path cache = xdg ? fs::path(xdg) : fs::path(home ? home : "/tmp") / ".cache";
+  const std::string suffix =
+      ".flexdemo-" + (tokenizer == "bpe" ? "bpe-" + std::to_string(vocab) : tokenizer);
+  return (cache / "flexdemo" /
+          ("gettext-" + data.substr(8) + "-" + std::to_string(std::hash<std::string>{}(key)) +
+           suffix))
+      .string();
+}
+
+// Draws row `row` of step `step` among n choices: from (seed, step, row) alone.
+uint64_t draw(uint64_t seed, int64_t step, int64_t row, uint64_t n) {
+  std::seed_seq seq{uint32_t(seed), uint32_t(seed >> 32),
+                    uint32_t(step), uint32_t(uint64_t(step) >> 32),
+                    uint32_t(row),  uint32_t(uint64_t(row) >> 32)};
+  std::mt19937_64 rng(seq);
+  return rng() % n;
+}
+
 }  // namespace
 
 TokenData load_token_data(const std::string& data, const std::string& tokenizer, int32_t vocab,
                           const std::string& helper) {
   namespace fs = std::filesystem;
-  if (!fs::exists(data)) throw std::invalid_argument("--data: no such file or folder: " + data);
+  const bool gettext = data.rfind("gettext:", 0) == 0;
+  if (!gettext && !fs::exists(data)) {
+    throw std::invalid_argument("--data: no such file or folder: " + data);
+  }
   TokenData out;
   // An llm.c shard: tokens as they are.
   if (fs::is_regular_file(data) && data.size() > 4 && data.substr(data.size() - 4) == ".bin") {
@@ -64,7 +98,8 @@ TokenData load_token_data(const std::string& data, const std::string& tokenizer,
   if (tokenizer != "bytes" && tokenizer != "bpe") {
     throw std::invalid_argument("unknown tokenizer '" + tokenizer + "'; accepted: bpe, bytes");
   }
-  const std::string dir = token_cache_dir(data, tokenizer, vocab);
+  const std::string dir =
+      gettext ? gettext_cache_dir(data, tokenizer, vocab) : token_cache_dir(data, tokenizer, vocab);
   auto cached = [&] {  // a cache from before "eot" was recorded is stale
     if (!fs::exists(fs::path(dir) / "meta.json")) return false;
     return nlohmann::json::parse(std::ifstream(fs::path(dir) / "meta.json")).contains("eot");
@@ -101,6 +136,12 @@ TokenData load_token_data(const std::string& data, const std::string& tokenizer,
   out.train = read_llmc_shard((fs::path(dir) / "train.bin").string());
   out.val = read_llmc_shard((fs::path(dir) / "val.bin").string());
   if (tokenizer == "bpe") out.tokenizer_model = (fs::path(dir) / "tokenizer.model").string();
+  out.pairs = meta.value("format", "text") == "pairs";
+  if (out.pairs) {
+    out.checksum = meta.at("checksum").get<std::string>();
+    out.train_pairs = meta.at("train_pairs").get<int64_t>();
+    out.val_pairs = meta.at("val_pairs").get<int64_t>();
+  }
   return out;
 }
 
@@ -121,12 +162,7 @@ at::Tensor BatchSampler::rows(int64_t step, int64_t first, int64_t count) const 
   auto o = out.accessor<int64_t, 2>();
   const uint64_t starts = tokens_.size() - uint64_t(seq_len_);  // valid start positions
   for (int64_t r = 0; r < count; ++r) {
-    const uint64_t row = uint64_t(first + r);
-    std::seed_seq seq{uint32_t(seed_), uint32_t(seed_ >> 32),
-                      uint32_t(step),  uint32_t(uint64_t(step) >> 32),
-                      uint32_t(row),   uint32_t(row >> 32)};
-    std::mt19937_64 rng(seq);
-    const uint64_t start = rng() % starts;
+    const uint64_t start = draw(seed_, step, first + r, starts);
     for (int64_t t = 0; t <= seq_len_; ++t) o[r][t] = tokens_[start + t];
   }
   return out;
@@ -143,6 +179,58 @@ at::Tensor BatchSampler::windows(int64_t first, int64_t count) const {
     const int64_t start = ((first + r) % num_windows()) * seq_len_;
     for (int64_t t = 0; t <= seq_len_; ++t) o[r][t] = tokens_[start + t];
   }
+  return out;
+}
+
+// ====== Pairs ======
+PairSampler::PairSampler(const std::vector<int32_t>& tokens, int32_t eot, int64_t source_len,
+                         int64_t target_len, uint64_t seed)
+    : tokens_(tokens), source_len_(source_len), target_len_(target_len), seed_(seed) {
+  if (source_len < 2 || target_len < 2) {
+    throw std::invalid_argument("translation pairs need --seq and --target-seq >= 2, got " +
+                                std::to_string(source_len) + " and " + std::to_string(target_len));
+  }
+  std::vector<Span> sides;
+  size_t begin = 0;
+  for (size_t i = 0; i < tokens_.size(); ++i) {
+    if (tokens_[i] == eot) {
+      sides.push_back({begin, i + 1});
+      begin = i + 1;
+    }
+  }
+  if (sides.size() % 2 != 0 || begin != tokens_.size()) {
+    throw std::invalid_argument("the pair data is not source/target pairs ended by end-of-text");
+  }
+  for (size_t i = 0; i < sides.size(); i += 2) pairs_.push_back({sides[i], sides[i + 1]});
+  if (pairs_.empty()) throw std::invalid_argument("the pair data holds no pairs");
+}
+
+void PairSampler::fill(at::Tensor& out, int64_t row, size_t pair) const {
+  auto o = out.accessor<int64_t, 2>();
+  int64_t at = 0;
+  for (const auto& [side, len] :
+       {std::pair{pairs_[pair].first, source_len_}, std::pair{pairs_[pair].second, target_len_}}) {
+    const int64_t n = std::min<int64_t>(int64_t(side.end - side.begin), len);
+    for (int64_t t = 0; t < n - 1; ++t) o[row][at + t] = tokens_[side.begin + size_t(t)];
+    o[row][at + n - 1] = tokens_[side.end - 1];  // end-of-text, even when cut
+    for (int64_t t = n; t < len; ++t) o[row][at + t] = kPad;
+    at += len;
+  }
+}
+
+at::Tensor PairSampler::rows(int64_t step, int64_t first, int64_t count) const {
+  at::Tensor out = at::empty({count, source_len_ + target_len_}, at::kLong);
+  for (int64_t r = 0; r < count; ++r) fill(out, r, draw(seed_, step, first + r, pairs_.size()));
+  return out;
+}
+
+int64_t PairSampler::scored_tokens(const at::Tensor& rows) const {
+  return (rows.narrow(1, source_len_, target_len_) != kPad).sum().item<int64_t>();
+}
+
+at::Tensor PairSampler::windows(int64_t first, int64_t count) const {
+  at::Tensor out = at::empty({count, source_len_ + target_len_}, at::kLong);
+  for (int64_t r = 0; r < count; ++r) fill(out, r, size_t((first + r) % num_windows()));
   return out;
 }
 

@@ -28,6 +28,14 @@ void GptConfig::validate() const {
   }
 }
 
+at::Tensor LanguageModel::encode(const at::Tensor&) {
+  throw std::invalid_argument("only an encoder-decoder (t5-*) translates");
+}
+at::Tensor LanguageModel::next_target_logits(const at::Tensor&, const at::Tensor&,
+                                             const at::Tensor&) {
+  throw std::invalid_argument("only an encoder-decoder (t5-*) translates");
+}
+
 std::vector<std::string> model_presets() {
   return {"gpt-nano", "gpt-micro", "gpt2-small", "t5-nano", "t5-small"};
 }

@@ -38,6 +38,7 @@ namespace {
 
 using Params = std::vector<at::Tensor>;
 constexpr int64_t kBuckets = 32, kMaxDistance = 128, kSentinels = 100;
+constexpr int64_t kPad = -1;  // data::PairSampler's padding
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w) {
   return x * at::rsqrt(x.pow(2).mean(-1, true) + 1e-6) * w;
@@ -67,10 +68,12 @@ at::Tensor position_buckets(int64_t q_len, int64_t k_len, bool bidirectional, at
   return out + at::where(n < exact, n, large);
 }
 
-// Multi-head attention with a relative position bias table [kBuckets, heads].
+// Multi-head attention with a relative position bias table [kBuckets, heads]; keys where
+// key_pad ([B, S] bool) is true are not attended to.
 at::Tensor attention(const at::Tensor& x, const at::Tensor& kv, const at::Tensor& wq,
                      const at::Tensor& wk, const at::Tensor& wv, const at::Tensor& wo,
-                     const at::Tensor* bias, bool causal, bool bidirectional, int64_t H) {
+                     const at::Tensor* bias, bool causal, bool bidirectional, int64_t H,
+                     const at::Tensor* key_pad = nullptr) {
   const int64_t B = x.size(0), T = x.size(1), S = kv.size(1), C = x.size(2), D = C / H;
   const at::Tensor q = at::linear(x, wq).view({B, T, H, D}).transpose(1, 2);
   const at::Tensor k = at::linear(kv, wk).view({B, S, H, D}).transpose(1, 2);
@@ -84,23 +87,30 @@ at::Tensor attention(const at::Tensor& x, const at::Tensor& kv, const at::Tensor
   if (causal)
     scores =
         scores.masked_fill(at::ones({T, S}, scores.options().dtype(at::kBool)).triu(1), -INFINITY);
+  if (key_pad) scores = scores.masked_fill(key_pad->view({B, 1, 1, S}), -INFINITY);
   const at::Tensor y = at::matmul(at::softmax(scores, -1), v).transpose(1, 2).reshape({B, T, C});
   return at::linear(y, wo);
 }
 
+// The source's padding mask ([B, S] bool), where a block's inputs carry one after the states.
+const at::Tensor* pad_mask(const Params& in, size_t at) {
+  return in.size() > at ? &in[at] : nullptr;
+}
+
 // Encoder block: [ln, q, k, v, o, bias, ln, wi, wo].
-at::Tensor encoder_block(const Params& p, const at::Tensor& x, int64_t H) {
+at::Tensor encoder_block(const Params& p, const at::Tensor& x, int64_t H, const at::Tensor* pad) {
   const at::Tensor h = rms_norm(x, p[0]);
-  at::Tensor out = x + attention(h, h, p[1], p[2], p[3], p[4], &p[5], false, true, H);
+  at::Tensor out = x + attention(h, h, p[1], p[2], p[3], p[4], &p[5], false, true, H, pad);
   return out + at::linear(at::relu(at::linear(rms_norm(out, p[6]), p[7])), p[8]);
 }
 
 // Decoder block: [ln, q, k, v, o, bias, ln, cq, ck, cv, co, ln, wi, wo].
-at::Tensor decoder_block(const Params& p, const at::Tensor& x, const at::Tensor& enc, int64_t H) {
+at::Tensor decoder_block(const Params& p, const at::Tensor& x, const at::Tensor& enc, int64_t H,
+                         const at::Tensor* pad) {
   const at::Tensor h = rms_norm(x, p[0]);
   at::Tensor out = x + attention(h, h, p[1], p[2], p[3], p[4], &p[5], true, false, H);
-  out =
-      out + attention(rms_norm(out, p[6]), enc, p[7], p[8], p[9], p[10], nullptr, false, false, H);
+  out = out +
+        attention(rms_norm(out, p[6]), enc, p[7], p[8], p[9], p[10], nullptr, false, false, H, pad);
   return out + at::linear(at::relu(at::linear(rms_norm(out, p[11]), p[12])), p[13]);
 }
 
@@ -153,24 +163,40 @@ class T5 final : public UnitModel {
     add_unit("decoder.ln_f", {{"decoder.ln_f.weight", at::ones({d})}}, group, options);
   }
 
-  // tokens [B, T + 1]: the text is corrupted into (inputs, targets), then teacher-forced.
+  // Text windows [B, T + 1] are corrupted into (inputs, targets); pairs [B, source_len +
+  // target_len] are (inputs, targets) as they are. Then teacher-forced; padding is not scored.
   at::Tensor loss(const at::Tensor& tokens) override {
+    if (c_.source_len > 0) {
+      const at::Tensor source = trim_padding(tokens.narrow(1, 0, c_.source_len));
+      const at::Tensor target =
+          trim_padding(tokens.narrow(1, c_.source_len, tokens.size(1) - c_.source_len));
+      const at::Tensor logits = decode(encode(source), source, decoder_inputs(target));
+      return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), target.reshape({-1}), {},
+                                    at::Reduction::Mean, kPad);
+    }
     // Corrupted on the CPU (the spans are drawn from its generator), trained where tokens are.
     const auto [text_inputs, text_targets] =
         corrupt_spans(tokens.narrow(1, 0, tokens.size(1) - 1).cpu());
     const at::Tensor inputs = text_inputs.to(tokens.device());
     const at::Tensor targets = text_targets.to(tokens.device());
-    const at::Tensor decoder_in =
-        at::cat({at::full({targets.size(0), 1}, c_.eot, targets.options()),  // start: end-of-text
-                 targets.narrow(1, 0, targets.size(1) - 1)},
-                1);
-    const at::Tensor logits = forward(inputs, decoder_in);
+    const at::Tensor logits = decode(encode(inputs), inputs, decoder_inputs(targets));
     return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
   }
 
   at::Tensor next_token_logits(const at::Tensor&) override {
     throw std::invalid_argument(
-        "generate needs a GPT checkpoint; T5 is trained on span corruption");
+        "this T5 was trained on span corruption, which continues no text; a T5 trained on "
+        "translation pairs translates --prompt");
+  }
+
+  bool seq2seq() const override { return true; }
+  at::Tensor encode(const at::Tensor& source) override {
+    return encoder_states(source.clamp_min(0), padding(source));
+  }
+  at::Tensor next_target_logits(const at::Tensor& encoded, const at::Tensor& source,
+                                const at::Tensor& prefix) override {
+    const at::Tensor logits = decode(encoded, source, prefix);
+    return logits.select(1, logits.size(1) - 1).to(at::kFloat);
   }
 
   int64_t context() const override { return 1 << 20; }  // relative positions: no limit
@@ -180,6 +206,26 @@ class T5 final : public UnitModel {
            std::to_string(c_.ff) + ", vocab " + std::to_string(c_.vocab) + " + " +
            std::to_string(kSentinels) + " sentinels (" + std::to_string(num_params()) +
            " parameters)";
+  }
+
+  // Teacher forcing: the decoder sees the end-of-text id (its start), then the target but its
+  // last token; padding is fed as end-of-text (its positions are never scored).
+  at::Tensor decoder_inputs(const at::Tensor& targets) const {
+    const at::Tensor start = at::full({targets.size(0), 1}, c_.eot, targets.options());
+    const at::Tensor in = at::cat({start, targets.narrow(1, 0, targets.size(1) - 1)}, 1);
+    return in.masked_fill(in == kPad, c_.eot);
+  }
+
+  // Where a side is padding, [B, n] bool; undefined for rows without any (no mask needed).
+  static at::Tensor padding(const at::Tensor& side) {
+    const at::Tensor pad = side == kPad;
+    return pad.any().item<bool>() ? pad : at::Tensor();
+  }
+
+  // The columns up to the longest row's end (rows are padded at their ends only).
+  static at::Tensor trim_padding(const at::Tensor& side) {
+    const int64_t longest = (side != kPad).sum(1).max().item<int64_t>();
+    return side.narrow(1, 0, longest);
   }
 
   // Span corruption with noise density 0.15 and mean span 3 (T5's defaults): a fixed number of
@@ -221,26 +267,41 @@ class T5 final : public UnitModel {
   }
 
  private:
-  at::Tensor forward(const at::Tensor& inputs, const at::Tensor& decoder_in) {
-    const int64_t H = c_.heads, L = c_.layers, d = c_.width;
-    // Units: 0 the shared embeddings (and head), 1..L encoder blocks, L+1 encoder ln_f, L+2..2L+1
-    // decoder blocks, 2L+2 decoder ln_f. Each names the unit that runs after it (its gather is
-    // prefetched) and the one whose output it takes (prefetched in the backward).
-    auto u = [this](int64_t i) { return units_[i].get(); };
+  // Units: 0 the shared embeddings (and head), 1..L encoder blocks, L+1 encoder ln_f, L+2..2L+1
+  // decoder blocks, 2L+2 decoder ln_f. Each names the unit that runs after it (its gather is
+  // prefetched) and the one whose output it takes (prefetched in the backward).
+  shard::ShardedUnit* u(int64_t i) const { return units_[size_t(i)].get(); }
+
+  // The encoder's output for inputs [B, S] (valid ids), pad: undefined or [B, S] bool.
+  at::Tensor encoder_states(const at::Tensor& inputs, const at::Tensor& pad) {
+    const int64_t H = c_.heads, L = c_.layers;
     auto embed = [](const Params& p, const Params& in) { return at::embedding(p[0], in[0]); };
     at::Tensor x = u(0)->forward(embed, {inputs}, {u(1), nullptr});
     for (int64_t l = 0; l < L; ++l) {
       x = u(1 + l)->forward(
-          [H](const Params& p, const Params& in) { return encoder_block(p, in[0], H); }, {x},
-          {u(2 + l), u(l)});
+          [H](const Params& p, const Params& in) {
+            return encoder_block(p, in[0], H, pad_mask(in, 1));
+          },
+          pad.defined() ? Params{x, pad} : Params{x}, {u(2 + l), u(l)});
     }
-    const at::Tensor enc = u(1 + L)->forward(
+    return u(1 + L)->forward(
         [](const Params& p, const Params& in) { return rms_norm(in[0], p[0]); }, {x}, {u(0), u(L)});
+  }
+
+  // Logits [B, T, vocab + sentinels] of the decoder on decoder_in [B, T], attending to the
+  // encoder's output of source (padded with kPad where it is).
+  at::Tensor decode(const at::Tensor& enc, const at::Tensor& source, const at::Tensor& decoder_in) {
+    const int64_t H = c_.heads, L = c_.layers, d = c_.width;
+    const at::Tensor pad = padding(source);
+    auto embed = [](const Params& p, const Params& in) { return at::embedding(p[0], in[0]); };
     at::Tensor y = u(0)->forward(embed, {decoder_in}, {u(L + 2), nullptr});
     for (int64_t l = 0; l < L; ++l) {
       y = u(L + 2 + l)->forward(
-          [H](const Params& p, const Params& in) { return decoder_block(p, in[0], in[1], H); },
-          {y, enc}, {u(L + 3 + l), l == 0 ? u(0) : u(L + 1 + l)});
+          [H](const Params& p, const Params& in) {
+            return decoder_block(p, in[0], in[1], H, pad_mask(in, 2));
+          },
+          pad.defined() ? Params{y, enc, pad} : Params{y, enc},
+          {u(L + 3 + l), l == 0 ? u(0) : u(L + 1 + l)});
     }
     y = u(2 * L + 2)->forward(
         [d](const Params& p, const Params& in) {

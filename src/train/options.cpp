@@ -2,6 +2,8 @@
 // train_options.h: validation, config.json, the resume check, and the optimizer they ask for.
 #include "options.h"
 
+#include "flexdemo/text.h"
+
 #include <fmt/core.h>
 
 #include <algorithm>
@@ -147,6 +149,12 @@ void TrainConfig::validate() const {
           "sent its payloads), got --on-nonfinite " +
           name_of(on_nonfinite));
     }
+  }
+  if (data::is_pair_source(data) && !is_t5(*this)) {
+    fail("--data " + data +
+         " holds translation pairs, which train an encoder-decoder: --model t5-nano or t5-small, "
+         "got --model " +
+         model);
   }
   if (is_t5(*this)) {
     t5_config(*this, 260).validate();

@@ -87,6 +87,11 @@ RunLog::RunLog(const Session& s, int64_t start_step)
   resolved["model_description"] = s.lm->describe();
   resolved["num_params"] = s.lm->num_params();
   resolved["vocab_size"] = s.tokens.vocab_size;
+  if (s.tokens.pairs) {  // which corpus: gettext:LANG depends on the packages installed
+    resolved["corpus"] = {{"train_pairs", s.tokens.train_pairs},
+                          {"val_pairs", s.tokens.val_pairs},
+                          {"checksum", s.tokens.checksum}};
+  }
   std::ofstream(fs::path(cfg.out) / "config.json") << resolved.dump(2) << "\n";
   const fs::path metrics_path = fs::path(cfg.out) / "metrics.jsonl";
   std::string kept;

@@ -57,6 +57,7 @@ data::TokenData load_tokens(const TrainConfig& cfg, comm::Communicator& world) {
   raise_on_every_rank(world, error, bad_input);
   if (world.rank() != 0) tokens = data::load_token_data(cfg.data, tokenizer, cfg.vocab, helper);
   comm::set_collective_timeout(cfg.comm_timeout);
+  if (tokens.pairs) return tokens;  // (validate() checked the model)
   for (const auto& [part, split] :
        {std::pair{"training", &tokens.train}, std::pair{"validation", &tokens.val}}) {
     if (int64_t(split->size()) < cfg.seq + 1) {
@@ -136,8 +137,17 @@ std::unique_ptr<Session> open_session(const TrainConfig& config,
   }
 
   s->tokens = load_tokens(cfg, *world);
-  s->train_data = std::make_unique<data::BatchSampler>(s->tokens.train, cfg.seq, cfg.seed);
-  s->val_data = std::make_unique<data::BatchSampler>(s->tokens.val, cfg.seq, cfg.seed);
+  if (s->tokens.pairs) {
+    const int64_t target_seq = cfg.target_seq > 0 ? cfg.target_seq : cfg.seq;
+    for (const auto& [sampler, split] :
+         {std::pair{&s->train_data, &s->tokens.train}, std::pair{&s->val_data, &s->tokens.val}}) {
+      *sampler =
+          std::make_unique<data::PairSampler>(*split, s->tokens.eot, cfg.seq, target_seq, cfg.seed);
+    }
+  } else {
+    s->train_data = std::make_unique<data::BatchSampler>(s->tokens.train, cfg.seq, cfg.seed);
+    s->val_data = std::make_unique<data::BatchSampler>(s->tokens.val, cfg.seq, cfg.seed);
+  }
 
   shard::ShardOptions so;
   so.chunk = cfg.chunk;
@@ -146,6 +156,7 @@ std::unique_ptr<Session> open_session(const TrainConfig& config,
   if (is_t5(cfg)) {
     model::T5Config tc = t5_config(cfg, s->tokens.vocab_size);
     tc.eot = s->tokens.eot;
+    if (s->tokens.pairs) tc.source_len = cfg.seq;
     s->lm = model::make_t5(tc, s->topo.shard_group, so, cfg.seed);
   } else {
     s->lm =
@@ -160,15 +171,17 @@ double evaluate(Session& s) {
   at::NoGradGuard no_grad;
   const auto& world = s.topo.world;
   const int64_t mine = std::max<int64_t>(1, s.cfg.eval_seqs / world->size());
-  double sum = 0.0;
+  // Batches weigh by the tokens they score, so the mean is the same for any batching.
+  at::Tensor sums = at::zeros({2}, at::kDouble);  // loss x tokens, tokens
   for (int64_t done = 0; done < mine; done += s.micro) {
     const int64_t n = std::min(s.micro, mine - done);
-    const at::Tensor windows = s.val_data->windows(world->rank() * mine + done, n).to(s.device);
-    sum += s.lm->loss(windows).item<double>() * n;
+    const at::Tensor windows = s.val_data->windows(world->rank() * mine + done, n);
+    const double tokens = double(s.val_data->scored_tokens(windows));
+    sums[0] += s.lm->loss(windows.to(s.device)).item<double>() * tokens;
+    sums[1] += tokens;
   }
-  at::Tensor mean = at::full({1}, sum / double(mine), at::kDouble);
-  world->all_reduce(mean, comm::ReduceOp::Avg);
-  return mean.item<double>();
+  world->all_reduce(sums, comm::ReduceOp::Sum);
+  return (sums[0] / sums[1]).item<double>();
 }
 
 }  // namespace flexdemo::train

@@ -19,7 +19,7 @@ struct Session {
   TrainConfig cfg;  // validated and resolved
   comm::Topology topo;
   data::TokenData tokens;
-  std::unique_ptr<data::BatchSampler> train_data, val_data;
+  std::unique_ptr<data::Batches> train_data, val_data;  // text windows or translation pairs
   std::unique_ptr<model::LanguageModel> lm;
   std::vector<optim::OptimParam> params;  // the model's shards, as the optimizer indexes them
   std::unique_ptr<optim::Optimizer> optimizer;
@@ -34,7 +34,8 @@ struct Session {
 std::unique_ptr<Session> open_session(const TrainConfig& config,
                                       std::shared_ptr<comm::Communicator> world);
 
-// Mean validation loss over cfg.eval_seqs windows shared by all ranks. Collective.
+// Mean validation loss per scored token over cfg.eval_seqs windows (pairs) shared by all ranks.
+// Collective.
 double evaluate(Session& s);
 
 }  // namespace flexdemo::train
