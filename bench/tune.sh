@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The tuning sweep: each optimizer trained with each of its candidate settings on one fixed step
+# budget (the same model, data, seed, batch and topology: 2 nodes x 2 ranks, like
+# scripts/demo.sh), every run kept, and the best per optimizer chosen on final validation loss.
+# Writes docs/results/tune/<model>-<steps>/<run>/ (one `flexdemo train` output each) and
+# table.md there (every run; the best of each optimizer in bold, with its loss against the best
+# AdamW-HSDP run). A run whose summary.json exists is not trained again, so a sweep cut short
+# continues where it stopped; delete a run's folder to train it again.
+#   MODEL (default gpt-micro), STEPS (default 500), NP (MPI ranks, default 4), RANKS_PER_NODE
+#   (default 2), GRID (a file of lines "RUN-NAME OPTIONS...", default: the built-in grid below;
+#   RUN-NAME starts with the optimizer), ONLY (a regular expression: train only the runs it
+#   matches; the table lists all kept runs). Extra arguments go to every `flexdemo train`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+model="${MODEL:-gpt-micro}"
+steps="${STEPS:-500}"
+np="${NP:-4}"
+ranks_per_node="${RANKS_PER_NODE:-2}"
+out="docs/results/tune/$model-$steps"
+bash scripts/install-deps.sh >/dev/null
+bash scripts/build.sh flexdemo_cli flexdemo_tokenize >/dev/null
+export OMP_NUM_THREADS=1
+root_flag=""
+if [ "$(id -u)" -eq 0 ]; then root_flag="--allow-run-as-root"; fi
+
+default_grid() {
+  cat <<'EOF'
+flexdemo-lr2.5e-4 --optimizer flexdemo --lr 2.5e-4
+flexdemo-lr5e-4 --optimizer flexdemo --lr 5e-4
+flexdemo-lr1e-3 --optimizer flexdemo --lr 1e-3
+flexdemo-lr2e-3 --optimizer flexdemo --lr 2e-3
+adamw-lr1e-3 --optimizer adamw --lr 1e-3
+adamw-lr2e-3 --optimizer adamw --lr 2e-3
+adamw-lr4e-3 --optimizer adamw --lr 4e-3
+flexdemo-adamw-lr1e-3 --optimizer flexdemo-adamw --lr 1e-3
+flexdemo-adamw-sign-lr1e-3 --optimizer flexdemo-adamw --sign --lr 1e-3
+EOF
+}
+
+grid() { if [ -n "${GRID:-}" ]; then grep -v '^\s*\(#\|$\)' "$GRID"; else default_grid; fi; }
+
+mkdir -p "$out"
+while read -r name options; do
+  if [ -n "${ONLY:-}" ] && ! [[ "$name" =~ $ONLY ]]; then continue; fi
+  if [ -f "$out/$name/summary.json" ]; then continue; fi
+  echo "== $name: $options =="
+  rm -rf "${out:?}/$name"
+  # shellcheck disable=SC2086
+  mpirun $root_flag --oversubscribe -np "$np" build/flexdemo train --model "$model" \
+    --ranks-per-node "$ranks_per_node" --steps "$steps" --eval-every 50 --log-every 100 \
+    --progress lines $options --out "$out/$name" "$@" </dev/null  # mpirun would eat the grid
+  echo "$options" >"$out/$name/options.txt"
+done < <(grid)
+
+# The table: every kept run, grouped by optimizer, best first.
+python3 - "$out" <<'EOF'
+import json, os, sys
+out = sys.argv[1]
+rows = []
+for name in sorted(os.listdir(out)):
+    summary = os.path.join(out, name, "summary.json")
+    if not os.path.isfile(summary):
+        continue
+    s = json.load(open(summary))
+    options = open(os.path.join(out, name, "options.txt")).read().strip()
+    rows.append((s["optimizer"], s["final_val_loss"], name, options, s["steps"]))
+best = {}
+for opt, loss, *_ in rows:
+    best[opt] = min(loss, best.get(opt, float("inf")))
+ref = best.get("adamw")
+lines = ["| run | options | steps | final val loss | best of its optimizer vs best AdamW-HSDP |",
+         "|---|---|---|---|---|"]
+for opt, loss, name, options, steps in sorted(rows):
+    top = loss == best[opt]
+    vs = f"{100 * (loss / ref - 1):+.2f}%" if top and ref else ""
+    cell = f"**{loss:.4f}**" if top else f"{loss:.4f}"
+    lines.append(f"| {name} | `{options}` | {steps} | {cell} | {vs} |")
+open(os.path.join(out, "table.md"), "w").write("\n".join(lines) + "\n")
+print("\n".join(lines))
+EOF
