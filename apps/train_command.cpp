@@ -33,11 +33,15 @@ void add_option(CLI::App& cmd, T& field, const train::OptionSpec& spec) {
             ->check(CLI::IsMember(names_of<T>()))
             ->default_str(name_of(field));
   } else if constexpr (train::is_optional<T>::value) {
-    using E = typename T::value_type;
-    option =
-        cmd.add_option_function<std::string>(
-               flag, [&field](const std::string& word) { field = parse_name<E>(word); }, spec.help)
-            ->check(CLI::IsMember(names_of<E>()));
+    using V = typename T::value_type;
+    if constexpr (std::is_arithmetic_v<V>) {
+      option = cmd.add_option_function<V>(flag, [&field](V value) { field = value; }, spec.help);
+    } else {
+      option = cmd.add_option_function<std::string>(
+                      flag, [&field](const std::string& word) { field = parse_name<V>(word); },
+                      spec.help)
+                   ->check(CLI::IsMember(names_of<V>()));
+    }
   } else {
     option = cmd.add_option(flag, field, spec.help)->capture_default_str();
     if (spec.accepts.words) option->check(CLI::IsMember(spec.accepts.words()));

@@ -115,7 +115,8 @@ struct OptionSpec {
     "tokens per sequence (translation pairs: the longest source; longer ones are cut)")            \
   X(target_seq, int64_t, 0, Model, at_least(0, " (0: --seq)"),                                     \
     "translation pairs: the longest target in tokens (0: --seq)")                                  \
-  X(lr, double, 1e-3, Run, above(0), "peak learning rate")                                         \
+  X(lr, std::optional<double>, std::nullopt, Run, above(0),                                        \
+    "peak learning rate (default: the optimizer's tuned one, see README)")                         \
   X(warmup, int64_t, 20, Run, at_least(0), "linear warmup steps, then cosine decay")               \
   X(min_lr_ratio, double, 0.1, Run, closed(0, 1), "final lr as a fraction of --lr")                \
   X(clip, double, 1.0, Run, at_least(0),                                                           \
@@ -197,9 +198,12 @@ struct TrainConfig {
   // Throws std::invalid_argument naming the bad option: every check that needs no data and no
   // other rank, so that bad input fails at once.
   void validate() const;
-  // Fills in what defaults to the optimizer's choice (replicator, sign).
+  // Fills in what defaults to the optimizer's choice (replicator, sign, lr).
   void resolve();
 };
+
+// The optimizer's learning rate when --lr is not given: its best in the tuning sweep.
+double default_lr(OptimizerKind optimizer);
 
 // Whether an option's type is std::optional (unset: the optimizer's choice, until resolve()).
 template <class T>

@@ -47,7 +47,9 @@ void read_json(T& field, const nlohmann::json& j) {
 template <class T>
 void check_accepted(const T& value, const OptionSpec& spec) {
   const Accepts& a = spec.accepts;
-  if constexpr (std::is_arithmetic_v<T> && !std::is_same_v<T, bool>) {
+  if constexpr (is_optional<T>::value) {
+    if (value) check_accepted(*value, spec);  // unset: the optimizer's, valid
+  } else if constexpr (std::is_arithmetic_v<T> && !std::is_same_v<T, bool>) {
     const double v = double(value);
     const bool too_low = a.low && (a.low_open ? !(v > *a.low) : !(v >= *a.low));
     const bool too_high = a.high && (a.high_open ? !(v < *a.high) : !(v <= *a.high));
@@ -121,7 +123,7 @@ void TrainConfig::validate() const {
     fail(fmt::format("--topk {} exceeds the {} coefficients of a --chunk {} chunk", topk,
                      chunk * chunk, chunk));
   }
-  if (!(weight_decay >= 0 && lr * weight_decay < 1)) {
+  if (!(weight_decay >= 0 && lr.value_or(default_lr(optimizer)) * weight_decay < 1)) {
     fail(fmt::format("--weight-decay must be >= 0 with --lr x --weight-decay < 1, got {}",
                      weight_decay));
   }
@@ -173,6 +175,18 @@ void TrainConfig::resolve() {
       optimizer == OptimizerKind::FlexDemo || optimizer == OptimizerKind::FlexDemoAdamW;
   if (!replicator) replicator = demo ? optim::ReplicatorKind::Demo : optim::ReplicatorKind::Full;
   if (!sign) sign = optimizer == OptimizerKind::FlexDemo;
+  if (!lr) lr = default_lr(optimizer);
+}
+
+double default_lr(OptimizerKind optimizer) {
+  // The best of bench/tune.sh's sweep per optimizer (README, "FlexDeMo against AdamW").
+  switch (optimizer) {
+    case OptimizerKind::FlexDemo: return 1e-3;
+    case OptimizerKind::FlexDemoAdamW: return 1e-3;
+    case OptimizerKind::AdamW: return 1e-3;
+    case OptimizerKind::Sgd: return 1e-3;
+  }
+  return 1e-3;
 }
 
 // ====== config.json ======
@@ -217,7 +231,7 @@ optim::OptimizerOptions optimizer_options(const TrainConfig& c) {
                 : optim::InnerKind::AdamW;
   o.replicator = c.replicator.value();
   o.sign = c.sign.value();
-  o.lr = c.lr;
+  o.lr = c.lr.value();
   o.weight_decay = c.weight_decay;
   o.topk = c.topk;  // the chunk geometry is the sharded units' (session.cpp)
   o.decay = c.decay;
@@ -230,11 +244,12 @@ optim::OptimizerOptions optimizer_options(const TrainConfig& c) {
 }
 
 double scheduled_lr(const TrainConfig& c, int64_t step) {
-  if (step < c.warmup) return c.lr * double(step + 1) / double(c.warmup);
+  const double lr = c.lr.value();
+  if (step < c.warmup) return lr * double(step + 1) / double(c.warmup);
   const double span = std::max<int64_t>(1, c.steps - c.warmup);
   const double progress = std::min(1.0, double(step - c.warmup) / span);
   const double cosine = 0.5 * (1.0 + std::cos(M_PI * progress));
-  return c.lr * (c.min_lr_ratio + (1.0 - c.min_lr_ratio) * cosine);
+  return lr * (c.min_lr_ratio + (1.0 - c.min_lr_ratio) * cosine);
 }
 
 }  // namespace flexdemo::train
