@@ -35,7 +35,8 @@ void add_option(CLI::App& cmd, T& field, const train::OptionSpec& spec) {
   } else if constexpr (train::is_optional<T>::value) {
     using V = typename T::value_type;
     if constexpr (std::is_arithmetic_v<V>) {
-      option = cmd.add_option_function<V>(flag, [&field](V value) { field = value; }, spec.help);
+      option = cmd.add_option_function<V>(
+          flag, [&field](V value) { field = value; }, spec.help);
     } else {
       option = cmd.add_option_function<std::string>(
                       flag, [&field](const std::string& word) { field = parse_name<V>(word); },
@@ -75,7 +76,7 @@ void expand_config_file(std::vector<std::string>& args, const CLI::App& cmd) {
   std::vector<std::string> from_file;
   for (const CLI::ConfigItem& item : CLI::ConfigTOML().from_file(file)) {
     if (item.name == "++" || item.name == "--") continue;  // section markers
-    std::string option = "--" + item.name;  // config.json's snake_case keys work too
+    std::string option = "--" + item.name;                 // config.json's snake_case keys work too
     std::replace(option.begin(), option.end(), '_', '-');
     if (!item.parents.empty() || cmd.get_option_no_throw(option) == nullptr ||
         option == "--config") {

@@ -5,12 +5,13 @@
 # 2 nodes x 2 ranks (scripts/cluster.sh; needs root) at each link rate, with the same data,
 # seed, batch and steps. Each run is then scored on the validation pairs: loss and chrF of its
 # greedy translations (`flexdemo eval --translate`). Keeps every run in
-# docs/results/paper/<model>/<rate>/<run>, writes docs/results/paper/<model>/table.md and, per
+# docs/results/paper/<model>-<steps>-topk<k>/<rate>/<run>, writes table.md there and, per
 # rate, a `flexdemo report` (validation loss against step and wall time, bytes between nodes).
 #   MODEL (default t5-nano; t5-small is the paper's model: see README), STEPS (default 500),
 #   RATES (default "none 100mbit"), RUNS (default "flexdemo flexdemo-adamw adamw-hsdp"),
 #   LR_FLEXDEMO, LR_FLEXDEMO_ADAMW, LR_ADAMW (default: the optimizers' tuned defaults),
-#   TRANSLATE (validation pairs translated for chrF, default 200). RATES="" trains nothing and
+#   TRANSLATE (validation pairs translated for chrF, default 200), TOPK (DeMo's coefficients per
+#   chunk, default 4 as in the paper). RATES="" trains nothing and
 #   only rebuilds the table and reports from the runs kept. Extra arguments go to every run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +20,8 @@ steps="${STEPS:-500}"
 rates="${RATES-none 100mbit}"
 runs="${RUNS:-flexdemo flexdemo-adamw adamw-hsdp}"
 translate="${TRANSLATE:-200}"
-out="docs/results/paper/$model"
+topk="${TOPK:-4}"
+out="docs/results/paper/$model-$steps-topk$topk"
 bash scripts/install-deps.sh >/dev/null
 bash scripts/build.sh flexdemo_cli flexdemo_tokenize >/dev/null
 cluster=scripts/cluster.sh
@@ -38,7 +40,8 @@ options_of() {
 
 # The paper's setting, scaled to the model: sources and targets cut at 64 tokens (the paper: 512
 # and 150; 95% of gettext:fr's fit in 43 and 49), global batch 32, DeMo top-k 4 of chunk 64.
-task=(--model "$model" --data gettext:fr --seq 64 --target-seq 64 --batch 32 --topk 4 --chunk 64)
+task=(--model "$model" --data gettext:fr --seq 64 --target-seq 64 --batch 32 --topk "$topk"
+  --chunk 64)
 mkdir -p "$out"
 for rate in $rates; do
   bash "$cluster" up 2 2 "$rate"

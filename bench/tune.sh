@@ -29,9 +29,10 @@ flexdemo-lr2.5e-4 --optimizer flexdemo --lr 2.5e-4
 flexdemo-lr5e-4 --optimizer flexdemo --lr 5e-4
 flexdemo-lr1e-3 --optimizer flexdemo --lr 1e-3
 flexdemo-lr2e-3 --optimizer flexdemo --lr 2e-3
+flexdemo-topk64-lr1e-3 --optimizer flexdemo --topk 64 --lr 1e-3
+adamw-lr5e-4 --optimizer adamw --lr 5e-4
 adamw-lr1e-3 --optimizer adamw --lr 1e-3
 adamw-lr2e-3 --optimizer adamw --lr 2e-3
-adamw-lr4e-3 --optimizer adamw --lr 4e-3
 flexdemo-adamw-lr1e-3 --optimizer flexdemo-adamw --lr 1e-3
 flexdemo-adamw-sign-lr1e-3 --optimizer flexdemo-adamw --sign --lr 1e-3
 EOF

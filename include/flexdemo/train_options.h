@@ -122,6 +122,8 @@ struct OptionSpec {
   X(clip, double, 1.0, Run, at_least(0),                                                           \
     "clip each replica's gradient to this global norm (0: off)")                                   \
   X(weight_decay, double, 0.0, State, anything(), "decoupled weight decay")                        \
+  X(beta1, double, 0.9, State, half_open(0, 1), "AdamW's first-moment decay")                      \
+  X(beta2, double, 0.999, State, half_open(0, 1), "AdamW's second-moment decay")                   \
   X(max_time, double, 0.0, Run, at_least(0, " seconds (0: no limit)"),                             \
     "stop after the step that reaches this many seconds of training, with a checkpoint "           \
     "(0: no limit)")                                                                               \

@@ -181,10 +181,14 @@ void TrainConfig::resolve() {
 double default_lr(OptimizerKind optimizer) {
   // The best of bench/tune.sh's sweep per optimizer (README, "FlexDeMo against AdamW").
   switch (optimizer) {
-    case OptimizerKind::FlexDemo: return 1e-3;
-    case OptimizerKind::FlexDemoAdamW: return 1e-3;
-    case OptimizerKind::AdamW: return 1e-3;
-    case OptimizerKind::Sgd: return 1e-3;
+    case OptimizerKind::FlexDemo:
+      return 1e-3;
+    case OptimizerKind::FlexDemoAdamW:
+      return 1e-3;
+    case OptimizerKind::AdamW:
+      return 1e-3;
+    case OptimizerKind::Sgd:
+      return 1e-3;
   }
   return 1e-3;
 }
@@ -233,6 +237,8 @@ optim::OptimizerOptions optimizer_options(const TrainConfig& c) {
   o.sign = c.sign.value();
   o.lr = c.lr.value();
   o.weight_decay = c.weight_decay;
+  o.beta1 = c.beta1;
+  o.beta2 = c.beta2;
   o.topk = c.topk;  // the chunk geometry is the sharded units' (session.cpp)
   o.decay = c.decay;
   o.values = c.values;
