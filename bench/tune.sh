@@ -35,6 +35,7 @@ adamw-lr1e-3 --optimizer adamw --lr 1e-3
 adamw-lr2e-3 --optimizer adamw --lr 2e-3
 flexdemo-adamw-lr1e-3 --optimizer flexdemo-adamw --lr 1e-3
 flexdemo-adamw-sign-lr1e-3 --optimizer flexdemo-adamw --sign --lr 1e-3
+flexdemo-adamw-beta1-0-lr1e-3 --optimizer flexdemo-adamw --beta1 0 --lr 1e-3
 EOF
 }
 

@@ -122,7 +122,9 @@ struct OptionSpec {
   X(clip, double, 1.0, Run, at_least(0),                                                           \
     "clip each replica's gradient to this global norm (0: off)")                                   \
   X(weight_decay, double, 0.0, State, anything(), "decoupled weight decay")                        \
-  X(beta1, double, 0.9, State, half_open(0, 1), "AdamW's first-moment decay")                      \
+  X(beta1, std::optional<double>, std::nullopt, State, half_open(0, 1),                            \
+    "AdamW's first-moment decay (default: 0.9; 0 for flexdemo-adamw: DeMo's residual is "          \
+    "its momentum already)")                                                                       \
   X(beta2, double, 0.999, State, half_open(0, 1), "AdamW's second-moment decay")                   \
   X(max_time, double, 0.0, Run, at_least(0, " seconds (0: no limit)"),                             \
     "stop after the step that reaches this many seconds of training, with a checkpoint "           \
@@ -200,7 +202,7 @@ struct TrainConfig {
   // Throws std::invalid_argument naming the bad option: every check that needs no data and no
   // other rank, so that bad input fails at once.
   void validate() const;
-  // Fills in what defaults to the optimizer's choice (replicator, sign, lr).
+  // Fills in what defaults to the optimizer's choice (replicator, sign, lr, beta1).
   void resolve();
 };
 
