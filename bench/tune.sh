@@ -33,8 +33,8 @@ flexdemo-topk64-lr1e-3 --optimizer flexdemo --topk 64 --lr 1e-3
 adamw-lr5e-4 --optimizer adamw --lr 5e-4
 adamw-lr1e-3 --optimizer adamw --lr 1e-3
 adamw-lr2e-3 --optimizer adamw --lr 2e-3
-flexdemo-adamw-lr1e-3 --optimizer flexdemo-adamw --lr 1e-3
-flexdemo-adamw-sign-lr1e-3 --optimizer flexdemo-adamw --sign --lr 1e-3
+flexdemo-adamw-lr1e-3 --optimizer flexdemo-adamw --beta1 0.9 --lr 1e-3
+flexdemo-adamw-sign-lr1e-3 --optimizer flexdemo-adamw --sign --beta1 0.9 --lr 1e-3
 flexdemo-adamw-beta1-0-lr1e-3 --optimizer flexdemo-adamw --beta1 0 --lr 1e-3
 EOF
 }
