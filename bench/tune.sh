@@ -36,6 +36,11 @@ adamw-lr2e-3 --optimizer adamw --lr 2e-3
 flexdemo-adamw-lr1e-3 --optimizer flexdemo-adamw --beta1 0.9 --lr 1e-3
 flexdemo-adamw-sign-lr1e-3 --optimizer flexdemo-adamw --sign --beta1 0.9 --lr 1e-3
 flexdemo-adamw-beta1-0-lr1e-3 --optimizer flexdemo-adamw --beta1 0 --lr 1e-3
+flexdemo-topk128-lr1e-3 --optimizer flexdemo --topk 128 --lr 1e-3
+flexdemo-adamw-beta1-0-lr2e-3 --optimizer flexdemo-adamw --beta1 0 --lr 2e-3
+flexdemo-adamw-beta1-0-lr5e-4 --optimizer flexdemo-adamw --beta1 0 --lr 5e-4
+flexdemo-topk64-lr1.4e-3 --optimizer flexdemo --topk 64 --lr 1.4e-3
+flexdemo-topk64-decay0.99-lr1e-3 --optimizer flexdemo --topk 64 --decay 0.99 --lr 1e-3
 EOF
 }
 
