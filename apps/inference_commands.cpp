@@ -25,6 +25,11 @@ Subcommand add_eval(CLI::App& app) {
       ->capture_default_str();
   c.cli->add_option("--beam", args->options.beam, "translation: beam search width (1: greedy)")
       ->capture_default_str();
+  c.cli->add_option("--tokens", args->options.tokens,
+                    "gpt-*, llama-*: score these token ids instead (a JSON file of id lists of "
+                    "one length): their mean next-token loss");
+  c.cli->add_option("--logits", args->options.logits,
+                    "with --tokens: write their next-token logits to this safetensors file");
   c.uses_mpi = true;
   c.run = [args](std::shared_ptr<comm::Communicator> world) {
     return train::run_eval(args->checkpoint, args->options, std::move(world));
@@ -59,6 +64,29 @@ Subcommand add_generate(CLI::App& app) {
   c.uses_mpi = true;
   c.run = [args](std::shared_ptr<comm::Communicator> world) {
     return train::run_generate(args->checkpoint, args->options, std::move(world));
+  };
+  return c;
+}
+
+Subcommand add_export(CLI::App& app) {
+  struct Args {
+    std::string checkpoint;
+    train::ExportOptions options;
+  };
+  auto args = std::make_shared<Args>();
+  Subcommand c;
+  c.cli = app.add_subcommand(
+      "export", "a GPT or LLaMA checkpoint as a Hugging Face transformers model folder");
+  c.cli->add_option("checkpoint", args->checkpoint, "a run folder (or its checkpoint/)")
+      ->required()
+      ->check(CLI::ExistingDirectory);
+  c.cli->add_option("--format", args->options.format, "hf: transformers' format")
+      ->capture_default_str();
+  c.cli->add_option("--out", args->options.out, "the folder to write (must not exist)")
+      ->required();
+  c.uses_mpi = true;
+  c.run = [args](std::shared_ptr<comm::Communicator> world) {
+    return train::run_export(args->checkpoint, args->options, std::move(world));
   };
   return c;
 }

@@ -42,7 +42,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   std::vector<Subcommand> commands = flexdemo::app::add_bench(app);
   for (auto add : {flexdemo::app::add_train, flexdemo::app::add_eval, flexdemo::app::add_generate,
-                   flexdemo::app::add_report}) {
+                   flexdemo::app::add_export, flexdemo::app::add_report}) {
     commands.push_back(add(app));
   }
 

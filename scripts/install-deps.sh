@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Installs every build and run dependency of flexdemo from Debian packages.
 #   scripts/install-deps.sh --cuda   also a virtual environment .venv-cuda/ holding PyPI's torch
-#                                    (a CUDA LibTorch, the GPU machine's version) for the CUDA build
+#                                    (a CUDA LibTorch, the GPU machine's version) for the CUDA build,
+#                                    and transformers (+ sentencepiece, protobuf) for the test that
+#                                    loads flexdemo's exported models in it (tests/hf_interop.py)
 # Idempotent: what is already present is skipped, so a second run does no network work.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cuda=0
 if [ "${1:-}" = "--cuda" ]; then cuda=1; fi
 torch_version=2.11.0  # torch 2.11.0+cu130 on the H200 machine; PyPI's 2.11.0 is built for CUDA 13.0
+interop=(transformers==5.24.0 sentencepiece==0.2.3 protobuf==7.36.2)
 
 packages=(
   build-essential cmake pkg-config
@@ -70,6 +73,12 @@ if [ "$cuda" -eq 1 ]; then
     [ -x .venv-cuda/bin/python ] || step "making the virtual environment .venv-cuda" python3 -m venv .venv-cuda
     step "installing torch $torch_version (CUDA LibTorch) into .venv-cuda" \
       .venv-cuda/bin/pip install --disable-pip-version-check "torch==$torch_version"
+  fi
+  if .venv-cuda/bin/python -c "import transformers, sentencepiece, google.protobuf" 2>/dev/null; then
+    echo "install-deps: .venv-cuda holds transformers"
+  else
+    step "installing ${interop[*]} into .venv-cuda" \
+      .venv-cuda/bin/pip install --disable-pip-version-check "${interop[@]}"
   fi
 fi
 rm -f "$log"

@@ -141,6 +141,65 @@ TEST(Gpt, LossFallsWhenOverfittingOneBatch) {
   EXPECT_LT(last, 0.5 * first);
 }
 
+model::LlamaConfig tiny_llama(int64_t kv_heads, bool tied) {
+  model::LlamaConfig c;
+  c.vocab = 11, c.context = 6, c.width = 8, c.layers = 2, c.heads = 2, c.kv_heads = kv_heads;
+  c.ff = 12, c.tied_head = tied;
+  return c;
+}
+
+TEST(Llama, ParameterCountIsClosedFormAndNamesAreTransformers) {
+  const int64_t V = 4096, d = 256, L = 4, kv = 2 * (256 / 4), F = 704;
+  auto lm = model::make_llama(model::llama_preset("llama-micro", V), alone(), {}, 1);
+  const int64_t block = d + d * d + 2 * kv * d + d * d + d + 3 * F * d;
+  EXPECT_EQ(lm->num_params(), V * d + L * block + d);
+  EXPECT_EQ(lm->units().size(), size_t(L + 2));
+  EXPECT_EQ(lm->param_names()[1][2], "model.layers.0.self_attn.k_proj.weight");
+  model::LlamaConfig own = model::llama_preset("llama-micro", V);
+  own.tied_head = false;
+  EXPECT_EQ(model::make_llama(own, alone(), {}, 1)->num_params(), 2 * V * d + L * block + d);
+  EXPECT_EQ(model::make_llama(own, alone(), {}, 1)->param_names().back().back(), "lm_head.weight");
+  model::LlamaConfig bad = tiny_llama(2, true);
+  bad.kv_heads = 3;  // does not divide the 2 query heads
+  EXPECT_THROW(model::make_llama(bad, alone(), {}, 1), std::invalid_argument);
+  EXPECT_THROW(model::llama_preset("llama-huge", 10), std::invalid_argument);
+}
+
+TEST(Llama, GradientsAndLearningTiedAndOwnHead) {
+  for (bool tied : {true, false}) {
+    auto lm = model::make_llama(tiny_llama(1, tied), alone(), {}, 3);
+    at::manual_seed(4);
+    const at::Tensor tokens = at::randint(11, {3, 6}, at::kLong);
+    expect_gradients_match(*lm, [&] { return lm->loss(tokens); });
+    const auto [first, last] = overfit(*lm, [&] { return lm->loss(tokens); });
+    EXPECT_LT(last, 0.5 * first) << (tied ? "tied" : "own head");
+  }
+}
+
+TEST(Llama, GroupedQueryAttentionEqualsFullAttentionWithRepeatedHeads) {
+  // One key/value head serving both query heads computes what two key/value heads holding that
+  // same head twice compute (a closed-form equivalence: what grouping means).
+  auto grouped = model::make_llama(tiny_llama(1, true), alone(), {}, 5);
+  auto full = model::make_llama(tiny_llama(2, true), alone(), {}, 6);
+  at::NoGradGuard no_grad;
+  for (size_t u = 0; u < grouped->units().size(); ++u) {
+    const auto& names = grouped->param_names()[u];
+    std::vector<at::Tensor> params = grouped->units()[u]->gather();
+    for (size_t i = 0; i < names.size(); ++i) {
+      if (names[i].find("k_proj") != std::string::npos ||
+          names[i].find("v_proj") != std::string::npos) {
+        params[i] = at::cat({params[i], params[i]});  // [head, C] -> [head; head, C]
+      }
+    }
+    full->units()[u]->load(params);
+  }
+  at::manual_seed(7);
+  const at::Tensor tokens = at::randint(11, {2, 6}, at::kLong);
+  EXPECT_TRUE(at::allclose(grouped->next_token_logits(tokens), full->next_token_logits(tokens),
+                           1e-5, 1e-6));
+  EXPECT_NEAR(grouped->loss(tokens).item<double>(), full->loss(tokens).item<double>(), 1e-6);
+}
+
 TEST(T5, SpanCorruptionGradientsAndLearning) {
   model::T5Config c;
   c.vocab = 11, c.eot = 10, c.width = 8, c.layers = 1, c.heads = 2, c.ff = 16;

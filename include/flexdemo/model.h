@@ -1,6 +1,7 @@
 // flexdemo/model.h — language models built from sharded units (the blocks and the embeddings):
-// a GPT decoder (pre-norm, causal self-attention, GELU MLP, learned positions, tied embeddings)
-// and a T5-style encoder-decoder with relative position bias.
+// a GPT decoder (pre-norm, causal self-attention, GELU MLP, learned positions, tied embeddings),
+// a LLaMA-style decoder (RMSNorm, rotary positions, SwiGLU, grouped-query attention) and a
+// T5-style encoder-decoder with relative position bias.
 #pragma once
 
 #include "flexdemo/shard.h"
@@ -33,6 +34,25 @@ struct GptConfig {
 // gpt2-small (768, 12, 12, 1024; GPT-2's 124M with its 50257 vocabulary).
 GptConfig gpt_preset(const std::string& name, int64_t vocab);
 std::vector<std::string> model_presets();
+
+struct LlamaConfig {
+  int64_t vocab = 0;
+  int64_t context = 0;  // longest sequence
+  int64_t width = 0;    // hidden size
+  int64_t layers = 0;
+  int64_t heads = 0;     // query heads; divides width, the head size even (rotary positions)
+  int64_t kv_heads = 0;  // key/value heads (grouped-query attention); divides heads
+  int64_t ff = 0;        // SwiGLU's intermediate size
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-5;
+  bool tied_head = true;  // the output head is the token table
+  double dropout = 0.0;   // on attention weights
+  void validate() const;
+};
+// llama-nano (width 128, 4 layers, 4 heads, 2 key/value heads, ff 352, context 128),
+// llama-micro (256, 4, 4, 2, 704, 256; ~4M parameters with a 4096 vocabulary) and llama-small
+// (SmolLM-135M's shapes: 576, 30, 9, 3, 1536, 2048; ~107M with 4096, 135M with 49152).
+LlamaConfig llama_preset(const std::string& name, int64_t vocab);
 
 struct T5Config {
   int64_t vocab = 0;   // tokenizer's vocabulary; 100 sentinel ids are added after it
@@ -83,5 +103,9 @@ std::unique_ptr<LanguageModel> make_t5(const T5Config& config,
 std::unique_ptr<LanguageModel> make_gpt(const GptConfig& config,
                                         std::shared_ptr<comm::Communicator> shard_group,
                                         const shard::ShardOptions& options, uint64_t seed);
+// Its parameters carry transformers' LlamaForCausalLM names ("model.layers.0.mlp.up_proj.weight").
+std::unique_ptr<LanguageModel> make_llama(const LlamaConfig& config,
+                                          std::shared_ptr<comm::Communicator> shard_group,
+                                          const shard::ShardOptions& options, uint64_t seed);
 
 }  // namespace flexdemo::model

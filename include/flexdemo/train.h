@@ -33,6 +33,11 @@ struct EvalOptions {
   int64_t eval_seqs = 256;  // validation sequences (pairs) for the loss
   int64_t translate = 200;  // translation: the first N validation pairs translated for chrF
   int64_t beam = 1;         // translation: beams (1: greedy)
+  // Decoders: a JSON file of token id rows of one length ([[...], ...]) scored instead of the
+  // validation data: their mean next-token loss, and with `logits` (a safetensors path) their
+  // next-token logits written there as "next_token_logits", float32 [rows, vocab].
+  std::string tokens;
+  std::string logits;
 };
 // Validation loss and perplexity of a run's checkpoint (any number of ranks), printed as JSON;
 // for a T5 trained on translation pairs also chrF (sacreBLEU's) of its translations. Collective.
@@ -47,6 +52,17 @@ struct GenerateOptions {
   uint64_t seed = 0;
   int64_t beam = 4;  // translation: beams of the beam search (1: greedy)
 };
+struct ExportOptions {
+  std::string format = "hf";  // the only one: Hugging Face transformers'
+  std::string out;            // a folder that must not exist yet
+};
+// A checkpoint as a transformers model folder: config.json, model.safetensors (transformers'
+// names and layouts: GPT2LMHeadModel or LlamaForCausalLM) and, for a BPE tokenizer, its
+// SentencePiece model as tokenizer.model with tokenizer_config.json. Written into a temporary
+// folder renamed to `out` at the end. Collective (run it on one rank).
+int run_export(const std::string& checkpoint, const ExportOptions& options,
+               std::shared_ptr<comm::Communicator> world);
+
 // Text from a GPT checkpoint (the prompt and its continuation), or a T5's translation of the
 // prompt, printed to stdout. Collective (run it on one rank).
 int run_generate(const std::string& checkpoint, const GenerateOptions& options,

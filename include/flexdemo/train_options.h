@@ -90,14 +90,21 @@ struct OptionSpec {
 #define FLEXDEMO_TRAIN_OPTIONS(X)                                                                  \
   /* ====== Model ====== */                                                                        \
   X(model, std::string, "gpt-micro", Model, one_of(model::model_presets),                          \
-    "the model preset (t5-*: a T5-style encoder-decoder, trained by span corruption on text or "  \
-    "on translation pairs)")                                                                       \
+    "the model preset (llama-*: a LLaMA-style decoder; t5-*: a T5-style encoder-decoder, trained " \
+    "by span corruption on text or on translation pairs)")                                     \
   X(width, int64_t, 0, Model, at_least(0, " (0: the preset's)"), "d_model (0: the preset's)")      \
   X(layers, int64_t, 0, Model, at_least(0, " (0: the preset's)"), "blocks (0: the preset's)")      \
   X(heads, int64_t, 0, Model, at_least(0, " (0: the preset's)"),                                   \
     "attention heads (0: the preset's)")                                                           \
   X(context, int64_t, 0, Model, at_least(0, " (0: the preset's)"),                                 \
     "longest sequence (0: the preset's)")                                                          \
+  X(ff, int64_t, 0, Model, at_least(0, " (0: the preset's)"),                                      \
+    "llama-* and t5-*: the feed-forward's inner size (0: the preset's)")                           \
+  X(kv_heads, int64_t, 0, Model, at_least(0, " (0: the preset's)"),                                \
+    "llama-*: key/value heads, dividing --heads (grouped-query attention; 0: the preset's)")       \
+  X(rope_theta, double, 10000.0, Model, above(1), "llama-*: the rotary positions' base")           \
+  X(tied_head, bool, true, Model, anything(),                                                      \
+    "llama-*: the output head is the token table (--no-tied-head: a head of its own)")            \
   X(dropout, double, 0.0, Run, anything(), "dropout probability")                                  \
   /* ====== Data ====== */                                                                         \
   X(data, std::string, "/usr/share/games/fortunes", Model, anything(),                             \

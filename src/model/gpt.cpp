@@ -37,7 +37,8 @@ at::Tensor LanguageModel::next_target_logits(const at::Tensor&, const at::Tensor
 }
 
 std::vector<std::string> model_presets() {
-  return {"gpt-nano", "gpt-micro", "gpt2-small", "t5-nano", "t5-small"};
+  return {"gpt-nano",   "gpt-micro",   "gpt2-small",  "llama-nano",
+          "llama-micro", "llama-small", "t5-nano",     "t5-small"};
 }
 
 GptConfig gpt_preset(const std::string& name, int64_t vocab) {

@@ -235,4 +235,15 @@ int64_t load_checkpoint(Session& s, const fs::path& dir, bool with_optimizer) {
   return step;
 }
 
+std::unique_ptr<Session> open_checkpoint(const std::string& where, int64_t eval_seqs,
+                                         std::shared_ptr<comm::Communicator> world) {
+  const fs::path dir = find_checkpoint(where, world->rank() == 0);
+  TrainConfig c = model_config_from_json(read_manifest(dir).at("config"));
+  c.batch = world->size();
+  c.eval_seqs = eval_seqs;
+  auto s = open_session(c, world);
+  load_checkpoint(*s, dir, /*with_optimizer=*/false);
+  return s;
+}
+
 }  // namespace flexdemo::train

@@ -29,4 +29,9 @@ void save_checkpoint(Session& s, int64_t step);
 // rank's optimizer and random state (the same topology only). Returns the checkpoint's step.
 int64_t load_checkpoint(Session& s, const std::filesystem::path& dir, bool with_optimizer);
 
+// A session on `world` holding the weights of the checkpoint `where` names (as
+// find_checkpoint): its model and data on any topology, eval_seqs validation sequences.
+std::unique_ptr<Session> open_checkpoint(const std::string& where, int64_t eval_seqs,
+                                         std::shared_ptr<comm::Communicator> world);
+
 }  // namespace flexdemo::train

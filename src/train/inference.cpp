@@ -6,6 +6,7 @@
 #include "session.h"
 
 #include "flexdemo/comm.h"
+#include "flexdemo/safetensors.h"
 #include "flexdemo/text.h"
 #include "flexdemo/train.h"
 
@@ -26,18 +27,6 @@
 namespace flexdemo::train {
 
 namespace {
-
-// A session on `world` holding a checkpoint's weights (its model and data; any topology).
-std::unique_ptr<Session> open_checkpoint(const std::string& checkpoint, int64_t eval_seqs,
-                                         std::shared_ptr<comm::Communicator> world) {
-  const std::filesystem::path dir = find_checkpoint(checkpoint, world->rank() == 0);
-  TrainConfig c = model_config_from_json(read_manifest(dir).at("config"));
-  c.batch = world->size();
-  c.eval_seqs = eval_seqs;
-  auto s = open_session(c, world);
-  load_checkpoint(*s, dir, /*with_optimizer=*/false);
-  return s;
-}
 
 std::string model_arg(const Session& s) {
   return s.tokens.tokenizer_model.empty() ? "" : " --model '" + s.tokens.tokenizer_model + "'";
@@ -206,6 +195,52 @@ std::vector<std::vector<int64_t>> translate(Session& s,
   return out;
 }
 
+// eval --tokens: the rows' mean next-token loss, printed, and their next-token logits.
+int score_tokens(Session& s, const std::string& checkpoint, const EvalOptions& o) {
+  if (s.lm->seq2seq()) throw std::invalid_argument("--tokens scores decoders (gpt-*, llama-*)");
+  std::ifstream in(o.tokens);
+  if (!in) throw std::invalid_argument("--tokens: cannot read " + o.tokens);
+  std::vector<std::vector<int64_t>> rows;
+  try {
+    rows = nlohmann::json::parse(in).get<std::vector<std::vector<int64_t>>>();
+  } catch (const nlohmann::json::exception&) {
+    throw std::invalid_argument("--tokens " + o.tokens +
+                                ": expected a JSON list of token id lists of one length");
+  }
+  const int64_t vocab = s.tokens.vocab_size;
+  for (const auto& row : rows) {
+    if (row.size() < 2 || row.size() != rows[0].size()) {
+      throw std::invalid_argument("--tokens " + o.tokens +
+                                  ": rows must have one length of at least 2 ids");
+    }
+    for (int64_t id : row) {
+      if (id < 0 || id >= vocab) {
+        throw std::invalid_argument(fmt::format("--tokens {}: id {} is outside the vocabulary [0, {})",
+                                                o.tokens, id, vocab));
+      }
+    }
+  }
+  if (rows.empty()) throw std::invalid_argument("--tokens " + o.tokens + ": no rows");
+  const int64_t T = int64_t(rows[0].size());
+  if (T > s.lm->context()) {
+    throw std::invalid_argument(fmt::format("--tokens {}: rows of {} ids exceed the context {}",
+                                            o.tokens, T, s.lm->context()));
+  }
+  at::Tensor ids = at::empty({int64_t(rows.size()), T}, at::kLong);
+  for (size_t i = 0; i < rows.size(); ++i) ids[int64_t(i)].copy_(at::tensor(rows[i], at::kLong));
+  at::NoGradGuard no_grad;
+  const at::Tensor on_device = ids.to(s.device);
+  const double loss = s.lm->loss(on_device).item<double>();
+  if (!o.logits.empty()) {
+    const at::Tensor logits = s.lm->next_token_logits(on_device).to(at::kCPU, at::kFloat);
+    if (s.topo.world->rank() == 0) write_safetensors(o.logits, {{"next_token_logits", logits}});
+  }
+  const nlohmann::ordered_json out = {
+      {"checkpoint", checkpoint}, {"tokens", o.tokens}, {"rows", rows.size()}, {"loss", loss}};
+  if (s.topo.world->rank() == 0) fmt::print("{}\n", out.dump());
+  return 0;
+}
+
 }  // namespace
 
 int run_eval(const std::string& checkpoint, const EvalOptions& o,
@@ -216,6 +251,8 @@ int run_eval(const std::string& checkpoint, const EvalOptions& o,
   }
   if (o.beam < 1) throw std::invalid_argument("--beam must be >= 1, got " + std::to_string(o.beam));
   auto s = open_checkpoint(checkpoint, o.eval_seqs, world);
+  if (!o.tokens.empty()) return score_tokens(*s, checkpoint, o);
+  if (!o.logits.empty()) throw std::invalid_argument("--logits needs --tokens");
   const double loss = evaluate(*s);
   nlohmann::ordered_json out = {{"checkpoint", checkpoint},
                                 {"val_loss", loss},

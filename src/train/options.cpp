@@ -107,7 +107,26 @@ model::T5Config t5_config(const TrainConfig& c, int64_t vocab) {
   if (c.width > 0) tc.width = c.width;
   if (c.layers > 0) tc.layers = c.layers;
   if (c.heads > 0) tc.heads = c.heads;
+  if (c.ff > 0) tc.ff = c.ff;
   return tc;
+}
+
+bool is_llama(const TrainConfig& c) {
+  return c.model.rfind("llama-", 0) == 0;
+}
+
+model::LlamaConfig llama_config(const TrainConfig& c, int64_t vocab) {
+  model::LlamaConfig lc = model::llama_preset(c.model, vocab);
+  if (c.width > 0) lc.width = c.width;
+  if (c.layers > 0) lc.layers = c.layers;
+  if (c.heads > 0) lc.heads = c.heads;
+  if (c.kv_heads > 0) lc.kv_heads = c.kv_heads;
+  if (c.context > 0) lc.context = c.context;
+  if (c.ff > 0) lc.ff = c.ff;
+  lc.rope_theta = c.rope_theta;
+  lc.tied_head = c.tied_head;
+  lc.dropout = c.dropout;
+  return lc;
 }
 
 // ====== Validation ======
@@ -158,8 +177,25 @@ void TrainConfig::validate() const {
          "got --model " +
          model);
   }
+  if (!is_llama(*this)) {
+    const TrainConfig defaults;
+    if (kv_heads != 0) fail(fmt::format("--kv-heads applies to llama-* models, not {}", model));
+    if (rope_theta != defaults.rope_theta) {
+      fail(fmt::format("--rope-theta applies to llama-* models, not {}", model));
+    }
+    if (!tied_head) fail(fmt::format("--no-tied-head applies to llama-* models, not {}", model));
+    if (ff != 0 && !is_t5(*this)) {
+      fail(fmt::format("--ff applies to llama-* and t5-* models, not {}", model));
+    }
+  }
   if (is_t5(*this)) {
     t5_config(*this, 260).validate();
+  } else if (is_llama(*this)) {
+    const model::LlamaConfig lc = llama_config(*this, 260);
+    lc.validate();
+    if (seq > lc.context) {
+      fail(fmt::format("--seq {} exceeds the model's context {} (set --context)", seq, lc.context));
+    }
   } else {
     const model::GptConfig mc = gpt_config(*this, 260);
     mc.validate();

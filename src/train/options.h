@@ -28,6 +28,8 @@ optim::OptimizerOptions optimizer_options(const TrainConfig& config);
 bool is_t5(const TrainConfig& config);
 model::GptConfig gpt_config(const TrainConfig& config, int64_t vocab);
 model::T5Config t5_config(const TrainConfig& config, int64_t vocab);
+bool is_llama(const TrainConfig& config);
+model::LlamaConfig llama_config(const TrainConfig& config, int64_t vocab);
 
 // Linear warmup to --lr, then a cosine to --lr x --min-lr-ratio at the last step.
 double scheduled_lr(const TrainConfig& config, int64_t step);

@@ -158,6 +158,9 @@ std::unique_ptr<Session> open_session(const TrainConfig& config,
     tc.eot = s->tokens.eot;
     if (s->tokens.pairs) tc.source_len = cfg.seq;
     s->lm = model::make_t5(tc, s->topo.shard_group, so, cfg.seed);
+  } else if (is_llama(cfg)) {
+    s->lm = model::make_llama(llama_config(cfg, s->tokens.vocab_size), s->topo.shard_group, so,
+                              cfg.seed);
   } else {
     s->lm =
         model::make_gpt(gpt_config(cfg, s->tokens.vocab_size), s->topo.shard_group, so, cfg.seed);
