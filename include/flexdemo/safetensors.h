@@ -15,7 +15,8 @@ namespace flexdemo::train {
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
-// float32, float64, bfloat16, int64, int32, uint8 tensors; written atomically (temp + rename).
+// float32, float64, bfloat16, float16, int64, int32, uint8 tensors; written atomically (temp +
+// rename).
 void write_safetensors(const std::string& path, const NamedTensors& tensors,
                        const std::map<std::string, std::string>& metadata = {});
 // Throws std::invalid_argument for a file that is not a complete, consistent safetensors file.

@@ -18,7 +18,7 @@ namespace {
 
 const std::pair<const char*, at::ScalarType> kDtypes[] = {
     {"F32", at::kFloat}, {"F64", at::kDouble}, {"BF16", at::kBFloat16},
-    {"I64", at::kLong},  {"I32", at::kInt},    {"U8", at::kByte}};
+    {"F16", at::kHalf},  {"I64", at::kLong},    {"I32", at::kInt}, {"U8", at::kByte}};
 
 const char* dtype_name(at::ScalarType t) {
   for (const auto& [name, type] : kDtypes) {
