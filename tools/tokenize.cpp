@@ -33,6 +33,9 @@ int main(int argc, char** argv) {
   app.add_option("--val-every", val_every, "every N-th document is validation")
       ->capture_default_str();
   app.add_option("--out-dir", out_dir, "where train.bin, val.bin, meta.json (and the model) go");
+  std::string model_file;
+  app.add_option("--model-file", model_file,
+                 "bpe: tokenize with this SentencePiece model instead of training one");
   bool lines = false;
   auto* decode = app.add_subcommand("decode", "token ids on stdin -> text on stdout");
   decode->add_option("--model", model, "the BPE model (none: bytes)");
@@ -96,6 +99,9 @@ int main(int argc, char** argv) {
     std::unique_ptr<flexdemo::data::Tokenizer> tok;
     if (tokenizer == "bytes") {
       tok = flexdemo::data::make_byte_tokenizer();
+    } else if (!model_file.empty()) {
+      fs::copy_file(model_file, tmp + "/tokenizer.model");
+      tok = flexdemo::data::load_or_train_bpe({}, vocab, tmp + "/tokenizer.model");
     } else {
       std::fprintf(stderr, "flexdemo-tokenize: training a %d-piece BPE on %zu documents...\n",
                    vocab, documents.size());

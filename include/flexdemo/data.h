@@ -28,8 +28,10 @@ struct TokenData {
   std::string checksum;         // pairs: the corpus's CRC-32 (text.h's PairCorpus)
   int64_t train_pairs = 0, val_pairs = 0;
 };
+// tokenizer_model: a SentencePiece model to tokenize with instead of training a BPE on the data
+// (tokenizer "bpe"); its tokens are cached apart, named by the model file's CRC-32.
 TokenData load_token_data(const std::string& data, const std::string& tokenizer, int32_t vocab,
-                          const std::string& helper);
+                          const std::string& helper, const std::string& tokenizer_model = "");
 // The helper: $FLEXDEMO_TOKENIZE if set, else flexdemo-tokenize beside the running executable.
 std::string default_tokenize_helper();
 

@@ -113,6 +113,12 @@ struct OptionSpec {
   X(tokenizer, TokenizerKind, TokenizerKind::Bpe, Model, anything(),                               \
     "bpe (SentencePiece, trained on --data) or bytes")                                             \
   X(vocab, int32_t, 4096, Model, anything(), "BPE vocabulary size")                                \
+  X(tokenizer_model, std::string, "", Model, anything(),                                           \
+    "a SentencePiece model file to tokenize --data with instead of training a BPE on it "          \
+    "(--init-from sets the model folder's tokenizer.model)")                                       \
+  X(init_from, std::string, "", State, anything(),                                                 \
+    "start from a transformers model folder (GPT2LMHeadModel or LlamaForCausalLM: its "            \
+    "config.json, model.safetensors and tokenizer.model): its shape, weights and tokenizer")       \
   /* ====== Schedule ====== */                                                                     \
   X(steps, int64_t, 200, Run, at_least(1), "optimizer steps")                                      \
   X(batch, int64_t, 16, State, at_least(1), "global batch in sequences, divided across ranks")     \

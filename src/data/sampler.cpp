@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
+#include <zlib.h>
 
 #include <sys/wait.h>
 #include <unistd.h>
@@ -67,7 +68,7 @@ uint64_t draw(uint64_t seed, int64_t step, int64_t row, uint64_t n) {
 }  // namespace
 
 TokenData load_token_data(const std::string& data, const std::string& tokenizer, int32_t vocab,
-                          const std::string& helper) {
+                          const std::string& helper, const std::string& tokenizer_model) {
   namespace fs = std::filesystem;
   const bool gettext = data.rfind("gettext:", 0) == 0;
   if (!gettext && !fs::exists(data)) {
@@ -98,15 +99,30 @@ TokenData load_token_data(const std::string& data, const std::string& tokenizer,
   if (tokenizer != "bytes" && tokenizer != "bpe") {
     throw std::invalid_argument("unknown tokenizer '" + tokenizer + "'; accepted: bpe, bytes");
   }
-  const std::string dir =
-      gettext ? gettext_cache_dir(data, tokenizer, vocab) : token_cache_dir(data, tokenizer, vocab);
+  // A given SentencePiece model names its own cache ("spm-<CRC-32 of the model>").
+  std::string cache_name = tokenizer, model_arg;
+  if (!tokenizer_model.empty()) {
+    if (!fs::is_regular_file(tokenizer_model)) {
+      throw std::invalid_argument("--tokenizer-model: no such file: " + tokenizer_model);
+    }
+    std::ifstream in(tokenizer_model, std::ios::binary);
+    const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    char hex[9];
+    std::snprintf(hex, sizeof(hex), "%08lx",
+                  crc32(0, reinterpret_cast<const Bytef*>(bytes.data()), uInt(bytes.size())));
+    cache_name = std::string("spm-") + hex;
+    model_arg = " --model-file " + quote(tokenizer_model);
+  }
+  const std::string dir = gettext ? gettext_cache_dir(data, cache_name, vocab)
+                                  : token_cache_dir(data, cache_name, vocab);
   auto cached = [&] {  // a cache from before "eot" was recorded is stale
     if (!fs::exists(fs::path(dir) / "meta.json")) return false;
     return nlohmann::json::parse(std::ifstream(fs::path(dir) / "meta.json")).contains("eot");
   };
   if (!cached()) {
     const std::string cmd = quote(helper) + " --data " + quote(data) + " --tokenizer " + tokenizer +
-                            " --vocab " + std::to_string(vocab) + " --out-dir " + quote(dir);
+                            " --vocab " + std::to_string(vocab) + model_arg + " --out-dir " +
+                            quote(dir);
     // The helper's progress is passed on as it comes; its error line becomes this exception.
     const std::string error_prefix = "flexdemo-tokenize: error: ";
     std::string error;

@@ -235,8 +235,25 @@ int64_t load_checkpoint(Session& s, const fs::path& dir, bool with_optimizer) {
   return step;
 }
 
+bool is_transformers_folder(const std::string& where) {
+  const fs::path config = fs::path(where) / "config.json";
+  if (!fs::is_regular_file(config) || fs::exists(fs::path(where) / "checkpoints")) return false;
+  try {
+    return nlohmann::json::parse(std::ifstream(config)).contains("architectures");
+  } catch (const nlohmann::json::exception&) {
+    return false;
+  }
+}
+
 std::unique_ptr<Session> open_checkpoint(const std::string& where, int64_t eval_seqs,
                                          std::shared_ptr<comm::Communicator> world) {
+  if (is_transformers_folder(where)) {  // its model, on the default data
+    TrainConfig c;
+    c.init_from = where;
+    c.batch = world->size();
+    c.eval_seqs = eval_seqs;
+    return open_session(c, world);
+  }
   const fs::path dir = find_checkpoint(where, world->rank() == 0);
   TrainConfig c = model_config_from_json(read_manifest(dir).at("config"));
   c.batch = world->size();

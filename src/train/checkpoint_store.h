@@ -29,8 +29,12 @@ void save_checkpoint(Session& s, int64_t step);
 // rank's optimizer and random state (the same topology only). Returns the checkpoint's step.
 int64_t load_checkpoint(Session& s, const std::filesystem::path& dir, bool with_optimizer);
 
+// Whether `where` is a transformers model folder (a config.json naming "architectures").
+bool is_transformers_folder(const std::string& where);
+
 // A session on `world` holding the weights of the checkpoint `where` names (as
-// find_checkpoint): its model and data on any topology, eval_seqs validation sequences.
+// find_checkpoint; or a transformers model folder, as --init-from loads it, on the default
+// data): its model and data on any topology, eval_seqs validation sequences.
 std::unique_ptr<Session> open_checkpoint(const std::string& where, int64_t eval_seqs,
                                          std::shared_ptr<comm::Communicator> world);
 

@@ -138,6 +138,9 @@ void TrainConfig::validate() const {
   if (tokenizer == TokenizerKind::Bpe && (vocab < 260 || vocab > 65535)) {
     fail(fmt::format("--vocab must be in [260, 65535], got {}", vocab));
   }
+  if (!tokenizer_model.empty() && tokenizer != TokenizerKind::Bpe) {
+    fail("--tokenizer-model needs --tokenizer bpe");
+  }
   if (topk > chunk * chunk) {
     fail(fmt::format("--topk {} exceeds the {} coefficients of a --chunk {} chunk", topk,
                      chunk * chunk, chunk));

@@ -2,6 +2,7 @@
 // all, the model built of sharded units and the optimizer over their shards; and evaluation.
 #include "session.h"
 
+#include "hf_format.h"
 #include "options.h"
 
 #include "flexdemo/comm.h"
@@ -47,7 +48,7 @@ data::TokenData load_tokens(const TrainConfig& cfg, comm::Communicator& world) {
   bool bad_input = false;
   if (world.rank() == 0) {
     try {
-      tokens = data::load_token_data(cfg.data, tokenizer, cfg.vocab, helper);
+      tokens = data::load_token_data(cfg.data, tokenizer, cfg.vocab, helper, cfg.tokenizer_model);
     } catch (const std::invalid_argument& e) {
       error = e.what(), bad_input = true;
     } catch (const std::exception& e) {
@@ -55,7 +56,7 @@ data::TokenData load_tokens(const TrainConfig& cfg, comm::Communicator& world) {
     }
   }
   raise_on_every_rank(world, error, bad_input);
-  if (world.rank() != 0) tokens = data::load_token_data(cfg.data, tokenizer, cfg.vocab, helper);
+  if (world.rank() != 0) tokens = data::load_token_data(cfg.data, tokenizer, cfg.vocab, helper, cfg.tokenizer_model);
   comm::set_collective_timeout(cfg.comm_timeout);
   if (tokens.pairs) return tokens;  // (validate() checked the model)
   for (const auto& [part, split] :
@@ -113,6 +114,7 @@ std::unique_ptr<Session> open_session(const TrainConfig& config,
   auto s = std::make_unique<Session>();
   TrainConfig& cfg = s->cfg;
   cfg = config;
+  apply_init_from(cfg);
   cfg.validate();
   cfg.resolve();
   set_num_threads(cfg.threads);
@@ -165,6 +167,7 @@ std::unique_ptr<Session> open_session(const TrainConfig& config,
     s->lm =
         model::make_gpt(gpt_config(cfg, s->tokens.vocab_size), s->topo.shard_group, so, cfg.seed);
   }
+  load_init_from(*s);
   s->params = shard::optim_params(s->lm->units());
   s->optimizer = std::make_unique<optim::Optimizer>(s->params, options, s->topo.replica_group);
   return s;

@@ -6,6 +6,7 @@
 #include "flexdemo/train.h"
 
 #include "checkpoint_store.h"
+#include "hf_format.h"
 #include "options.h"
 #include "run_log.h"
 #include "session.h"
@@ -128,6 +129,7 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
   if (!config.resume.empty()) {
     resume_from = find_checkpoint(config.resume, world->rank() == 0);
     TrainConfig resolved = config;
+    apply_init_from(resolved);
     resolved.resolve();
     check_resumable(read_manifest(resume_from).at("config"), resolved, resume_from.string());
   }
