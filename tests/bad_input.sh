@@ -8,7 +8,10 @@
 # min_lr_ratio = 2 by its config.json key), $BADPAIRS (a TSV of pairs, its line 2 without a
 # tab), $RUN (a run with two valid
 # checkpoints), $OTHER (a run of another model), $DAMAGED (a run whose checkpoints all fail
-# their checksums), $OUT (the --out folder).
+# their checksums), $HF (that run exported as a transformers folder: a GPT2LMHeadModel of 257
+# ids, no tokenizer files), $HF_ARCH (its config.json naming BertModel), $HF_LAYERS (claiming 2
+# layers), $HF_SHAPE (claiming a context of 32), $HF_DTYPE (its first tensor in the file's
+# header, wte, relabelled int32), $OUT (the --out folder).
 #   tests/bad_input.sh BUILD_DIR DOCS_ERRORS_MD N
 set -euo pipefail
 build=$1
@@ -26,6 +29,8 @@ DATA=$work/data.txt EMPTY=$work/empty.txt BINARY=$work/binary.dat EMPTYDIR=$work
 TINY=$work/tiny.txt
 TOML=$work/ok.toml TOML_UNKNOWN=$work/unknown.toml TOML_SNAKE=$work/snake.toml OUT=$work/out
 RUN=$work/run OTHER=$work/other DAMAGED=$work/damaged BADPAIRS=$work/pairs.tsv
+HF=$work/hf HF_ARCH=$work/hf-arch HF_LAYERS=$work/hf-layers HF_SHAPE=$work/hf-shape
+HF_DTYPE=$work/hf-dtype
 for d in $(seq 1 200); do printf 'document %d: a few words of text to train on.\n%%\n' "$d"; done > "$DATA"
 : > "$EMPTY"
 printf 'just a few words\n' > "$TINY"
@@ -38,17 +43,24 @@ printf 'a source\ta target\nno tab here\n' > "$BADPAIRS"
 tiny=(--model gpt-nano --layers 1 --heads 2 --context 16 --seq 16 --batch 2 --chunk 8
       --tokenizer bytes --data "$DATA" --eval-seqs 2 --progress lines)
 case "$command" in
-  *'$RUN'* | *'$OTHER'* | *'$DAMAGED'*)
+  *'$RUN'* | *'$OTHER'* | *'$DAMAGED'* | *'$HF'*)
     "$build/flexdemo" train "${tiny[@]}" --width 16 --steps 2 --checkpoint-every 1 --out "$RUN" > /dev/null
     "$build/flexdemo" train "${tiny[@]}" --width 32 --steps 1 --out "$OTHER" > /dev/null
     cp -r "$RUN" "$DAMAGED"
     for f in "$DAMAGED"/checkpoints/*/model.safetensors; do printf 'X' | dd of="$f" bs=1 seek=100 conv=notrunc status=none; done
+    "$build/flexdemo" export "$RUN" --out "$HF" > /dev/null
+    for d in "$HF_ARCH" "$HF_LAYERS" "$HF_SHAPE" "$HF_DTYPE"; do cp -r "$HF" "$d"; done
+    sed -i 's/GPT2LMHeadModel/BertModel/' "$HF_ARCH/config.json"
+    sed -i 's/"n_layer": 1/"n_layer": 2/' "$HF_LAYERS/config.json"
+    sed -i 's/"n_positions": 16/"n_positions": 32/' "$HF_SHAPE/config.json"
+    perl -0777 -pi -e 's/"F32"/"I32"/' "$HF_DTYPE/model.safetensors"  # the first only
     ;;
 esac
 
 expand() { # the named files and the launcher in a documented string
   local s=$1
-  for v in DATA EMPTYDIR EMPTY BINARY TINY TOML_UNKNOWN TOML_SNAKE TOML OUT RUN OTHER DAMAGED BADPAIRS; do s=${s//\$$v/${!v}}; done
+  for v in DATA EMPTYDIR EMPTY BINARY TINY TOML_UNKNOWN TOML_SNAKE TOML OUT RUN OTHER DAMAGED BADPAIRS \
+           HF_ARCH HF_LAYERS HF_SHAPE HF_DTYPE HF; do s=${s//\$$v/${!v}}; done
   printf '%s' "$s"
 }
 command=$(expand "$command")
