@@ -204,7 +204,8 @@ TEST(T5, SpanCorruptionGradientsAndLearning) {
   model::T5Config c;
   c.vocab = 11, c.eot = 10, c.width = 8, c.layers = 1, c.heads = 2, c.ff = 16;
   auto lm = model::make_t5(c, alone(), {}, 7);
-  EXPECT_EQ(lm->units().size(), 5u);  // shared, encoder.0, encoder.ln_f, decoder.0, decoder.ln_f
+  // shared; per stack: its position bias, its block, its final norm
+  EXPECT_EQ(lm->units().size(), 7u);
   at::manual_seed(8);
   const at::Tensor tokens = at::randint(10, {3, 21}, at::kLong);
   auto loss_at = [&] {

@@ -1,6 +1,8 @@
-// A T5-style encoder-decoder (T5 v1.0 layout: RMS norms, no biases, ReLU feed-forward, relative
-// position bias in every attention, tied embeddings) as sharded units, trained with T5's span
-// corruption: spans of the text become sentinels in the input and are predicted in the output.
+// A T5-style encoder-decoder (T5 v1.0 layout: RMS norms, no biases, ReLU feed-forward, tied
+// embeddings; one relative position bias table per stack, shared by its self-attentions) as
+// sharded units, trained with T5's span corruption (spans of the text become sentinels in the
+// input and are predicted in the output) or on translation pairs. Parameters carry transformers'
+// T5ForConditionalGeneration names, so a checkpoint is already one.
 #include "flexdemo/model.h"
 
 #include "unit_model.h"
@@ -68,22 +70,27 @@ at::Tensor position_buckets(int64_t q_len, int64_t k_len, bool bidirectional, at
   return out + at::where(n < exact, n, large);
 }
 
-// Multi-head attention with a relative position bias table [kBuckets, heads]; keys where
-// key_pad ([B, S] bool) is true are not attended to.
+// The position bias [1, heads, q_len, k_len] of a relative position bias table [kBuckets,
+// heads].
+at::Tensor position_bias(const at::Tensor& table, int64_t q_len, int64_t k_len,
+                         bool bidirectional) {
+  return at::embedding(table, position_buckets(q_len, k_len, bidirectional, table.device()))
+      .permute({2, 0, 1})
+      .unsqueeze(0);
+}
+
+// Multi-head attention, plus a position bias [1, heads, T, S] when given; keys where key_pad
+// ([B, S] bool) is true are not attended to.
 at::Tensor attention(const at::Tensor& x, const at::Tensor& kv, const at::Tensor& wq,
                      const at::Tensor& wk, const at::Tensor& wv, const at::Tensor& wo,
-                     const at::Tensor* bias, bool causal, bool bidirectional, int64_t H,
+                     const at::Tensor* bias, bool causal, int64_t H,
                      const at::Tensor* key_pad = nullptr) {
   const int64_t B = x.size(0), T = x.size(1), S = kv.size(1), C = x.size(2), D = C / H;
   const at::Tensor q = at::linear(x, wq).view({B, T, H, D}).transpose(1, 2);
   const at::Tensor k = at::linear(kv, wk).view({B, S, H, D}).transpose(1, 2);
   const at::Tensor v = at::linear(kv, wv).view({B, S, H, D}).transpose(1, 2);
   at::Tensor scores = at::matmul(q, k.transpose(-2, -1));  // T5 folds the scaling into init
-  if (bias) {
-    scores = scores + at::embedding(*bias, position_buckets(T, S, bidirectional, q.device()))
-                          .permute({2, 0, 1})
-                          .unsqueeze(0);
-  }
+  if (bias) scores = scores + *bias;
   if (causal)
     scores =
         scores.masked_fill(at::ones({T, S}, scores.options().dtype(at::kBool)).triu(1), -INFINITY);
@@ -92,26 +99,28 @@ at::Tensor attention(const at::Tensor& x, const at::Tensor& kv, const at::Tensor
   return at::linear(y, wo);
 }
 
-// The source's padding mask ([B, S] bool), where a block's inputs carry one after the states.
+// The source's padding mask ([B, S] bool), where a block's inputs carry one after the others.
 const at::Tensor* pad_mask(const Params& in, size_t at) {
   return in.size() > at ? &in[at] : nullptr;
 }
 
-// Encoder block: [ln, q, k, v, o, bias, ln, wi, wo].
-at::Tensor encoder_block(const Params& p, const at::Tensor& x, int64_t H, const at::Tensor* pad) {
+// Encoder block [ln, q, k, v, o, ln, wi, wo] on inputs {x, position bias[, pad]}.
+at::Tensor encoder_block(const Params& p, const Params& in, int64_t H) {
+  const at::Tensor& x = in[0];
   const at::Tensor h = rms_norm(x, p[0]);
-  at::Tensor out = x + attention(h, h, p[1], p[2], p[3], p[4], &p[5], false, true, H, pad);
-  return out + at::linear(at::relu(at::linear(rms_norm(out, p[6]), p[7])), p[8]);
+  at::Tensor out = x + attention(h, h, p[1], p[2], p[3], p[4], &in[1], false, H, pad_mask(in, 2));
+  return out + at::linear(at::relu(at::linear(rms_norm(out, p[5]), p[6])), p[7]);
 }
 
-// Decoder block: [ln, q, k, v, o, bias, ln, cq, ck, cv, co, ln, wi, wo].
-at::Tensor decoder_block(const Params& p, const at::Tensor& x, const at::Tensor& enc, int64_t H,
-                         const at::Tensor* pad) {
+// Decoder block [ln, q, k, v, o, ln, cq, ck, cv, co, ln, wi, wo] on inputs {y, encoder output,
+// position bias[, source pad]}.
+at::Tensor decoder_block(const Params& p, const Params& in, int64_t H) {
+  const at::Tensor& x = in[0];
   const at::Tensor h = rms_norm(x, p[0]);
-  at::Tensor out = x + attention(h, h, p[1], p[2], p[3], p[4], &p[5], true, false, H);
-  out = out +
-        attention(rms_norm(out, p[6]), enc, p[7], p[8], p[9], p[10], nullptr, false, false, H, pad);
-  return out + at::linear(at::relu(at::linear(rms_norm(out, p[11]), p[12])), p[13]);
+  at::Tensor out = x + attention(h, h, p[1], p[2], p[3], p[4], &in[2], true, H);
+  out = out + attention(rms_norm(out, p[5]), in[1], p[6], p[7], p[8], p[9], nullptr, false, H,
+                        pad_mask(in, 3));
+  return out + at::linear(at::relu(at::linear(rms_norm(out, p[10]), p[11])), p[12]);
 }
 
 class T5 final : public UnitModel {
@@ -127,40 +136,46 @@ class T5 final : public UnitModel {
     };
     const double dk = 1.0 / std::sqrt(double(d / c.heads));  // T5: q init folds 1/sqrt(d_kv)
     add_unit("shared", {{"shared.weight", normal({V, d}, 1.0)}}, group, options);
-    auto attn = [&](const std::string& prefix, bool with_bias) {
-      std::vector<std::pair<std::string, at::Tensor>> p = {
+    auto attn = [&](const std::string& prefix) {
+      return std::vector<std::pair<std::string, at::Tensor>>{
           {prefix + ".q.weight", normal({d, d}, dk / std::sqrt(double(d)))},
           {prefix + ".k.weight", normal({d, d}, 1.0 / std::sqrt(double(d)))},
           {prefix + ".v.weight", normal({d, d}, 1.0 / std::sqrt(double(d)))},
           {prefix + ".o.weight", normal({d, d}, 1.0 / std::sqrt(double(d)))}};
-      if (with_bias) p.push_back({prefix + ".relative_bias", normal({kBuckets, c.heads}, 0.1)});
-      return p;
     };
     auto ff = [&](const std::string& prefix) {
       return std::vector<std::pair<std::string, at::Tensor>>{
           {prefix + ".wi.weight", normal({f, d}, 1.0 / std::sqrt(double(d)))},
           {prefix + ".wo.weight", normal({d, f}, 1.0 / std::sqrt(double(f)))}};
     };
-    for (int64_t l = 0; l < c.layers; ++l) {
-      const std::string n = "encoder." + std::to_string(l);
-      std::vector<std::pair<std::string, at::Tensor>> p = {{n + ".ln_1.weight", at::ones({d})}};
-      for (auto& t : attn(n + ".attn", true)) p.push_back(t);
-      p.push_back({n + ".ln_2.weight", at::ones({d})});
-      for (auto& t : ff(n + ".mlp")) p.push_back(t);
-      add_unit(n, p, group, options);
+    auto append = [](std::vector<std::pair<std::string, at::Tensor>>& to,
+                     std::vector<std::pair<std::string, at::Tensor>> more) {
+      for (auto& t : more) to.push_back(std::move(t));
+    };
+    // Each stack's position bias table is a unit of its own, used by all its self-attentions
+    // (transformers keeps it in the stack's first block).
+    for (const std::string stack : {"encoder", "decoder"}) {
+      add_unit(stack + ".relative_attention_bias",
+               {{stack + ".block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+                 normal({kBuckets, c.heads}, 0.1)}},
+               group, options);
+      for (int64_t l = 0; l < c.layers; ++l) {
+        const std::string n = stack + ".block." + std::to_string(l) + ".layer.";
+        std::vector<std::pair<std::string, at::Tensor>> p = {
+            {n + "0.layer_norm.weight", at::ones({d})}};
+        append(p, attn(n + "0.SelfAttention"));
+        const std::string last = stack == "encoder" ? "1" : "2";
+        if (stack == "decoder") {
+          p.push_back({n + "1.layer_norm.weight", at::ones({d})});
+          append(p, attn(n + "1.EncDecAttention"));
+        }
+        p.push_back({n + last + ".layer_norm.weight", at::ones({d})});
+        append(p, ff(n + last + ".DenseReluDense"));
+        add_unit(stack + "." + std::to_string(l), p, group, options);
+      }
+      add_unit(stack + ".final_layer_norm",
+               {{stack + ".final_layer_norm.weight", at::ones({d})}}, group, options);
     }
-    add_unit("encoder.ln_f", {{"encoder.ln_f.weight", at::ones({d})}}, group, options);
-    for (int64_t l = 0; l < c.layers; ++l) {
-      const std::string n = "decoder." + std::to_string(l);
-      std::vector<std::pair<std::string, at::Tensor>> p = {{n + ".ln_1.weight", at::ones({d})}};
-      for (auto& t : attn(n + ".attn", true)) p.push_back(t);
-      p.push_back({n + ".ln_2.weight", at::ones({d})});
-      for (auto& t : attn(n + ".cross", false)) p.push_back(t);
-      p.push_back({n + ".ln_3.weight", at::ones({d})});
-      for (auto& t : ff(n + ".mlp")) p.push_back(t);
-      add_unit(n, p, group, options);
-    }
-    add_unit("decoder.ln_f", {{"decoder.ln_f.weight", at::ones({d})}}, group, options);
   }
 
   // Text windows [B, T + 1] are corrupted into (inputs, targets); pairs [B, source_len +
@@ -267,50 +282,55 @@ class T5 final : public UnitModel {
   }
 
  private:
-  // Units: 0 the shared embeddings (and head), 1..L encoder blocks, L+1 encoder ln_f, L+2..2L+1
-  // decoder blocks, 2L+2 decoder ln_f. Each names the unit that runs after it (its gather is
-  // prefetched) and the one whose output it takes (prefetched in the backward).
+  // Units: 0 the shared embeddings (and head); 1 the encoder's position bias, 2..L+1 its
+  // blocks, L+2 its final norm; L+3 the decoder's position bias, L+4..2L+3 its blocks, 2L+4 its
+  // final norm. Each names the unit that runs after it (its gather is prefetched) and the one
+  // that ran before it (prefetched in the backward).
   shard::ShardedUnit* u(int64_t i) const { return units_[size_t(i)].get(); }
 
   // The encoder's output for inputs [B, S] (valid ids), pad: undefined or [B, S] bool.
   at::Tensor encoder_states(const at::Tensor& inputs, const at::Tensor& pad) {
-    const int64_t H = c_.heads, L = c_.layers;
+    const int64_t H = c_.heads, L = c_.layers, S = inputs.size(1);
     auto embed = [](const Params& p, const Params& in) { return at::embedding(p[0], in[0]); };
     at::Tensor x = u(0)->forward(embed, {inputs}, {u(1), nullptr});
+    const at::Tensor bias = u(1)->forward(
+        [S](const Params& p, const Params&) { return position_bias(p[0], S, S, true); }, {},
+        {u(2), u(0)});
     for (int64_t l = 0; l < L; ++l) {
-      x = u(1 + l)->forward(
-          [H](const Params& p, const Params& in) {
-            return encoder_block(p, in[0], H, pad_mask(in, 1));
-          },
-          pad.defined() ? Params{x, pad} : Params{x}, {u(2 + l), u(l)});
+      x = u(2 + l)->forward(
+          [H](const Params& p, const Params& in) { return encoder_block(p, in, H); },
+          pad.defined() ? Params{x, bias, pad} : Params{x, bias}, {u(3 + l), u(1 + l)});
     }
-    return u(1 + L)->forward(
-        [](const Params& p, const Params& in) { return rms_norm(in[0], p[0]); }, {x}, {u(0), u(L)});
+    return u(2 + L)->forward(
+        [](const Params& p, const Params& in) { return rms_norm(in[0], p[0]); }, {x},
+        {u(0), u(1 + L)});
   }
 
   // Logits [B, T, vocab + sentinels] of the decoder on decoder_in [B, T], attending to the
   // encoder's output of source (padded with kPad where it is).
   at::Tensor decode(const at::Tensor& enc, const at::Tensor& source, const at::Tensor& decoder_in) {
-    const int64_t H = c_.heads, L = c_.layers, d = c_.width;
+    const int64_t H = c_.heads, L = c_.layers, d = c_.width, T = decoder_in.size(1);
+    const int64_t first = L + 3;  // the decoder's position bias unit
     const at::Tensor pad = padding(source);
     auto embed = [](const Params& p, const Params& in) { return at::embedding(p[0], in[0]); };
-    at::Tensor y = u(0)->forward(embed, {decoder_in}, {u(L + 2), nullptr});
+    at::Tensor y = u(0)->forward(embed, {decoder_in}, {u(first), nullptr});
+    const at::Tensor bias = u(first)->forward(
+        [T](const Params& p, const Params&) { return position_bias(p[0], T, T, false); }, {},
+        {u(first + 1), u(0)});
     for (int64_t l = 0; l < L; ++l) {
-      y = u(L + 2 + l)->forward(
-          [H](const Params& p, const Params& in) {
-            return decoder_block(p, in[0], in[1], H, pad_mask(in, 2));
-          },
-          pad.defined() ? Params{y, enc, pad} : Params{y, enc},
-          {u(L + 3 + l), l == 0 ? u(0) : u(L + 1 + l)});
+      y = u(first + 1 + l)->forward(
+          [H](const Params& p, const Params& in) { return decoder_block(p, in, H); },
+          pad.defined() ? Params{y, enc, bias, pad} : Params{y, enc, bias},
+          {u(first + 2 + l), u(first + l)});
     }
-    y = u(2 * L + 2)->forward(
+    y = u(first + 1 + L)->forward(
         [d](const Params& p, const Params& in) {
           return rms_norm(in[0], p[0]) * (1.0 / std::sqrt(double(d)));  // T5's tied-head scale
         },
-        {y}, {u(0), L > 0 ? u(2 * L + 1) : u(0)});
+        {y}, {u(0), u(first + L)});
     return u(0)->forward(
         [](const Params& p, const Params& in) { return at::matmul(in[0], p[0].t()); }, {y},
-        {nullptr, u(2 * L + 2)});
+        {nullptr, u(first + 1 + L)});
   }
 
   T5Config c_;
