@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """flexdemo's models checked by Hugging Face transformers itself (offline).
 
-For a GPT (GPT2LMHeadModel) and a LLaMA (LlamaForCausalLM: grouped-query attention, rotary
-positions with another base, a head of its own), both ways:
+For a GPT (GPT2LMHeadModel), a LLaMA (LlamaForCausalLM: grouped-query attention, rotary positions
+with another base, a head of its own) and a T5 (T5ForConditionalGeneration, trained on
+translation pairs), both ways:
   - export: train a few steps with flexdemo on 2 ranks (sharded), `flexdemo export --format hf`,
     load the folder with transformers' AutoModelForCausalLM and AutoTokenizer;
   - import: a random model made by transformers, saved with save_pretrained, read by flexdemo
@@ -10,7 +11,8 @@ positions with another base, a head of its own), both ways:
 and compare on the same token ids
   - the mean next-token loss and the next-token logits (`flexdemo eval --tokens --logits`),
     within 1e-4 relative;
-  - greedy generation, token for token, and its text (`flexdemo generate --temperature 0`);
+  - greedy generation, token for token, and its text (`flexdemo generate --temperature 0`; T5:
+    the greedy translation, `--beam 1`);
   - the tokenizer's ids for the prompt (export).
 Usage: hf_interop.py FLEXDEMO_BINARY WORK_DIR
 """
@@ -23,12 +25,14 @@ import sys
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
+import sentencepiece  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 FLEXDEMO, WORK = sys.argv[1], sys.argv[2]
 PROMPT = "The best way to"
+T5_PROMPT = "Open the file number 7"
 NEW_TOKENS = 12
 failures = []
 
@@ -140,8 +144,86 @@ def import_(name, config, tokenizer_dir):
           f"config.json: model {saved['model']}, width {saved['width']}")
 
 
+def same_translation_outputs(name, ours_dir, hf_dir, model, tokenizer):
+    """T5: loss and next-token logits by teacher forcing on the same source and target ids, and
+    greedy translation, of flexdemo on ours_dir against transformers' model."""
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(7)
+    source, target = torch.randint(0, vocab, (3, 12), generator=g), torch.randint(0, vocab, (3, 9), generator=g)
+    ids_file, logits_file = os.path.join(WORK, name + "-ids.json"), os.path.join(WORK, name + "-logits.safetensors")
+    with open(ids_file, "w") as f:
+        json.dump({"source": source.tolist(), "target": target.tolist()}, f)
+    ours = json.loads(run(["eval", ours_dir, "--tokens", ids_file, "--logits", logits_file]).strip().splitlines()[-1])
+    start = torch.full((3, 1), model.config.decoder_start_token_id)
+    with torch.no_grad():
+        theirs_loss = model(input_ids=source, labels=target).loss.item()
+        their_logits = model(input_ids=source, decoder_input_ids=torch.cat([start, target], 1)).logits[:, -1]
+    check(f"{name}: loss", abs(ours["loss"] - theirs_loss) <= 1e-4 * abs(theirs_loss),
+          f"flexdemo {ours['loss']:.7f}, transformers {theirs_loss:.7f}")
+    our_logits = load_file(logits_file)["next_token_logits"]
+    rel = ((our_logits - their_logits).abs().max() / their_logits.abs().max()).item()
+    check(f"{name}: next-token logits", rel <= 1e-4, f"max difference / max |logit| = {rel:.2e}")
+
+    # Greedy translation: the source ends with end-of-text (T5Tokenizer appends it), the decoder
+    # starts with it; both stop at it or after NEW_TOKENS. transformers' ids are decoded by the
+    # SentencePiece model itself, as flexdemo decodes (T5Tokenizer prints byte pieces as
+    # "<0xD8>" where SentencePiece joins them into characters).
+    spm = sentencepiece.SentencePieceProcessor(model_file=os.path.join(hf_dir, "spiece.model"))
+    inputs = tokenizer(T5_PROMPT, return_tensors="pt")
+    eot = model.config.eos_token_id
+    check(f"{name}: tokenizer", inputs["input_ids"][0].tolist() == spm.encode(T5_PROMPT) + [eot],
+          f"transformers {inputs['input_ids'][0].tolist()}, SentencePiece {spm.encode(T5_PROMPT)} + {eot}")
+    with torch.no_grad():
+        generated = model.generate(**inputs, max_new_tokens=NEW_TOKENS, num_beams=1, do_sample=False)
+    their_text, run_ids = "", []  # flexdemo's rule: sentinels as <extra_id_N>, runs between
+    for t in generated[0].tolist()[1:]:
+        if t == eot:
+            continue
+        if t < spm.get_piece_size():
+            run_ids.append(t)
+        else:
+            their_text += spm.decode(run_ids) + f"<extra_id_{t - spm.get_piece_size()}>"
+            run_ids = []
+    their_text += spm.decode(run_ids)
+    printed = run(["generate", ours_dir, "--prompt", T5_PROMPT, "--tokens", str(NEW_TOKENS), "--beam", "1"])
+    our_text = printed[:-1] if printed.endswith("\n") else printed
+    check(f"{name}: greedy translation", our_text == their_text,
+          f"flexdemo {our_text!r}, transformers {their_text!r}")
+
+
+def export_t5(pairs):
+    run_dir, hf_dir = os.path.join(WORK, "t5"), os.path.join(WORK, "t5-hf")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(hf_dir, ignore_errors=True)
+    run(["train", "--model", "t5-nano", "--width", "32", "--heads", "4", "--ff", "64", "--data", pairs, "--vocab", "300",
+         "--ranks-per-node", "2", "--steps", "150", "--lr", "4e-3", "--batch", "8", "--seq", "32", "--target-seq", "32",
+         "--eval-seqs", "4", "--progress", "lines", "--out", run_dir], ranks=2)
+    run(["export", run_dir, "--format", "hf", "--out", hf_dir])
+    model = AutoModelForSeq2SeqLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    same_translation_outputs("export t5", run_dir, hf_dir, model, tokenizer)
+    return hf_dir
+
+
+def import_t5(tokenizer_dir, vocab):
+    hf_dir = os.path.join(WORK, "t5-made")
+    shutil.rmtree(hf_dir, ignore_errors=True)
+    torch.manual_seed(12)
+    config = T5Config(vocab_size=vocab, d_model=48, d_kv=12, d_ff=96, num_layers=2, num_heads=4,
+                      feed_forward_proj="relu", dropout_rate=0.0, decoder_start_token_id=1, eos_token_id=1,
+                      pad_token_id=1)
+    model = AutoModelForSeq2SeqLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    model.save_pretrained(hf_dir)
+    for f in ("spiece.model", "tokenizer_config.json"):
+        shutil.copy(os.path.join(tokenizer_dir, f), hf_dir)
+    same_translation_outputs("import t5", hf_dir, hf_dir, model, AutoTokenizer.from_pretrained(hf_dir))
+
+
 os.makedirs(WORK, exist_ok=True)
-from transformers import GPT2Config, LlamaConfig  # noqa: E402
+from transformers import AutoModelForSeq2SeqLM, GPT2Config, LlamaConfig, T5Config  # noqa: E402
 
 gpt_dir = export("gpt", ["--model", "gpt-nano", "--width", "32", "--layers", "2", "--heads", "2", "--context", "64"])
 export("llama", ["--model", "llama-nano", "--width", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2",
@@ -152,6 +234,14 @@ import_("llama", LlamaConfig(vocab_size=vocab, hidden_size=48, intermediate_size
                              num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
                              rms_norm_eps=1e-5, rope_theta=20000.0, tie_word_embeddings=True,
                              bos_token_id=1, eos_token_id=1), gpt_dir)
+# T5 on translation pairs (a small TSV: its tokenizer is trained on it).
+pairs = os.path.join(WORK, "pairs.tsv")
+with open(pairs, "w") as f:
+    for i in range(300):
+        f.write(f"Open the file number {i}\tOuvrir le fichier numéro {i}\n")
+        f.write(f"Close window {i} now\tFermer la fenêtre {i} maintenant\n")
+t5_dir = export_t5(pairs)
+import_t5(t5_dir, AutoModelForSeq2SeqLM.from_pretrained(t5_dir).config.vocab_size)
 if failures:
     sys.exit(f"{len(failures)} check(s) failed: {', '.join(failures)}")
 print("transformers agrees with flexdemo on every check")

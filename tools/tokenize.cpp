@@ -59,10 +59,20 @@ int main(int argc, char** argv) {
         for (int32_t id : tok->encode(text)) std::cout << id << " ";
         std::cout << "\n";
       };
+      // Ids past the vocabulary are T5's sentinels: "<extra_id_N>" for vocabulary + N, the
+      // ids between them decoded run by run.
       auto decode_one = [&](std::istream& in) {
-        std::vector<int32_t> ids;
-        for (int32_t id; in >> id;) ids.push_back(id);
-        return tok->decode(ids);
+        std::string text;
+        std::vector<int32_t> run;
+        for (int32_t id; in >> id;) {
+          if (id < tok->vocab_size()) {
+            run.push_back(id);
+            continue;
+          }
+          text += tok->decode(run) + "<extra_id_" + std::to_string(id - tok->vocab_size()) + ">";
+          run.clear();
+        }
+        return text + tok->decode(run);
       };
       if (!lines) {
         if (encode->parsed()) encode_one(std::string(std::istreambuf_iterator<char>(std::cin), {}));

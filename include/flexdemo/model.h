@@ -54,8 +54,11 @@ struct LlamaConfig {
 // (SmolLM-135M's shapes: 576, 30, 9, 3, 1536, 2048; ~107M with 4096, 135M with 49152).
 LlamaConfig llama_preset(const std::string& name, int64_t vocab);
 
+// T5's sentinel ids (span corruption's <extra_id_N>): vocab + N, N < kT5Sentinels.
+constexpr int64_t kT5Sentinels = 100;
+
 struct T5Config {
-  int64_t vocab = 0;   // tokenizer's vocabulary; 100 sentinel ids are added after it
+  int64_t vocab = 0;   // tokenizer's vocabulary; kT5Sentinels ids are added after it
   int64_t eot = 0;     // the tokenizer's end-of-text id: decoder start and end of targets
   int64_t width = 0;   // d_model
   int64_t layers = 0;  // encoder layers, and as many decoder layers

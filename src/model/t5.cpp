@@ -39,7 +39,7 @@ T5Config t5_preset(const std::string& name, int64_t vocab) {
 namespace {
 
 using Params = std::vector<at::Tensor>;
-constexpr int64_t kBuckets = 32, kMaxDistance = 128, kSentinels = 100;
+constexpr int64_t kBuckets = 32, kMaxDistance = 128, kSentinels = kT5Sentinels;
 constexpr int64_t kPad = -1;  // data::PairSampler's padding
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w) {

@@ -1,8 +1,8 @@
 // Hugging Face transformers' model folders, both ways: `flexdemo export --format hf` writes a
 // checkpoint as one, `--init-from` starts training from one. GPT <-> GPT2LMHeadModel (its Conv1D
-// layers keep weights as [in, out]: ours are transposed); LLaMA <-> LlamaForCausalLM (our names
-// and layouts are already transformers'). The BPE tokenizer travels as the SentencePiece model
-// transformers' LlamaTokenizer reads.
+// layers keep weights as [in, out]: ours are transposed); LLaMA <-> LlamaForCausalLM and T5 <->
+// T5ForConditionalGeneration (our names and layouts are already transformers'). The BPE
+// tokenizer travels as the SentencePiece model transformers' LlamaTokenizer (T5Tokenizer) reads.
 #include "hf_format.h"
 
 #include "checkpoint_store.h"
@@ -33,6 +33,7 @@ namespace {
 
 constexpr const char* kGpt2 = "GPT2LMHeadModel";
 constexpr const char* kLlama = "LlamaForCausalLM";
+constexpr const char* kT5 = "T5ForConditionalGeneration";
 
 // transformers' name of one of our parameters, and whether its layout is our layout transposed.
 struct HfName {
@@ -40,8 +41,9 @@ struct HfName {
   bool transposed = false;
 };
 
-HfName hf_name(const std::string& ours, bool llama) {
-  if (llama) return {ours, false};  // already transformers' names
+// `same`: LLaMA and T5, whose names and layouts are already transformers'.
+HfName hf_name(const std::string& ours, bool same) {
+  if (same) return {ours, false};
   if (ours == "wte" || ours == "wpe") return {"transformer." + ours + ".weight", false};
   if (ours.rfind("ln_f.", 0) == 0) return {"transformer." + ours, false};
   // "h<L>.<rest>"
@@ -111,6 +113,29 @@ nlohmann::ordered_json llama_json(const model::LlamaConfig& c, int64_t eot) {
           {"dtype", "float32"}};
 }
 
+nlohmann::ordered_json t5_json(const model::T5Config& c, int64_t eot) {
+  return {{"architectures", {kT5}},
+          {"model_type", "t5"},
+          {"vocab_size", c.vocab + model::kT5Sentinels},
+          {"d_model", c.width},
+          {"d_kv", c.width / c.heads},
+          {"d_ff", c.ff},
+          {"num_layers", c.layers},
+          {"num_decoder_layers", c.layers},
+          {"num_heads", c.heads},
+          {"relative_attention_num_buckets", 32},
+          {"relative_attention_max_distance", 128},
+          {"dropout_rate", 0.0},
+          {"layer_norm_epsilon", 1e-6},
+          {"feed_forward_proj", "relu"},
+          {"is_encoder_decoder", true},
+          {"tie_word_embeddings", true},
+          {"decoder_start_token_id", eot},  // flexdemo's decoder starts with end-of-text
+          {"eos_token_id", eot},
+          {"pad_token_id", eot},
+          {"dtype", "float32"}};
+}
+
 void write_json(const fs::path& path, const nlohmann::ordered_json& j) {
   std::ofstream out(path);
   out << j.dump(2) << "\n";
@@ -138,8 +163,9 @@ std::string architecture(const nlohmann::json& hf, const std::string& dir) {
     bad(dir, "config.json names no architecture (\"architectures\")");
   }
   const std::string arch = hf["architectures"][0].get<std::string>();
-  if (arch != kGpt2 && arch != kLlama) {
-    bad(dir, fmt::format("architecture {} is not supported; accepted: {}, {}", arch, kGpt2, kLlama));
+  if (arch != kGpt2 && arch != kLlama && arch != kT5) {
+    bad(dir, fmt::format("architecture {} is not supported; accepted: {}, {}, {}", arch, kGpt2,
+                         kLlama, kT5));
   }
   return arch;
 }
@@ -196,7 +222,8 @@ void apply_init_from(TrainConfig& c) {
   if (c.init_from.empty()) return;
   const std::string& dir = c.init_from;
   const nlohmann::json hf = read_hf_config(dir);
-  const bool llama = architecture(hf, dir) == kLlama;
+  const std::string arch = architecture(hf, dir);
+  const bool llama = arch == kLlama;
   // The shape comes from the folder; a shape option given as well must agree with it.
   auto take = [&](int64_t& option, const char* flag, const std::string& key, int64_t value) {
     if (option != 0 && option != value) {
@@ -204,7 +231,27 @@ void apply_init_from(TrainConfig& c) {
     }
     option = value;
   };
-  if (llama) {
+  if (arch == kT5) {
+    require(hf.value("feed_forward_proj", "relu") == "relu", dir,
+            "feed_forward_proj other than relu (T5 v1.0)");
+    require(hf.value("tie_word_embeddings", true), dir, "an untied head");
+    require(int64_t(number(hf, "relative_attention_num_buckets", dir, 32)) == 32 &&
+                int64_t(number(hf, "relative_attention_max_distance", dir, 128)) == 128,
+            dir, "relative attention other than 32 buckets up to 128");
+    require(std::abs(number(hf, "layer_norm_epsilon", dir, 1e-6) - 1e-6) < 1e-12, dir,
+            "layer_norm_epsilon other than 1e-6");
+    const int64_t width = int64_t(number(hf, "d_model", dir));
+    const int64_t heads = int64_t(number(hf, "num_heads", dir));
+    const int64_t layers = int64_t(number(hf, "num_layers", dir));
+    require(int64_t(number(hf, "d_kv", dir)) * heads == width, dir, "d_kv x num_heads other than d_model");
+    require(int64_t(number(hf, "num_decoder_layers", dir, double(layers))) == layers, dir,
+            "num_decoder_layers other than num_layers");
+    c.model = "t5-nano";  // the family; every dimension below is the folder's
+    take(c.width, "--width", "d_model", width);
+    take(c.layers, "--layers", "num_layers", layers);
+    take(c.heads, "--heads", "num_heads", heads);
+    take(c.ff, "--ff", "d_ff", int64_t(number(hf, "d_ff", dir)));
+  } else if (llama) {
     require(hf.value("hidden_act", "silu") == "silu", dir, "hidden_act other than silu");
     require(!hf.value("attention_bias", false), dir, "attention_bias");
     require(!hf.value("mlp_bias", false), dir, "mlp_bias");
@@ -253,13 +300,15 @@ void apply_init_from(TrainConfig& c) {
     take(c.heads, "--heads", "n_head", int64_t(number(hf, "n_head", dir)));
     take(c.context, "--context", "n_positions", int64_t(number(hf, "n_positions", dir)));
   }
-  const fs::path spm = fs::path(dir) / "tokenizer.model";
+  // LLaMA's and GPT's SentencePiece file is tokenizer.model, T5's spiece.model.
+  fs::path spm = fs::path(dir) / "tokenizer.model";
+  if (!fs::is_regular_file(spm)) spm = fs::path(dir) / "spiece.model";
   if (fs::is_regular_file(spm)) {
     c.tokenizer = TokenizerKind::Bpe;
     c.tokenizer_model = fs::absolute(spm).string();
   } else if (c.tokenizer != TokenizerKind::Bytes) {
-    bad(dir, "no tokenizer.model (flexdemo reads SentencePiece tokenizers; a model of 257 ids "
-             "trained on bytes takes --tokenizer bytes)");
+    bad(dir, "no tokenizer.model or spiece.model (flexdemo reads SentencePiece tokenizers; a "
+             "model of 257 ids trained on bytes takes --tokenizer bytes)");
   }
 }
 
@@ -267,11 +316,13 @@ void load_init_from(Session& s) {
   const std::string& dir = s.cfg.init_from;
   if (dir.empty()) return;
   const nlohmann::json hf = read_hf_config(dir);
-  const bool llama = architecture(hf, dir) == kLlama;
+  const std::string arch = architecture(hf, dir);
+  const bool llama = arch == kLlama, t5 = arch == kT5;
   const int64_t vocab = int64_t(number(hf, "vocab_size", dir));
-  if (vocab != s.tokens.vocab_size) {
-    bad(dir, fmt::format("its vocab_size is {}, but its tokenizer has {} ids", vocab,
-                         s.tokens.vocab_size));
+  const int64_t ids = s.tokens.vocab_size + (t5 ? model::kT5Sentinels : 0);
+  if (vocab != ids) {
+    bad(dir, fmt::format("its vocab_size is {}, but its tokenizer has {} ids{}", vocab, ids,
+                         t5 ? " (with T5's 100 sentinels)" : ""));
   }
   std::map<std::string, at::Tensor> weights = read_hf_weights(dir);
   std::set<std::string> used;
@@ -280,9 +331,9 @@ void load_init_from(Session& s) {
     const std::vector<at::Tensor> current = s.lm->units()[u]->gather();
     std::vector<at::Tensor> full;
     for (size_t i = 0; i < names.size(); ++i) {
-      const HfName theirs = hf_name(names[i], llama);
+      const HfName theirs = hf_name(names[i], llama || t5);
       auto it = weights.find(theirs.name);
-      if (it == weights.end() && !llama) {  // GPT-2's original files lack "transformer."
+      if (it == weights.end() && !llama && !t5) {  // GPT-2's original files lack "transformer."
         it = weights.find(theirs.name.substr(std::string("transformer.").size()));
       }
       if (it == weights.end()) bad(dir, "model.safetensors has no tensor " + theirs.name);
@@ -305,11 +356,14 @@ void load_init_from(Session& s) {
   }
   for (const auto& [name, t] : weights) {
     if (used.count(name)) continue;
-    // A tied head saved anyway, and GPT-2's attention masks (buffers, not weights).
-    const bool tied_head = name == "lm_head.weight" && (!llama || s.cfg.tied_head);
-    const bool mask = !llama && (name.size() > 9 && (name.substr(name.size() - 9) == "attn.bias" ||
-                                                     name.find("masked_bias") != std::string::npos));
-    if (!tied_head && !mask) bad(dir, "model.safetensors has a tensor this model has not: " + name);
+    // Tied copies saved anyway (a head, T5's per-stack embeddings), and GPT-2's attention
+    // masks (buffers, not weights).
+    const bool tied = (name == "lm_head.weight" && (!llama || s.cfg.tied_head)) ||
+                      (t5 && (name == "encoder.embed_tokens.weight" ||
+                              name == "decoder.embed_tokens.weight"));
+    const bool mask = arch == kGpt2 && (name.size() > 9 && (name.substr(name.size() - 9) == "attn.bias" ||
+                                                            name.find("masked_bias") != std::string::npos));
+    if (!tied && !mask) bad(dir, "model.safetensors has a tensor this model has not: " + name);
   }
 }
 
@@ -325,15 +379,12 @@ int run_export(const std::string& checkpoint, const ExportOptions& o,
     throw std::invalid_argument("--out " + o.out + " exists; give a folder that does not");
   }
   auto s = open_checkpoint(checkpoint, 1, world);
-  if (is_t5(s->cfg)) {
-    throw std::invalid_argument("flexdemo export: T5 models are not exported yet (GPT and LLaMA are)");
-  }
-  const bool llama = is_llama(s->cfg);
+  const bool llama = is_llama(s->cfg), t5 = is_t5(s->cfg);
   NamedTensors tensors;
   for (size_t u = 0; u < s->lm->units().size(); ++u) {
     const std::vector<at::Tensor> full = s->lm->units()[u]->gather();
     for (size_t i = 0; i < full.size(); ++i) {
-      const HfName theirs = hf_name(s->lm->param_names()[u][i], llama);
+      const HfName theirs = hf_name(s->lm->param_names()[u][i], llama || t5);
       const at::Tensor t = full[i].cpu();
       tensors.push_back({theirs.name, theirs.transposed ? t.t().contiguous() : t});
     }
@@ -342,7 +393,8 @@ int run_export(const std::string& checkpoint, const ExportOptions& o,
 
   const int64_t vocab = s->tokens.vocab_size, eot = s->tokens.eot;
   const nlohmann::ordered_json config = llama ? llama_json(llama_config(s->cfg, vocab), eot)
-                                              : gpt2_json(gpt_config(s->cfg, vocab), eot);
+                                        : t5    ? t5_json(t5_config(s->cfg, vocab), eot)
+                                                : gpt2_json(gpt_config(s->cfg, vocab), eot);
   const fs::path tmp = out.string() + ".tmp-" + std::to_string(getpid());
   fs::remove_all(tmp);
   fs::create_directories(tmp);
@@ -350,25 +402,33 @@ int run_export(const std::string& checkpoint, const ExportOptions& o,
   write_safetensors((tmp / "model.safetensors").string(), tensors, {{"format", "pt"}});
   const std::string& spm = s->tokens.tokenizer_model;
   if (!spm.empty()) {
-    fs::copy_file(spm, tmp / "tokenizer.model");
+    fs::copy_file(spm, tmp / (t5 ? "spiece.model" : "tokenizer.model"));
     // The SentencePiece model alone: no start token (flexdemo trains without one), its
-    // end-of-sentence piece is end-of-text.
-    write_json(tmp / "tokenizer_config.json", {{"tokenizer_class", "LlamaTokenizer"},
-                                               {"add_bos_token", false},
-                                               {"add_eos_token", false},
-                                               {"bos_token", nullptr},
-                                               {"eos_token", "</s>"},
-                                               {"unk_token", "<unk>"},
-                                               {"pad_token", nullptr},
-                                               {"legacy", true},
-                                               {"model_max_length", s->lm->context()}});
+    // end-of-sentence piece is end-of-text. T5's sources end with it: T5Tokenizer appends it.
+    nlohmann::ordered_json tokenizer = {{"tokenizer_class", t5 ? "T5Tokenizer" : "LlamaTokenizer"},
+                                        {"add_bos_token", false},
+                                        {"add_eos_token", false},
+                                        {"bos_token", nullptr},
+                                        {"eos_token", "</s>"},
+                                        {"unk_token", "<unk>"},
+                                        {"pad_token", nullptr},
+                                        {"legacy", true},
+                                        {"model_max_length", t5 ? s->cfg.seq : s->lm->context()}};
+    if (t5) {
+      tokenizer.erase("add_bos_token");
+      tokenizer.erase("add_eos_token");
+      tokenizer["pad_token"] = "</s>";
+      tokenizer["extra_ids"] = model::kT5Sentinels;
+    }
+    write_json(tmp / "tokenizer_config.json", tokenizer);
   }
   fs::rename(tmp, out);
   fmt::print("exported {} ({}) to {}: config.json, model.safetensors{}\n", checkpoint,
              config["architectures"][0].get<std::string>(), o.out,
              spm.empty() ? " (byte tokenizer: ids are byte values, end-of-text 256; no "
                            "tokenizer files)"
-                         : ", tokenizer.model, tokenizer_config.json");
+                         : t5 ? ", spiece.model, tokenizer_config.json"
+                              : ", tokenizer.model, tokenizer_config.json");
   return 0;
 }
 

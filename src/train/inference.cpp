@@ -195,48 +195,86 @@ std::vector<std::vector<int64_t>> translate(Session& s,
   return out;
 }
 
-// eval --tokens: the rows' mean next-token loss, printed, and their next-token logits.
-int score_tokens(Session& s, const std::string& checkpoint, const EvalOptions& o) {
-  if (s.lm->seq2seq()) throw std::invalid_argument("--tokens scores decoders (gpt-*, llama-*)");
-  std::ifstream in(o.tokens);
-  if (!in) throw std::invalid_argument("--tokens: cannot read " + o.tokens);
-  std::vector<std::vector<int64_t>> rows;
+// A JSON list of token id lists of one length, each id in [0, vocab).
+at::Tensor id_rows(const nlohmann::json& rows, const std::string& what, int64_t vocab,
+                   size_t min_length) {
+  const std::string file = "--tokens " + what;
+  std::vector<std::vector<int64_t>> list;
   try {
-    rows = nlohmann::json::parse(in).get<std::vector<std::vector<int64_t>>>();
+    list = rows.get<std::vector<std::vector<int64_t>>>();
   } catch (const nlohmann::json::exception&) {
-    throw std::invalid_argument("--tokens " + o.tokens +
-                                ": expected a JSON list of token id lists of one length");
+    throw std::invalid_argument(file + ": expected lists of token ids of one length");
   }
-  const int64_t vocab = s.tokens.vocab_size;
-  for (const auto& row : rows) {
-    if (row.size() < 2 || row.size() != rows[0].size()) {
-      throw std::invalid_argument("--tokens " + o.tokens +
-                                  ": rows must have one length of at least 2 ids");
+  if (list.empty()) throw std::invalid_argument(file + ": no rows");
+  for (const auto& row : list) {
+    if (row.size() < min_length || row.size() != list[0].size()) {
+      throw std::invalid_argument(
+          fmt::format("{}: rows must have one length of at least {} ids", file, min_length));
     }
     for (int64_t id : row) {
       if (id < 0 || id >= vocab) {
-        throw std::invalid_argument(fmt::format("--tokens {}: id {} is outside the vocabulary [0, {})",
-                                                o.tokens, id, vocab));
+        throw std::invalid_argument(
+            fmt::format("{}: id {} is outside the vocabulary [0, {})", file, id, vocab));
       }
     }
   }
-  if (rows.empty()) throw std::invalid_argument("--tokens " + o.tokens + ": no rows");
-  const int64_t T = int64_t(rows[0].size());
-  if (T > s.lm->context()) {
-    throw std::invalid_argument(fmt::format("--tokens {}: rows of {} ids exceed the context {}",
-                                            o.tokens, T, s.lm->context()));
+  at::Tensor ids = at::empty({int64_t(list.size()), int64_t(list[0].size())}, at::kLong);
+  for (size_t i = 0; i < list.size(); ++i) ids[int64_t(i)].copy_(at::tensor(list[i], at::kLong));
+  return ids;
+}
+
+// eval --tokens: the rows' mean next-token loss, printed, and their next-token logits. A decoder
+// reads [[ids...], ...]; an encoder-decoder {"source": [[...]], "target": [[...]]}, scored by
+// teacher forcing (the decoder starts with end-of-text) whatever it was trained on.
+int score_tokens(Session& s, const std::string& checkpoint, const EvalOptions& o) {
+  std::ifstream in(o.tokens);
+  if (!in) throw std::invalid_argument("--tokens: cannot read " + o.tokens);
+  nlohmann::json file;
+  try {
+    file = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception&) {
+    throw std::invalid_argument("--tokens " + o.tokens + ": not JSON");
   }
-  at::Tensor ids = at::empty({int64_t(rows.size()), T}, at::kLong);
-  for (size_t i = 0; i < rows.size(); ++i) ids[int64_t(i)].copy_(at::tensor(rows[i], at::kLong));
+  const int64_t vocab = s.tokens.vocab_size + (s.lm->seq2seq() ? model::kT5Sentinels : 0);
   at::NoGradGuard no_grad;
-  const at::Tensor on_device = ids.to(s.device);
-  const double loss = s.lm->loss(on_device).item<double>();
-  if (!o.logits.empty()) {
-    const at::Tensor logits = s.lm->next_token_logits(on_device).to(at::kCPU, at::kFloat);
-    if (s.topo.world->rank() == 0) write_safetensors(o.logits, {{"next_token_logits", logits}});
+  double loss = 0;
+  at::Tensor logits;
+  int64_t rows = 0;
+  if (s.lm->seq2seq()) {
+    if (!file.is_object() || !file.contains("source") || !file.contains("target")) {
+      throw std::invalid_argument("--tokens " + o.tokens +
+                                  ": an encoder-decoder reads {\"source\": [[ids]], \"target\": [[ids]]}");
+    }
+    const at::Tensor source = id_rows(file["source"], o.tokens, vocab, 1).to(s.device);
+    const at::Tensor target = id_rows(file["target"], o.tokens, vocab, 1).to(s.device);
+    if (source.size(0) != target.size(0)) {
+      throw std::invalid_argument("--tokens " + o.tokens + ": as many sources as targets");
+    }
+    rows = source.size(0);
+    const at::Tensor encoded = s.lm->encode(source);
+    const at::Tensor start = at::full({rows, 1}, int64_t(s.tokens.eot), target.options());
+    const at::Tensor decoder_in = at::cat({start, target}, 1);
+    for (int64_t t = 0; t < target.size(1); ++t) {
+      const at::Tensor next = s.lm->next_target_logits(encoded, source, decoder_in.narrow(1, 0, t + 1));
+      loss += at::cross_entropy_loss(next, target.select(1, t)).item<double>();
+    }
+    loss /= double(target.size(1));
+    logits = s.lm->next_target_logits(encoded, source, decoder_in);
+  } else {
+    const at::Tensor ids = id_rows(file, o.tokens, vocab, 2).to(s.device);
+    if (ids.size(1) > s.lm->context()) {
+      throw std::invalid_argument(fmt::format("--tokens {}: rows of {} ids exceed the context {}",
+                                              o.tokens, ids.size(1), s.lm->context()));
+    }
+    rows = ids.size(0);
+    loss = s.lm->loss(ids).item<double>();
+    logits = s.lm->next_token_logits(ids);
+  }
+  if (!o.logits.empty() && s.topo.world->rank() == 0) {
+    write_safetensors(o.logits, {{"next_token_logits", logits.to(at::kCPU, at::kFloat)}});
   }
   const nlohmann::ordered_json out = {
-      {"checkpoint", checkpoint}, {"tokens", o.tokens}, {"rows", rows.size()}, {"loss", loss}};
+      {"checkpoint", checkpoint}, {"tokens", o.tokens}, {"rows", rows}, {"loss", loss}};
   if (s.topo.world->rank() == 0) fmt::print("{}\n", out.dump());
   return 0;
 }
@@ -307,7 +345,8 @@ int run_generate(const std::string& checkpoint, const GenerateOptions& o,
   auto s = open_checkpoint(checkpoint, 1, world);
   std::vector<int64_t> ids;
   if (!o.prompt.empty()) ids = encode_texts(*s, {o.prompt}).at(0);
-  if (s->lm->seq2seq() && s->tokens.pairs) {  // (span corruption's T5 throws below)
+  // A T5 trained on pairs, or one from transformers, translates; span corruption's throws below.
+  if (s->lm->seq2seq() && (s->tokens.pairs || !s->cfg.init_from.empty())) {
     if (int64_t(ids.size()) >= s->cfg.seq) ids.resize(size_t(s->cfg.seq - 1));
     ids.push_back(s->tokens.eot);
     const std::vector<int64_t> target = translate(*s, {ids}, o.tokens, o.beam).at(0);
