@@ -82,8 +82,7 @@ Subcommand add_export(CLI::App& app) {
       ->check(CLI::ExistingDirectory);
   c.cli->add_option("--format", args->options.format, "hf: transformers' format")
       ->capture_default_str();
-  c.cli->add_option("--out", args->options.out, "the folder to write (must not exist)")
-      ->required();
+  c.cli->add_option("--out", args->options.out, "the folder to write (must not exist)")->required();
   c.uses_mpi = true;
   c.run = [args](std::shared_ptr<comm::Communicator> world) {
     return train::run_export(args->checkpoint, args->options, std::move(world));

@@ -50,8 +50,9 @@ struct LlamaConfig {
   void validate() const;
 };
 // llama-nano (width 128, 4 layers, 4 heads, 2 key/value heads, ff 352, context 128),
-// llama-micro (256, 4, 4, 2, 704, 256; ~4M parameters with a 4096 vocabulary) and llama-small
-// (SmolLM-135M's shapes: 576, 30, 9, 3, 1536, 2048; ~107M with 4096, 135M with 49152).
+// llama-micro (256, 4, 4, 2, 704, 256; 4.0M parameters with a 4096 vocabulary) and llama-small
+// (SmolLM-135M's shapes: 576, 30, 9, 3, 1536, 2048; 108.6M parameters with a 4096 vocabulary,
+// 134.5M with 49152).
 LlamaConfig llama_preset(const std::string& name, int64_t vocab);
 
 // T5's sentinel ids (span corruption's <extra_id_N>): vocab + N, N < kT5Sentinels.

@@ -91,7 +91,7 @@ struct OptionSpec {
   /* ====== Model ====== */                                                                        \
   X(model, std::string, "gpt-micro", Model, one_of(model::model_presets),                          \
     "the model preset (llama-*: a LLaMA-style decoder; t5-*: a T5-style encoder-decoder, trained " \
-    "by span corruption on text or on translation pairs)")                                     \
+    "by span corruption on text or on translation pairs)")                                         \
   X(width, int64_t, 0, Model, at_least(0, " (0: the preset's)"), "d_model (0: the preset's)")      \
   X(layers, int64_t, 0, Model, at_least(0, " (0: the preset's)"), "blocks (0: the preset's)")      \
   X(heads, int64_t, 0, Model, at_least(0, " (0: the preset's)"),                                   \
@@ -104,7 +104,7 @@ struct OptionSpec {
     "llama-*: key/value heads, dividing --heads (grouped-query attention; 0: the preset's)")       \
   X(rope_theta, double, 10000.0, Model, above(1), "llama-*: the rotary positions' base")           \
   X(tied_head, bool, true, Model, anything(),                                                      \
-    "llama-*: the output head is the token table (--no-tied-head: a head of its own)")            \
+    "llama-*: the output head is the token table (--no-tied-head: a head of its own)")             \
   X(dropout, double, 0.0, Run, anything(), "dropout probability")                                  \
   /* ====== Data ====== */                                                                         \
   X(data, std::string, "/usr/share/games/fortunes", Model, anything(),                             \

@@ -5,8 +5,8 @@
 #include "flexdemo/text.h"
 
 #include <ATen/ATen.h>
-#include <nlohmann/json.hpp>
 #include <zlib.h>
+#include <nlohmann/json.hpp>
 
 #include <sys/wait.h>
 #include <unistd.h>

@@ -37,8 +37,8 @@ at::Tensor LanguageModel::next_target_logits(const at::Tensor&, const at::Tensor
 }
 
 std::vector<std::string> model_presets() {
-  return {"gpt-nano",   "gpt-micro",   "gpt2-small",  "llama-nano",
-          "llama-micro", "llama-small", "t5-nano",     "t5-small"};
+  return {"gpt-nano",    "gpt-micro",   "gpt2-small", "llama-nano",
+          "llama-micro", "llama-small", "t5-nano",    "t5-small"};
 }
 
 GptConfig gpt_preset(const std::string& name, int64_t vocab) {
@@ -88,11 +88,11 @@ at::Tensor block_forward(const Params& p, const at::Tensor& x, const GptConfig& 
   return out + dropout(h, c.dropout);
 }
 
-class Gpt final : public UnitModel {
+class Gpt final : public DecoderModel {
  public:
   Gpt(const GptConfig& c, std::shared_ptr<comm::Communicator> group,
       const shard::ShardOptions& options, uint64_t seed)
-      : c_(c) {
+      : DecoderModel(c.context), c_(c) {
     c.validate();
     at::Generator gen = at::detail::createCPUGenerator(seed);
     auto normal = [&](std::vector<int64_t> shape, double std) {
@@ -126,19 +126,6 @@ class Gpt final : public UnitModel {
              options);
   }
 
-  at::Tensor loss(const at::Tensor& tokens) override {
-    const int64_t T = tokens.size(1) - 1;
-    const at::Tensor logits = forward(tokens.narrow(1, 0, T));
-    return at::cross_entropy_loss(logits.reshape({-1, c_.vocab}),
-                                  tokens.narrow(1, 1, T).reshape({-1}));
-  }
-
-  at::Tensor next_token_logits(const at::Tensor& tokens) override {
-    const int64_t T = tokens.size(1);
-    return forward(tokens).select(1, T - 1);
-  }
-
-  int64_t context() const override { return c_.context; }
   std::string describe() const override {
     return "GPT width " + std::to_string(c_.width) + ", " + std::to_string(c_.layers) +
            " layers, " + std::to_string(c_.heads) + " heads, context " +
@@ -147,38 +134,18 @@ class Gpt final : public UnitModel {
   }
 
  private:
-  // Logits [B, T, vocab] for inputs [B, T].
-  at::Tensor forward(const at::Tensor& inputs) {
-    const int64_t T = inputs.size(1);
-    if (T > c_.context) {
-      throw std::invalid_argument("sequence of " + std::to_string(T) +
-                                  " tokens is longer than the model's context " +
-                                  std::to_string(c_.context));
-    }
+  Pieces pieces() const override {
     const GptConfig c = c_;
-    const int64_t L = c_.layers;
-    // Units: 0 embeddings (and the head), 1..L blocks, L+1 ln_f. Each names the unit that runs
-    // after it (its gather is prefetched) and the one whose output it takes (in the backward).
-    auto u = [this](int64_t i) { return units_[i].get(); };
-    at::Tensor x = u(0)->forward(
-        [c](const Params& p, const Params& in) {
-          const int64_t t = in[0].size(1);
-          return dropout(at::embedding(p[0], in[0]) + p[1].narrow(0, 0, t), c.dropout);
-        },
-        {inputs}, {u(1), nullptr});
-    for (int64_t l = 0; l < L; ++l) {
-      x = u(1 + l)->forward(
-          [c](const Params& p, const Params& in) { return block_forward(p, in[0], c); }, {x},
-          {u(2 + l), u(l)});
-    }
-    x = u(L + 1)->forward(
-        [c](const Params& p, const Params& in) {
-          return at::layer_norm(in[0], {c.width}, p[0], p[1]);
-        },
-        {x}, {u(0), u(L)});
-    return u(0)->forward(  // the output head is the token table, transposed
-        [](const Params& p, const Params& in) { return at::matmul(in[0], p[0].t()); }, {x},
-        {nullptr, u(L + 1)});
+    Pieces p;
+    p.embed = [c](const Params& w, const Params& in) {
+      const int64_t t = in[0].size(1);
+      return dropout(at::embedding(w[0], in[0]) + w[1].narrow(0, 0, t), c.dropout);
+    };
+    p.block = [c](const Params& w, const Params& in) { return block_forward(w, in[0], c); };
+    p.last = [c](const Params& w, const Params& in) {
+      return at::layer_norm(in[0], {c.width}, w[0], w[1]);
+    };
+    return p;
   }
 
   GptConfig c_;

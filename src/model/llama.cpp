@@ -1,7 +1,8 @@
-// A LLaMA-style decoder as sharded units: "embeddings" (the token table; also the output head
-// when it is tied), one unit per block (RMSNorm, grouped-query attention with rotary positions,
-// SwiGLU), and "norm" (the final RMSNorm, and the output head when it is its own). Parameters
-// carry transformers' LlamaForCausalLM names and layouts, so a checkpoint is already one.
+// A LLaMA-style decoder as sharded units (a DecoderModel): "embeddings" (the token table; also
+// the output head when it is tied), one unit per block (RMSNorm, grouped-query attention with
+// rotary positions, SwiGLU), and "norm" (the final RMSNorm, and the output head when it is its
+// own). Parameters carry transformers' LlamaForCausalLM names and layouts, so a checkpoint is
+// already one.
 #include "flexdemo/model.h"
 
 #include "unit_model.h"
@@ -87,9 +88,9 @@ at::Tensor rotate(const at::Tensor& x, double theta) {
 
 // Block parameters, in this order, after "model.layers.N.".
 const char* const kBlockParams[] = {
-    "input_layernorm.weight",          "self_attn.q_proj.weight", "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",         "self_attn.o_proj.weight", "post_attention_layernorm.weight",
-    "mlp.gate_proj.weight",            "mlp.up_proj.weight",      "mlp.down_proj.weight"};
+    "input_layernorm.weight",  "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",    "mlp.up_proj.weight",      "mlp.down_proj.weight"};
 
 at::Tensor block_forward(const Params& p, const at::Tensor& x, const LlamaConfig& c) {
   const int64_t B = x.size(0), T = x.size(1), H = c.heads, KV = c.kv_heads, D = c.width / H;
@@ -98,8 +99,8 @@ at::Tensor block_forward(const Params& p, const at::Tensor& x, const LlamaConfig
   // Each key/value head serves H / KV consecutive query heads.
   const at::Tensor k = rotate(at::linear(h, p[2]).view({B, T, KV, D}).transpose(1, 2), c.rope_theta)
                            .repeat_interleave(H / KV, 1);
-  const at::Tensor v = at::linear(h, p[3]).view({B, T, KV, D}).transpose(1, 2).repeat_interleave(
-      H / KV, 1);
+  const at::Tensor v =
+      at::linear(h, p[3]).view({B, T, KV, D}).transpose(1, 2).repeat_interleave(H / KV, 1);
   at::Tensor att = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(D)));
   const at::Tensor future = at::ones({T, T}, x.options().dtype(at::kBool)).triu(1);
   att = at::softmax(att.masked_fill(future, -INFINITY), -1);
@@ -110,21 +111,26 @@ at::Tensor block_forward(const Params& p, const at::Tensor& x, const LlamaConfig
   return out + at::linear(at::silu(at::linear(h, p[6])) * at::linear(h, p[7]), p[8]);
 }
 
-class Llama final : public UnitModel {
+class Llama final : public DecoderModel {
  public:
   Llama(const LlamaConfig& c, std::shared_ptr<comm::Communicator> group,
         const shard::ShardOptions& options, uint64_t seed)
-      : c_(c) {
+      : DecoderModel(c.context), c_(c) {
     c.validate();
     at::Generator gen = at::detail::createCPUGenerator(seed);
     auto normal = [&](std::vector<int64_t> shape) { return at::normal(0.0, 0.02, shape, gen); };
     const int64_t C = c.width, D = c.width / c.heads, F = c.ff;
     add_unit("embeddings", {{"model.embed_tokens.weight", normal({c.vocab, C})}}, group, options);
     for (int64_t l = 0; l < c.layers; ++l) {
-      const std::vector<at::Tensor> p = {
-          at::ones({C}),    normal({c.heads * D, C}), normal({c.kv_heads * D, C}),
-          normal({c.kv_heads * D, C}), normal({C, c.heads * D}), at::ones({C}),
-          normal({F, C}),   normal({F, C}),           normal({C, F})};
+      const std::vector<at::Tensor> p = {at::ones({C}),
+                                         normal({c.heads * D, C}),
+                                         normal({c.kv_heads * D, C}),
+                                         normal({c.kv_heads * D, C}),
+                                         normal({C, c.heads * D}),
+                                         at::ones({C}),
+                                         normal({F, C}),
+                                         normal({F, C}),
+                                         normal({C, F})};
       std::vector<std::pair<std::string, at::Tensor>> named;
       for (size_t i = 0; i < p.size(); ++i) {
         named.push_back({"model.layers." + std::to_string(l) + "." + kBlockParams[i], p[i]});
@@ -136,18 +142,6 @@ class Llama final : public UnitModel {
     add_unit("norm", last, group, options);
   }
 
-  at::Tensor loss(const at::Tensor& tokens) override {
-    const int64_t T = tokens.size(1) - 1;
-    const at::Tensor logits = forward(tokens.narrow(1, 0, T));
-    return at::cross_entropy_loss(logits.reshape({-1, c_.vocab}),
-                                  tokens.narrow(1, 1, T).reshape({-1}));
-  }
-
-  at::Tensor next_token_logits(const at::Tensor& tokens) override {
-    return forward(tokens).select(1, tokens.size(1) - 1);
-  }
-
-  int64_t context() const override { return c_.context; }
   std::string describe() const override {
     std::ostringstream theta;
     theta << c_.rope_theta;
@@ -160,41 +154,17 @@ class Llama final : public UnitModel {
   }
 
  private:
-  // Logits [B, T, vocab] for inputs [B, T].
-  at::Tensor forward(const at::Tensor& inputs) {
-    const int64_t T = inputs.size(1);
-    if (T > c_.context) {
-      throw std::invalid_argument("sequence of " + std::to_string(T) +
-                                  " tokens is longer than the model's context " +
-                                  std::to_string(c_.context));
-    }
+  Pieces pieces() const override {
     const LlamaConfig c = c_;
-    const int64_t L = c_.layers;
-    // Units: 0 embeddings (and the tied head), 1..L blocks, L+1 norm (and the own head). Each
-    // names the unit that runs after it (its gather is prefetched) and the one whose output it
-    // takes (in the backward).
-    auto u = [this](int64_t i) { return units_[size_t(i)].get(); };
-    at::Tensor x = u(0)->forward(
-        [](const Params& p, const Params& in) { return at::embedding(p[0], in[0]); }, {inputs},
-        {u(1), nullptr});
-    for (int64_t l = 0; l < L; ++l) {
-      x = u(1 + l)->forward(
-          [c](const Params& p, const Params& in) { return block_forward(p, in[0], c); }, {x},
-          {u(2 + l), u(l)});
-    }
-    if (!c.tied_head) {
-      return u(L + 1)->forward(
-          [c](const Params& p, const Params& in) {
-            return at::linear(rms_norm(in[0], p[0], c.norm_eps), p[1]);
-          },
-          {x}, {nullptr, u(L)});
-    }
-    x = u(L + 1)->forward(
-        [c](const Params& p, const Params& in) { return rms_norm(in[0], p[0], c.norm_eps); }, {x},
-        {u(0), u(L)});
-    return u(0)->forward(  // the tied output head is the token table
-        [](const Params& p, const Params& in) { return at::linear(in[0], p[0]); }, {x},
-        {nullptr, u(L + 1)});
+    Pieces p;
+    p.embed = [](const Params& w, const Params& in) { return at::embedding(w[0], in[0]); };
+    p.block = [c](const Params& w, const Params& in) { return block_forward(w, in[0], c); };
+    p.last = [c](const Params& w, const Params& in) {
+      const at::Tensor normed = rms_norm(in[0], w[0], c.norm_eps);
+      return c.tied_head ? normed : at::linear(normed, w[1]);
+    };
+    p.own_head = !c.tied_head;
+    return p;
   }
 
   LlamaConfig c_;

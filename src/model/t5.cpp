@@ -173,8 +173,8 @@ class T5 final : public UnitModel {
         append(p, ff(n + last + ".DenseReluDense"));
         add_unit(stack + "." + std::to_string(l), p, group, options);
       }
-      add_unit(stack + ".final_layer_norm",
-               {{stack + ".final_layer_norm.weight", at::ones({d})}}, group, options);
+      add_unit(stack + ".final_layer_norm", {{stack + ".final_layer_norm.weight", at::ones({d})}},
+               group, options);
     }
   }
 
@@ -318,16 +318,18 @@ class T5 final : public UnitModel {
         [T](const Params& p, const Params&) { return position_bias(p[0], T, T, false); }, {},
         {u(first + 1), u(0)});
     for (int64_t l = 0; l < L; ++l) {
-      y = u(first + 1 + l)->forward(
-          [H](const Params& p, const Params& in) { return decoder_block(p, in, H); },
-          pad.defined() ? Params{y, enc, bias, pad} : Params{y, enc, bias},
-          {u(first + 2 + l), u(first + l)});
+      y = u(first + 1 + l)
+              ->forward([H](const Params& p, const Params& in) { return decoder_block(p, in, H); },
+                        pad.defined() ? Params{y, enc, bias, pad} : Params{y, enc, bias},
+                        {u(first + 2 + l), u(first + l)});
     }
-    y = u(first + 1 + L)->forward(
-        [d](const Params& p, const Params& in) {
-          return rms_norm(in[0], p[0]) * (1.0 / std::sqrt(double(d)));  // T5's tied-head scale
-        },
-        {y}, {u(0), u(first + L)});
+    y = u(first + 1 + L)
+            ->forward(
+                [d](const Params& p, const Params& in) {
+                  return rms_norm(in[0], p[0]) *
+                         (1.0 / std::sqrt(double(d)));  // T5's tied-head scale
+                },
+                {y}, {u(0), u(first + L)});
     return u(0)->forward(
         [](const Params& p, const Params& in) { return at::matmul(in[0], p[0].t()); }, {y},
         {nullptr, u(first + 1 + L)});

@@ -243,7 +243,8 @@ void apply_init_from(TrainConfig& c) {
     const int64_t width = int64_t(number(hf, "d_model", dir));
     const int64_t heads = int64_t(number(hf, "num_heads", dir));
     const int64_t layers = int64_t(number(hf, "num_layers", dir));
-    require(int64_t(number(hf, "d_kv", dir)) * heads == width, dir, "d_kv x num_heads other than d_model");
+    require(int64_t(number(hf, "d_kv", dir)) * heads == width, dir,
+            "d_kv x num_heads other than d_model");
     require(int64_t(number(hf, "num_decoder_layers", dir, double(layers))) == layers, dir,
             "num_decoder_layers other than num_layers");
     c.model = "t5-nano";  // the family; every dimension below is the folder's
@@ -307,8 +308,9 @@ void apply_init_from(TrainConfig& c) {
     c.tokenizer = TokenizerKind::Bpe;
     c.tokenizer_model = fs::absolute(spm).string();
   } else if (c.tokenizer != TokenizerKind::Bytes) {
-    bad(dir, "no tokenizer.model or spiece.model (flexdemo reads SentencePiece tokenizers; a "
-             "model of 257 ids trained on bytes takes --tokenizer bytes)");
+    bad(dir,
+        "no tokenizer.model or spiece.model (flexdemo reads SentencePiece tokenizers; a "
+        "model of 257 ids trained on bytes takes --tokenizer bytes)");
   }
 }
 
@@ -358,11 +360,12 @@ void load_init_from(Session& s) {
     if (used.count(name)) continue;
     // Tied copies saved anyway (a head, T5's per-stack embeddings), and GPT-2's attention
     // masks (buffers, not weights).
-    const bool tied = (name == "lm_head.weight" && (!llama || s.cfg.tied_head)) ||
-                      (t5 && (name == "encoder.embed_tokens.weight" ||
-                              name == "decoder.embed_tokens.weight"));
-    const bool mask = arch == kGpt2 && (name.size() > 9 && (name.substr(name.size() - 9) == "attn.bias" ||
-                                                            name.find("masked_bias") != std::string::npos));
+    const bool tied =
+        (name == "lm_head.weight" && (!llama || s.cfg.tied_head)) ||
+        (t5 && (name == "encoder.embed_tokens.weight" || name == "decoder.embed_tokens.weight"));
+    const bool mask =
+        arch == kGpt2 && (name.size() > 9 && (name.substr(name.size() - 9) == "attn.bias" ||
+                                              name.find("masked_bias") != std::string::npos));
     if (!tied && !mask) bad(dir, "model.safetensors has a tensor this model has not: " + name);
   }
 }
@@ -393,8 +396,8 @@ int run_export(const std::string& checkpoint, const ExportOptions& o,
 
   const int64_t vocab = s->tokens.vocab_size, eot = s->tokens.eot;
   const nlohmann::ordered_json config = llama ? llama_json(llama_config(s->cfg, vocab), eot)
-                                        : t5    ? t5_json(t5_config(s->cfg, vocab), eot)
-                                                : gpt2_json(gpt_config(s->cfg, vocab), eot);
+                                        : t5  ? t5_json(t5_config(s->cfg, vocab), eot)
+                                              : gpt2_json(gpt_config(s->cfg, vocab), eot);
   const fs::path tmp = out.string() + ".tmp-" + std::to_string(getpid());
   fs::remove_all(tmp);
   fs::create_directories(tmp);
@@ -427,8 +430,8 @@ int run_export(const std::string& checkpoint, const ExportOptions& o,
              config["architectures"][0].get<std::string>(), o.out,
              spm.empty() ? " (byte tokenizer: ids are byte values, end-of-text 256; no "
                            "tokenizer files)"
-                         : t5 ? ", spiece.model, tokenizer_config.json"
-                              : ", tokenizer.model, tokenizer_config.json");
+             : t5        ? ", spiece.model, tokenizer_config.json"
+                         : ", tokenizer.model, tokenizer_config.json");
   return 0;
 }
 

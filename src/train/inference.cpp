@@ -242,8 +242,9 @@ int score_tokens(Session& s, const std::string& checkpoint, const EvalOptions& o
   int64_t rows = 0;
   if (s.lm->seq2seq()) {
     if (!file.is_object() || !file.contains("source") || !file.contains("target")) {
-      throw std::invalid_argument("--tokens " + o.tokens +
-                                  ": an encoder-decoder reads {\"source\": [[ids]], \"target\": [[ids]]}");
+      throw std::invalid_argument(
+          "--tokens " + o.tokens +
+          ": an encoder-decoder reads {\"source\": [[ids]], \"target\": [[ids]]}");
     }
     const at::Tensor source = id_rows(file["source"], o.tokens, vocab, 1).to(s.device);
     const at::Tensor target = id_rows(file["target"], o.tokens, vocab, 1).to(s.device);
@@ -255,7 +256,8 @@ int score_tokens(Session& s, const std::string& checkpoint, const EvalOptions& o
     const at::Tensor start = at::full({rows, 1}, int64_t(s.tokens.eot), target.options());
     const at::Tensor decoder_in = at::cat({start, target}, 1);
     for (int64_t t = 0; t < target.size(1); ++t) {
-      const at::Tensor next = s.lm->next_target_logits(encoded, source, decoder_in.narrow(1, 0, t + 1));
+      const at::Tensor next =
+          s.lm->next_target_logits(encoded, source, decoder_in.narrow(1, 0, t + 1));
       loss += at::cross_entropy_loss(next, target.select(1, t)).item<double>();
     }
     loss /= double(target.size(1));

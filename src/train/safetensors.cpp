@@ -17,8 +17,8 @@ namespace flexdemo::train {
 namespace {
 
 const std::pair<const char*, at::ScalarType> kDtypes[] = {
-    {"F32", at::kFloat}, {"F64", at::kDouble}, {"BF16", at::kBFloat16},
-    {"F16", at::kHalf},  {"I64", at::kLong},    {"I32", at::kInt}, {"U8", at::kByte}};
+    {"F32", at::kFloat}, {"F64", at::kDouble}, {"BF16", at::kBFloat16}, {"F16", at::kHalf},
+    {"I64", at::kLong},  {"I32", at::kInt},    {"U8", at::kByte}};
 
 const char* dtype_name(at::ScalarType t) {
   for (const auto& [name, type] : kDtypes) {

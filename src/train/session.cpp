@@ -56,7 +56,8 @@ data::TokenData load_tokens(const TrainConfig& cfg, comm::Communicator& world) {
     }
   }
   raise_on_every_rank(world, error, bad_input);
-  if (world.rank() != 0) tokens = data::load_token_data(cfg.data, tokenizer, cfg.vocab, helper, cfg.tokenizer_model);
+  if (world.rank() != 0)
+    tokens = data::load_token_data(cfg.data, tokenizer, cfg.vocab, helper, cfg.tokenizer_model);
   comm::set_collective_timeout(cfg.comm_timeout);
   if (tokens.pairs) return tokens;  // (validate() checked the model)
   for (const auto& [part, split] :
