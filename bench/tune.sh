@@ -7,9 +7,10 @@
 # AdamW-HSDP run). A run whose summary.json exists is not trained again, so a sweep cut short
 # continues where it stopped; delete a run's folder to train it again.
 #   MODEL (default gpt-micro), STEPS (default 500), NP (MPI ranks, default 4), RANKS_PER_NODE
-#   (default 2), GRID (a file of lines "RUN-NAME OPTIONS...", default: the built-in grid below;
-#   RUN-NAME starts with the optimizer), ONLY (a regular expression: train only the runs it
-#   matches; the table lists all kept runs). Extra arguments go to every `flexdemo train`.
+#   (default 2; a run whose options name --ranks-per-node keeps its own), GRID (a file of lines
+#   "RUN-NAME OPTIONS...", default: the built-in grid below; RUN-NAME starts with the optimizer),
+#   ONLY (a regular expression: train only the runs it matches; the table lists all kept runs).
+#   Extra arguments go to every `flexdemo train`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model="${MODEL:-gpt-micro}"
@@ -39,8 +40,7 @@ flexdemo-adamw-beta1-0-lr1e-3 --optimizer flexdemo-adamw --beta1 0 --lr 1e-3
 flexdemo-topk128-lr1e-3 --optimizer flexdemo --topk 128 --lr 1e-3
 flexdemo-adamw-beta1-0-lr2e-3 --optimizer flexdemo-adamw --beta1 0 --lr 2e-3
 flexdemo-adamw-beta1-0-lr5e-4 --optimizer flexdemo-adamw --beta1 0 --lr 5e-4
-flexdemo-topk64-lr1.4e-3 --optimizer flexdemo --topk 64 --lr 1.4e-3
-flexdemo-topk64-decay0.99-lr1e-3 --optimizer flexdemo --topk 64 --decay 0.99 --lr 1e-3
+flexdemo-1node-lr1e-3 --optimizer flexdemo --lr 1e-3 --ranks-per-node 4
 EOF
 }
 
@@ -53,8 +53,10 @@ while read -r name options; do
   echo "== $name: $options =="
   rm -rf "${out:?}/$name"
   # shellcheck disable=SC2086
+  topology=(--ranks-per-node "$ranks_per_node")  # unless the run sets its own
+  if [[ " $options " == *" --ranks-per-node "* ]]; then topology=(); fi
   mpirun $root_flag --oversubscribe -np "$np" build/flexdemo train --model "$model" \
-    --ranks-per-node "$ranks_per_node" --steps "$steps" --eval-every 50 --log-every 100 \
+    "${topology[@]}" --steps "$steps" --eval-every 50 --log-every 100 \
     --progress lines $options --out "$out/$name" "$@" </dev/null  # mpirun would eat the grid
   echo "$options" >"$out/$name/options.txt"
 done < <(grid)
