@@ -40,6 +40,7 @@ flexdemo-adamw-beta1-0-lr1e-3 --optimizer flexdemo-adamw --beta1 0 --lr 1e-3
 flexdemo-topk128-lr1e-3 --optimizer flexdemo --topk 128 --lr 1e-3
 flexdemo-adamw-beta1-0-lr2e-3 --optimizer flexdemo-adamw --beta1 0 --lr 2e-3
 flexdemo-adamw-beta1-0-lr5e-4 --optimizer flexdemo-adamw --beta1 0 --lr 5e-4
+flexdemo-adamw-beta1-0-lr2.5e-4 --optimizer flexdemo-adamw --beta1 0 --lr 2.5e-4
 flexdemo-1node-lr1e-3 --optimizer flexdemo --lr 1e-3 --ranks-per-node 4
 EOF
 }

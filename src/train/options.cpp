@@ -226,7 +226,7 @@ double default_lr(OptimizerKind optimizer) {
     case OptimizerKind::FlexDemo:
       return 1e-3;
     case OptimizerKind::FlexDemoAdamW:
-      return 1e-3;
+      return 5e-4;
     case OptimizerKind::AdamW:
       return 1e-3;
     case OptimizerKind::Sgd:
