@@ -120,21 +120,28 @@ def export(name, train_args):
     return hf_dir
 
 
-def import_(name, config, tokenizer_dir):
+def made_by_transformers(name, auto_class, config, tokenizer_files, seed):
     """A random transformers model (weights drawn wider than its default initialisation, so its
-    logits are far from uniform) read by flexdemo."""
-    hf_dir, run_dir = os.path.join(WORK, name + "-made"), os.path.join(WORK, name + "-tuned")
+    logits are far from uniform), saved with save_pretrained beside the given tokenizer files."""
+    hf_dir = os.path.join(WORK, name + "-made")
     shutil.rmtree(hf_dir, ignore_errors=True)
-    shutil.rmtree(run_dir, ignore_errors=True)
-    torch.manual_seed(11)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    torch.manual_seed(seed)
+    model = auto_class.from_config(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.3)
     model.save_pretrained(hf_dir)
-    for f in ("tokenizer.model", "tokenizer_config.json"):
-        shutil.copy(os.path.join(tokenizer_dir, f), hf_dir)
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    for f in tokenizer_files:
+        shutil.copy(f, hf_dir)
+    return hf_dir, model, AutoTokenizer.from_pretrained(hf_dir)
+
+
+def import_(name, config, tokenizer_dir):
+    """A random decoder made by transformers, read by flexdemo."""
+    files = [os.path.join(tokenizer_dir, f) for f in ("tokenizer.model", "tokenizer_config.json")]
+    hf_dir, model, tokenizer = made_by_transformers(name, AutoModelForCausalLM, config, files, 11)
+    run_dir = os.path.join(WORK, name + "-tuned")
+    shutil.rmtree(run_dir, ignore_errors=True)
     same_outputs(f"import {name}", hf_dir, model, tokenizer)
     # Fine-tuning starts from it: the run takes the folder's shape and tokenizer.
     run(["train", "--init-from", hf_dir, "--ranks-per-node", "2", "--steps", "2", "--batch", "4",
@@ -206,20 +213,13 @@ def export_t5(pairs):
 
 
 def import_t5(tokenizer_dir, vocab):
-    hf_dir = os.path.join(WORK, "t5-made")
-    shutil.rmtree(hf_dir, ignore_errors=True)
-    torch.manual_seed(12)
+    """A random T5 made by transformers, read by flexdemo."""
     config = T5Config(vocab_size=vocab, d_model=48, d_kv=12, d_ff=96, num_layers=2, num_heads=4,
                       feed_forward_proj="relu", dropout_rate=0.0, decoder_start_token_id=1, eos_token_id=1,
                       pad_token_id=1)
-    model = AutoModelForSeq2SeqLM.from_config(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.3)
-    model.save_pretrained(hf_dir)
-    for f in ("spiece.model", "tokenizer_config.json"):
-        shutil.copy(os.path.join(tokenizer_dir, f), hf_dir)
-    same_translation_outputs("import t5", hf_dir, hf_dir, model, AutoTokenizer.from_pretrained(hf_dir))
+    files = [os.path.join(tokenizer_dir, f) for f in ("spiece.model", "tokenizer_config.json")]
+    hf_dir, model, tokenizer = made_by_transformers("t5", AutoModelForSeq2SeqLM, config, files, 12)
+    same_translation_outputs("import t5", hf_dir, hf_dir, model, tokenizer)
 
 
 os.makedirs(WORK, exist_ok=True)
