@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include <unistd.h>
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -209,9 +210,9 @@ std::map<std::string, at::Tensor> read_hf_weights(const std::string& dir) {
   return weights;
 }
 
-std::string shape_of(const at::Tensor& t) {
+std::string shape_of(at::IntArrayRef shape) {
   std::string s = "[";
-  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
   return s + "]";
 }
 
@@ -330,7 +331,7 @@ void load_init_from(Session& s) {
   std::set<std::string> used;
   for (size_t u = 0; u < s.lm->units().size(); ++u) {
     const auto& names = s.lm->param_names()[u];
-    const std::vector<at::Tensor> current = s.lm->units()[u]->gather();
+    const std::vector<shard::ShardSpec>& specs = s.lm->units()[u]->specs();  // full shapes
     std::vector<at::Tensor> full;
     for (size_t i = 0; i < names.size(); ++i) {
       const HfName theirs = hf_name(names[i], llama || t5);
@@ -346,13 +347,14 @@ void load_init_from(Session& s) {
         bad(dir, fmt::format("tensor {} is {}; accepted: float32, bfloat16, float16", it->first,
                              c10::toString(type)));
       }
-      at::Tensor value = theirs.transposed ? t.t() : t;
-      if (!value.sizes().equals(current[i].sizes())) {
-        at::Tensor expected = theirs.transposed ? current[i].t() : current[i];
-        bad(dir, fmt::format("tensor {} has shape {}, the model needs {}", it->first, shape_of(t),
-                             shape_of(expected)));
+      const at::Tensor value = theirs.transposed ? t.t() : t;
+      if (!value.sizes().equals(specs[i].shape)) {
+        std::vector<int64_t> expected = specs[i].shape;  // in the file's layout
+        if (theirs.transposed) std::reverse(expected.begin(), expected.end());
+        bad(dir, fmt::format("tensor {} has shape {}, the model needs {}", it->first,
+                             shape_of(t.sizes()), shape_of(expected)));
       }
-      full.push_back(value.to(at::kFloat).contiguous().to(current[i].device()));
+      full.push_back(value.to(at::kFloat).contiguous());  // load() copies into the shards
     }
     s.lm->units()[u]->load(full);
   }
