@@ -104,6 +104,9 @@ class Communicator {
 // ====== MPI backend ======
 // Initialises MPI on construction (unless something else already did) and finalises it on
 // destruction if it initialised it. Create one per process, before any communicator.
+// A process not started by a launcher (mpirun, srun) is an MPI singleton: it gets a session
+// directory of its own under the temporary folder (removed at the end), so that singletons
+// started at the same moment never collide in OpenMPI's shared one.
 class MpiRuntime {
  public:
   MpiRuntime(int* argc = nullptr, char*** argv = nullptr);
@@ -120,6 +123,7 @@ class MpiRuntime {
 
  private:
   bool owns_mpi_ = false;
+  std::string session_dir_;  // the singleton's own session directory; empty: none made
 };
 
 // ====== NCCL backend (CUDA builds) ======

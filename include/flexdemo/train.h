@@ -18,8 +18,14 @@ class Communicator;
 
 namespace flexdemo::train {
 
+// The exit code of a run stopped early by a preemption signal (SIGTERM, SIGINT or SIGUSR1 to any
+// rank): it wrote a checkpoint at the step boundary where the ranks agreed to stop; --resume
+// continues it. (sysexits' EX_TEMPFAIL: try again later.)
+inline constexpr int kExitStopped = 75;
+
 // Collective over world. Writes config.json, metrics.jsonl, summary.json and checkpoints into
-// cfg.out (rank 0 writes the shared files). Returns the process exit code.
+// cfg.out (rank 0 writes the shared files). Returns the process exit code: 0 when done (or
+// stopped by --max-time), kExitStopped when a signal stopped it.
 int run_training(const TrainConfig& cfg, std::shared_ptr<comm::Communicator> world);
 
 // Collective over world: every rank's CRC-32 of its shards is compared with those of its

@@ -11,9 +11,12 @@
 #include <climits>
 #include <cstdlib>
 #include <exception>
+#include <filesystem>
 #include <mutex>
 #include <sstream>
 #include <thread>
+
+#include <stdlib.h>  // mkdtemp, setenv
 
 namespace flexdemo::comm {
 
@@ -359,10 +362,36 @@ class MpiCommunicator final : public Communicator {
 }  // namespace
 
 // ====== Runtime ======
+namespace {
+
+// Whether a launcher (mpirun, or srun through PMI/PMIx) started this process as a rank of a job.
+bool launched_as_rank() {
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK"}) {
+    if (std::getenv(var) != nullptr) return true;
+  }
+  return false;
+}
+
+// A singleton's own OpenMPI session directory: OpenMPI's default one is shared by every process
+// of the user on the host, and one that finishes removes it while another starts in it ("mkdir
+// ... File exists ... orte_init failed"). Empty when the user chose one or it cannot be made.
+std::string make_private_session_dir() {
+  if (launched_as_rank() || std::getenv("OMPI_MCA_orte_tmpdir_base") != nullptr) return "";
+  std::error_code error;
+  std::string pattern =
+      (std::filesystem::temp_directory_path(error) / "flexdemo-mpi-XXXXXX").string();
+  if (error || ::mkdtemp(pattern.data()) == nullptr) return "";
+  ::setenv("OMPI_MCA_orte_tmpdir_base", pattern.c_str(), 1);  // the singleton's helper inherits it
+  return pattern;
+}
+
+}  // namespace
+
 MpiRuntime::MpiRuntime(int* argc, char*** argv) {
   int initialized = 0;
   FLEXDEMO_MPI_CHECK(MPI_Initialized(&initialized));
   if (!initialized) {
+    session_dir_ = make_private_session_dir();
     int provided = 0;
     FLEXDEMO_MPI_CHECK(MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &provided));
     owns_mpi_ = true;
@@ -380,6 +409,10 @@ MpiRuntime::~MpiRuntime() {
   if (g_bf16_sum != MPI_OP_NULL) MPI_Op_free(&g_bf16_sum);
   if (g_bf16_type != MPI_DATATYPE_NULL) MPI_Type_free(&g_bf16_type);
   MPI_Finalize();
+  if (!session_dir_.empty()) {
+    std::error_code ignored;  // what is left is OpenMPI's; a failure to remove it is harmless
+    std::filesystem::remove_all(session_dir_, ignored);
+  }
 }
 
 void MpiRuntime::abort_job(int code) {

@@ -138,7 +138,7 @@ fs::path find_checkpoint(const std::string& where, bool report) {
       (reasons.empty() ? " (expected checkpoints/step-N/ folders)" : reasons));
 }
 
-void save_checkpoint(Session& s, int64_t step) {
+fs::path save_checkpoint(Session& s, int64_t step) {
   const auto& world = s.topo.world;
   const bool root = world->rank() == 0;
   const fs::path root_dir = checkpoints_root(s.cfg.out);
@@ -189,6 +189,7 @@ void save_checkpoint(Session& s, int64_t step) {
     for (size_t i = size_t(s.cfg.keep_checkpoints); i < kept.size(); ++i) fs::remove_all(kept[i]);
   }
   world->barrier();
+  return dir;
 }
 
 int64_t load_checkpoint(Session& s, const fs::path& dir, bool with_optimizer) {

@@ -22,8 +22,9 @@ nlohmann::json read_manifest(const std::filesystem::path& dir);
 
 // Collective: the full parameters (rank 0 writes them), every rank's optimizer state and
 // random state, and the manifest; then only the newest cfg.keep_checkpoints are kept. A
-// checkpoint is written into step-N.tmp/ and renamed into place: it is whole or absent.
-void save_checkpoint(Session& s, int64_t step);
+// checkpoint is written into step-N.tmp/ and renamed into place: it is whole or absent. Returns
+// its folder.
+std::filesystem::path save_checkpoint(Session& s, int64_t step);
 
 // Loads the weights (any topology) from checkpoint folder `dir` and, when `with_optimizer`, this
 // rank's optimizer and random state (the same topology only). Returns the checkpoint's step.

@@ -10,6 +10,7 @@
 #include "options.h"
 #include "run_log.h"
 #include "session.h"
+#include "stop_signals.h"
 
 #include "flexdemo/comm.h"
 #include "flexdemo/shard.h"
@@ -113,17 +114,38 @@ StepOutcome train_step(Session& s, int64_t step, const NonFiniteInjection& injec
   return {loss, false};
 }
 
-// Collective: whether --max-time has run out (rank 0's clock decides for every rank).
-bool out_of_time(const Session& s, Clock::time_point started) {
-  if (s.cfg.max_time <= 0) return false;
-  at::Tensor elapsed = at::full({1}, seconds_since(started), at::kDouble);
-  s.topo.world->broadcast(elapsed, 0);
-  return elapsed.item<double>() >= s.cfg.max_time;
+// Why the ranks stop after this step, the same on every rank.
+struct StopVote {
+  int signal = 0;            // a stop signal on some rank: the first rank's (by rank) signal
+  int signalled = 0;         // ranks that caught one
+  bool out_of_time = false;  // --max-time, on rank 0's clock
+  bool stop() const { return signalled > 0 || out_of_time; }
+};
+
+// Collective: a stop signal caught by any rank, or --max-time run out on rank 0's clock.
+StopVote agree_to_stop(const Session& s, Clock::time_point started) {
+  const auto& world = s.topo.world;
+  const int mine = StopSignals::received();
+  const bool root_out_of_time =
+      world->rank() == 0 && s.cfg.max_time > 0 && seconds_since(started) >= s.cfg.max_time;
+  at::Tensor votes = at::zeros({world->size() + 1}, at::kLong);  // each rank's signal; max-time
+  votes[world->rank()] = mine;
+  votes[world->size()] = int64_t(root_out_of_time);
+  world->all_reduce(votes, comm::ReduceOp::Sum);
+  StopVote vote;
+  for (int r = 0; r < world->size(); ++r) {
+    const int signal = int(votes[r].item<int64_t>());
+    if (signal == 0) continue;
+    if (vote.signalled++ == 0) vote.signal = signal;
+  }
+  vote.out_of_time = votes[world->size()].item<int64_t>() > 0;
+  return vote;
 }
 
 }  // namespace
 
 int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> world) {
+  const StopSignals signals;  // from here on, a stop signal is noted; the run stops at a step's end
   // A resumed run is checked against its checkpoint before any work.
   std::filesystem::path resume_from;
   if (!config.resume.empty()) {
@@ -142,7 +164,9 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
   comm::TrafficMeter meter(s.topo);
   int64_t skipped_steps = 0;
   const Clock::time_point started = Clock::now();
-  for (bool stop = false; step < cfg.steps && !stop;) {
+  StopVote vote;
+  std::string checkpoint;  // the newest written
+  while (step < cfg.steps && !vote.stop()) {
     const Clock::time_point t0 = Clock::now();
     const StepOutcome outcome = train_step(s, step, inject);
     skipped_steps += outcome.skipped ? 1 : 0;
@@ -154,20 +178,33 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
     StepMetrics m = reduce_step_metrics(*world, step, outcome.loss, seconds_since(t0), traffic);
     m.lr = scheduled_lr(cfg, step - 1);
     m.skipped_steps = skipped_steps;
-    stop = out_of_time(s, started);
-    const bool last = step == cfg.steps || stop;
-    if ((cfg.eval_every > 0 && step % cfg.eval_every == 0) || last) m.val_loss = evaluate(s);
+    vote = agree_to_stop(s, started);
+    const bool last = step == cfg.steps || vote.stop();
+    // Stopped by a signal, the time left is the scheduler's grace period: checkpoint, no eval.
+    const bool final_eval = step == cfg.steps || (vote.out_of_time && vote.signalled == 0);
+    if ((cfg.eval_every > 0 && step % cfg.eval_every == 0) || final_eval) m.val_loss = evaluate(s);
     log.record(m);
     if ((cfg.checkpoint_every > 0 && step % cfg.checkpoint_every == 0) || last) {
-      save_checkpoint(s, step);
-    }
-    if (stop && world->rank() == 0) {
-      fmt::print("stopping after step {} of {}: --max-time {} s reached (checkpoint written)\n",
-                 step, cfg.steps, cfg.max_time);
+      checkpoint = save_checkpoint(s, step).string();
     }
   }
   log.finish(step);
-  return 0;
+  if (vote.signalled == 0 || step == cfg.steps) {
+    if (vote.out_of_time && world->rank() == 0) {
+      fmt::print("stopping after step {} of {}: --max-time {} s reached (checkpoint written)\n",
+                 step, cfg.steps, cfg.max_time);
+    }
+    return 0;
+  }
+  if (world->rank() == 0) {
+    std::fflush(stdout);  // the summary line first, this one last
+    std::fprintf(stderr,
+                 "flexdemo: stopped by %s (caught on %d rank%s) after step %ld of %ld: checkpoint "
+                 "%s written; continue with --resume %s\n",
+                 signal_name(vote.signal).c_str(), vote.signalled, vote.signalled == 1 ? "" : "s",
+                 long(step), long(cfg.steps), checkpoint.c_str(), cfg.out.c_str());
+  }
+  return kExitStopped;
 }
 
 void check_replicas(const std::vector<at::Tensor>& shards,
