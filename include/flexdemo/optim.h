@@ -119,7 +119,9 @@ class Optimizer {
   int64_t steps() const;  // step() calls so far
   // This rank's optimizer state (residuals, accumulators, AdamW moments) by name; the tensors
   // share storage with the optimizer, so a checkpoint loads by copying into them, then calls
-  // restore_steps with the number of steps taken.
+  // restore_steps with the number of steps taken. A tensor's state is named "what.i", i the
+  // tensor's index among those given (an empty shard has none), shaped as its chunk plan
+  // [rows, cols] (DeMo's residuals: [padded_rows, padded_cols]).
   std::vector<std::pair<std::string, at::Tensor>> state_tensors() const;
   void restore_steps(int64_t steps);
   int64_t state_bytes() const;  // of state_tensors()

@@ -59,15 +59,20 @@ class DenseReplicator final : public Replicator {
   }
 
   ExchangeTraffic traffic() const override { return traffic_; }
-  // The bucket carries gradients from one step to the next only when exchanges are spaced out.
+  // The bucket carries gradients from one step to the next only when exchanges are spaced out;
+  // each tensor's part is a view of it.
   NamedTensors state_tensors() const override {
     if (options_.replicate_every == 1) return {};
-    return {{"gradient_sum", bucket_}};
+    std::vector<at::Tensor> sums;
+    for (size_t i = 0; i < plans_.size(); ++i) {
+      sums.push_back(slice(i).view({plans_[i].rows, plans_[i].cols}));
+    }
+    return numbered("gradient_sum", sums);
   }
   void restore_counters(int64_t, int64_t pending) override { pending_ = pending; }
 
  private:
-  at::Tensor slice(size_t i) { return bucket_.narrow(0, offsets_[i], plans_[i].numel()); }
+  at::Tensor slice(size_t i) const { return bucket_.narrow(0, offsets_[i], plans_[i].numel()); }
 
   std::vector<dct::ChunkPlan> plans_;
   OptimizerOptions options_;

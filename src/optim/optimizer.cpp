@@ -46,6 +46,7 @@ void OptimizerOptions::validate() const {
 struct Optimizer::Impl {
   std::vector<OptimParam> params;  // non-empty tensors only
   std::vector<int64_t> slot;       // per tensor given: its index in params, -1 if empty
+  std::vector<int64_t> given;      // per tensor in params: its index among those given
   std::vector<dct::ChunkPlan> plans;
   OptimizerOptions options;
   std::unique_ptr<Replicator> replicator;
@@ -96,6 +97,7 @@ Optimizer::Optimizer(std::vector<OptimParam> params, OptimizerOptions options,
                                   s.params.front().leaf.device().str());
     }
     s.slot.back() = int64_t(s.params.size());
+    s.given.push_back(int64_t(i));
     s.params.push_back(p);
     s.plans.push_back(p.plan);
   }
@@ -172,6 +174,14 @@ int64_t Optimizer::steps() const {
 std::vector<std::pair<std::string, at::Tensor>> Optimizer::state_tensors() const {
   auto state = impl_->replicator->state_tensors();
   for (auto& t : impl_->inner->state_tensors()) state.push_back(t);
+  // The replicator and the inner optimizer number the non-empty tensors; the name carries the
+  // index among all given, the same on every sharding (elastic resume matches them by it).
+  for (auto& [name, t] : state) {
+    const size_t dot = name.rfind('.');
+    if (dot == std::string::npos) continue;
+    name.replace(dot + 1, std::string::npos,
+                 std::to_string(impl_->given.at(std::stoul(name.substr(dot + 1)))));
+  }
   return state;
 }
 

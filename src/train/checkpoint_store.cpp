@@ -6,6 +6,7 @@
 
 #include "flexdemo/comm.h"
 #include "flexdemo/safetensors.h"
+#include "flexdemo/shard.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -95,6 +96,99 @@ std::vector<fs::path> list_checkpoints(const fs::path& run) {
   return dirs;
 }
 
+std::map<std::string, at::Tensor> read_state_file(const fs::path& dir, int64_t rank) {
+  std::map<std::string, at::Tensor> state;
+  for (auto& [name, t] : read_safetensors(
+           (dir / ("optimizer-rank" + std::to_string(rank) + ".safetensors")).string())) {
+    state[name] = t;
+  }
+  return state;
+}
+
+// This rank's optimizer and random state, as this rank wrote them (the same topology).
+void load_own_state(Session& s, const fs::path& dir) {
+  const std::map<std::string, at::Tensor> saved = read_state_file(dir, s.topo.world->rank());
+  at::NoGradGuard no_grad;
+  for (auto& [name, t] : s.optimizer->state_tensors()) {
+    auto it = saved.find(name);
+    if (it == saved.end() || it->second.sizes() != t.sizes()) {
+      throw std::invalid_argument("--resume: optimizer state " + name +
+                                  " is missing or of another shape (other options?)");
+    }
+    t.copy_(it->second);
+  }
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  gen.set_state(saved.at("rng_state"));
+}
+
+// ====== Elastic resume ======
+// The optimizer state of a checkpoint written on another topology, by one rule (README,
+// "Elastic resume"): this rank's replica r takes the state of the checkpoint's replica r mod R
+// (R: the checkpoint's replicas), each tensor's state put together from that replica's shards and
+// cut again for this rank's shard; under --overlap-step the exchange in flight is not applied:
+// the parameters stay as saved, with replica 0's preview of it (its own sign step) in place of
+// the replicas' mean; the random state is seeded from --seed, the rank and the step.
+void load_state_elastic(Session& s, const fs::path& dir, const nlohmann::json& manifest,
+                        int64_t step) {
+  const auto& world = s.topo.world;
+  const std::string written = manifest.at("topology").get<std::string>();
+  if (!manifest.contains("ranks")) {
+    throw std::invalid_argument(
+        "--resume: " + dir.string() + " was written by " + written +
+        " without the table of ranks that resuming on another topology needs (an older "
+        "flexdemo); this run is " +
+        s.topo.describe() + ": resume it on its own topology");
+  }
+  const nlohmann::json& places = manifest.at("ranks");  // [replica, shard] per world rank
+  int64_t replicas = 0;
+  for (const auto& place : places) replicas = std::max(replicas, place.at(0).get<int64_t>() + 1);
+  const int64_t source = s.topo.replica_rank % replicas;
+  std::vector<std::map<std::string, at::Tensor>> shards;  // the source replica's, by shard
+  for (size_t w = 0; w < places.size(); ++w) {
+    if (places[w].at(0).get<int64_t>() != source) continue;
+    const size_t shard = places[w].at(1).get<size_t>();
+    if (shards.size() <= shard) shards.resize(shard + 1);
+    shards[shard] = read_state_file(dir, int64_t(w));
+  }
+  std::vector<const shard::ShardSpec*> specs;  // by the optimizer's tensor index
+  for (const auto& unit : s.lm->units()) {
+    for (const shard::ShardSpec& spec : unit->specs()) specs.push_back(&spec);
+  }
+  at::NoGradGuard no_grad;
+  for (auto& [name, t] : s.optimizer->state_tensors()) {
+    if (name == "pending") {  // --overlap-step's exchange in flight: its preview stands for it
+      t.zero_();
+      continue;
+    }
+    // The payloads in flight and the parameters before the preview: the next step overwrites them.
+    if (name == "pending_payloads" || name.rfind("committed.", 0) == 0) continue;
+    const size_t i = std::stoul(name.substr(name.rfind('.') + 1));
+    // A matrix is sharded in whole chunk-rows (dim 0), a vector, held as [1, n], in chunks.
+    const shard::ShardSpec& spec = *specs.at(i);
+    const int dim = spec.plan.rows > 1 ? 0 : 1;
+    const int64_t offset = dim == 0 ? spec.begin / spec.plan.cols : spec.begin;
+    std::vector<at::Tensor> parts;
+    for (const auto& shard : shards) {
+      auto it = shard.find(name);
+      if (it != shard.end()) parts.push_back(it->second);
+    }
+    const at::Tensor whole = parts.empty() ? at::Tensor() : at::cat(parts, dim);
+    if (!whole.defined() || whole.size(1 - dim) != t.size(1 - dim) ||
+        offset + t.size(dim) > whole.size(dim)) {
+      throw std::invalid_argument("--resume: the optimizer state " + name + " in " + dir.string() +
+                                  " does not fit this run's shards");
+    }
+    t.copy_(whole.narrow(dim, offset, t.size(dim)));
+  }
+  at::manual_seed(rank_seed(s.cfg, world->rank()) + uint64_t(step));
+  if (world->rank() == 0) {
+    std::printf(
+        "resuming step %ld, written by %s, on %s: shards re-cut, replica r continues replica r "
+        "mod %ld\n",
+        long(step), written.c_str(), s.topo.describe().c_str(), long(replicas));
+  }
+}
+
 }  // namespace
 
 nlohmann::json read_manifest(const fs::path& dir) {
@@ -164,9 +258,13 @@ fs::path save_checkpoint(Session& s, int64_t step) {
   state.push_back({"rng_state", at::detail::getDefaultCPUGenerator().get_state()});
   const std::string mine = "optimizer-rank" + std::to_string(world->rank()) + ".safetensors";
   write_safetensors((tmp / mine).string(), state);
-  // Every file's CRC-32 goes into the manifest, which is written last.
+  // Every file's CRC-32 goes into the manifest, which is written last, with each rank's place
+  // (its replica and shard: what elastic resume needs to find a replica's shards).
   at::Tensor crcs = at::empty({world->size()}, at::kLong);
   world->all_gather(at::full({1}, int64_t(file_crc32(tmp / mine)), at::kLong), crcs);
+  at::Tensor places = at::empty({world->size(), 2}, at::kLong);
+  world->all_gather(
+      at::tensor({int64_t(s.topo.replica_rank), int64_t(s.topo.shard_rank)}, at::kLong), places);
   if (root) {
     nlohmann::ordered_json manifest;
     manifest["files"]["model.safetensors"] = file_crc32(tmp / "model.safetensors");
@@ -178,6 +276,10 @@ fs::path save_checkpoint(Session& s, int64_t step) {
     manifest["data_position"] = {{"seed", s.cfg.seed}, {"next_step", step}};
     manifest["world_size"] = world->size();
     manifest["topology"] = s.topo.describe();
+    manifest["ranks"] = nlohmann::ordered_json::array();  // [replica, shard] of each world rank
+    for (int r = 0; r < world->size(); ++r) {
+      manifest["ranks"].push_back({places[r][0].item<int64_t>(), places[r][1].item<int64_t>()});
+    }
     manifest["config"] = to_json(s.cfg);
     std::ofstream(tmp / "manifest.json") << manifest.dump(2) << "\n";
     sync_file(tmp / "manifest.json");
@@ -210,28 +312,12 @@ int64_t load_checkpoint(Session& s, const fs::path& dir, bool with_optimizer) {
   }
   const int64_t step = manifest.at("step").get<int64_t>();
   if (!with_optimizer) return step;
-  if (manifest.at("world_size").get<int>() != world->size() ||
-      manifest.at("topology").get<std::string>() != s.topo.describe()) {
-    throw std::invalid_argument("--resume: " + dir.string() + " was written by " +
-                                manifest.at("topology").get<std::string>() + "; this run is " +
-                                s.topo.describe() + " (the topology must match)");
+  if (manifest.at("world_size").get<int>() == world->size() &&
+      manifest.at("topology").get<std::string>() == s.topo.describe()) {
+    load_own_state(s, dir);
+  } else {
+    load_state_elastic(s, dir, manifest, step);
   }
-  std::map<std::string, at::Tensor> saved;
-  for (auto& [name, t] : read_safetensors(
-           (dir / ("optimizer-rank" + std::to_string(world->rank()) + ".safetensors")).string())) {
-    saved[name] = t;
-  }
-  at::NoGradGuard no_grad;
-  for (auto& [name, t] : s.optimizer->state_tensors()) {
-    auto it = saved.find(name);
-    if (it == saved.end() || it->second.sizes() != t.sizes()) {
-      throw std::invalid_argument("--resume: optimizer state " + name +
-                                  " is missing or of another shape (other options?)");
-    }
-    t.copy_(it->second);
-  }
-  at::Generator gen = at::detail::getDefaultCPUGenerator();
-  gen.set_state(saved.at("rng_state"));
   s.optimizer->restore_steps(step);
   return step;
 }

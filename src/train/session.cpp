@@ -110,6 +110,10 @@ void choose_backends(const TrainConfig& cfg, at::Device device, comm::Topology& 
 
 }  // namespace
 
+uint64_t rank_seed(const TrainConfig& cfg, int rank) {
+  return cfg.seed + 0x9e3779b97f4a7c15ull * uint64_t(rank + 1);
+}
+
 std::unique_ptr<Session> open_session(const TrainConfig& config,
                                       std::shared_ptr<comm::Communicator> world) {
   auto s = std::make_unique<Session>();
@@ -122,8 +126,8 @@ std::unique_ptr<Session> open_session(const TrainConfig& config,
   const optim::OptimizerOptions options = optimizer_options(cfg);
   s->topo = comm::make_topology(world, {cfg.ranks_per_node, cfg.shard_size});
   // Every draw from LibTorch's default generators (T5's span corruption, dropout) follows --seed:
-  // unseeded, they start from a random seed in every process. Ranks differ (different rows).
-  at::manual_seed(cfg.seed + 0x9e3779b97f4a7c15ull * uint64_t(world->rank() + 1));
+  // unseeded, they start from a random seed in every process.
+  at::manual_seed(rank_seed(cfg, world->rank()));
   s->device = choose_device(cfg, s->topo);
   choose_backends(cfg, s->device, s->topo);
   autocast::set_dtype(s->device.type(), at::kBFloat16);

@@ -28,6 +28,10 @@ struct Session {
   int64_t micro = 0;             // sequences per forward
 };
 
+// The seed of LibTorch's default generator on world rank `rank` (dropout, T5's span corruption):
+// ranks differ (they draw for different rows).
+uint64_t rank_seed(const TrainConfig& cfg, int rank);
+
 // Collective over world: validates the config, makes the topology, loads (rank 0 tokenizes) the
 // data, builds the sharded model and its optimizer. Throws std::invalid_argument for bad input
 // on every rank alike.

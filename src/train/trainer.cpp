@@ -22,6 +22,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
@@ -37,25 +38,28 @@ double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-// Testing aid: FLEXDEMO_INJECT_NONFINITE="STEP:RANK" makes that rank's loss NaN at that step.
-struct NonFiniteInjection {
+// Testing aids: FLEXDEMO_INJECT_NONFINITE="STEP:RANK" makes that rank's loss NaN at that step;
+// FLEXDEMO_INJECT_SIGNAL="STEP:RANK" sends that rank a SIGTERM at the end of that step (a
+// preemption at a known step).
+struct Injection {
   int64_t step = -1, rank = -1;
 
-  static NonFiniteInjection from_env() {
-    NonFiniteInjection inject;
-    if (const char* spec = std::getenv("FLEXDEMO_INJECT_NONFINITE")) {
+  static Injection from_env(const char* variable) {
+    Injection inject;
+    const char* spec = std::getenv(variable);
+    if (spec != nullptr && *spec != '\0') {
       if (std::sscanf(spec, "%ld:%ld", &inject.step, &inject.rank) != 2) {
-        throw std::invalid_argument(
-            std::string("FLEXDEMO_INJECT_NONFINITE must be STEP:RANK, got ") + spec);
+        throw std::invalid_argument(std::string(variable) + " must be STEP:RANK, got " + spec);
       }
     }
     return inject;
   }
+  bool at(int64_t s, int r) const { return step == s && rank == r; }
 };
 
 // Forward and backward of this rank's rows of step `step`'s global batch, micro-batch by
 // micro-batch, the gradients accumulating. Returns the loss (the rank's mean).
-double forward_backward(Session& s, int64_t step, const NonFiniteInjection& inject) {
+double forward_backward(Session& s, int64_t step, const Injection& inject) {
   const TrainConfig& cfg = s.cfg;
   const int64_t first_row =
       s.topo.replica_rank * (cfg.batch / s.topo.replicas) + s.topo.shard_rank * s.per_rank;
@@ -66,7 +70,7 @@ double forward_backward(Session& s, int64_t step, const NonFiniteInjection& inje
     at::Tensor loss = s.lm->loss(batch).to(at::kFloat) * (double(s.micro) / double(s.per_rank));
     autocast::set_enabled(s.device.type(), false);
     at::autocast::clear_cache();
-    if (inject.step == step + 1 && inject.rank == s.topo.world->rank()) loss = loss * NAN;
+    if (inject.at(step + 1, s.topo.world->rank())) loss = loss * NAN;
     {
       // In the last micro-batch's backward each unit's gradients become final as it finishes.
       std::optional<shard::ExchangeInBackward> early_exchange;
@@ -101,7 +105,7 @@ struct StepOutcome {
   bool skipped = false;
 };
 
-StepOutcome train_step(Session& s, int64_t step, const NonFiniteInjection& inject) {
+StepOutcome train_step(Session& s, int64_t step, const Injection& inject) {
   s.optimizer->set_lr(scheduled_lr(s.cfg, step));
   s.optimizer->zero_grad();
   const double loss = forward_backward(s, step, inject);
@@ -159,7 +163,8 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
   Session& s = *session;
   const TrainConfig& cfg = s.cfg;
   int64_t step = resume_from.empty() ? 0 : load_checkpoint(s, resume_from, true);
-  const NonFiniteInjection inject = NonFiniteInjection::from_env();
+  const Injection inject = Injection::from_env("FLEXDEMO_INJECT_NONFINITE");
+  const Injection inject_signal = Injection::from_env("FLEXDEMO_INJECT_SIGNAL");
   RunLog log(s, step);
   comm::TrafficMeter meter(s.topo);
   int64_t skipped_steps = 0;
@@ -178,6 +183,7 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
     StepMetrics m = reduce_step_metrics(*world, step, outcome.loss, seconds_since(t0), traffic);
     m.lr = scheduled_lr(cfg, step - 1);
     m.skipped_steps = skipped_steps;
+    if (inject_signal.at(step, world->rank())) std::raise(SIGTERM);
     vote = agree_to_stop(s, started);
     const bool last = step == cfg.steps || vote.stop();
     // Stopped by a signal, the time left is the scheduler's grace period: checkpoint, no eval.

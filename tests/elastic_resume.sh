@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# ctest: elastic resume. A run of 60 steps is stopped twice by a preemption signal
+# (FLEXDEMO_INJECT_SIGNAL) and resumed each time on another topology; its per-step losses are
+# printed next to those of the same run uninterrupted on the first topology, and held to:
+#   1. FlexDeMo, 1 node x 2 ranks -> 1 x 4 -> 1 x 2 (one replica, the shards re-cut): DeMo's
+#      result does not depend on the shard size, so every loss equals the uninterrupted run's to
+#      1e-6 (relative) until the first sign flips, 1e-4 after (zeroing the residuals instead of
+#      re-cutting them: 1.3e-4 already at step 25).
+#   2. The same with --replicate-every 2 --optimizer adamw --clip 0, stopped at odd steps 21 and 41:
+#      the gradient sums in between are re-cut too; every loss to 1e-6.
+#   3. AdamW-HSDP (--clip 0: a clipped local gradient is not the clipped global one),
+#      2 x 2 -> 1 x 2 -> 2 x 2: every replica holds the same moments, so every loss to 1e-6.
+#   4. FlexDeMo, 2 x 2 -> 1 x 2 -> 2 x 2, with --check-replicas 10 (the regrown replicas must
+#      stay identical): the final loss within 1% of the uninterrupted run's.
+#   5. The same with --overlap-step (the exchange in flight settled by its preview): within 1%.
+#   tests/elastic_resume.sh BUILD_DIR
+set -euo pipefail
+build=$1
+work=$(mktemp -d)
+trap 'rc=$?; [ $rc -eq 0 ] || { echo "--- last log:"; tail -20 "$work/last.log" 2>/dev/null; }
+      rm -rf "$work"' EXIT
+mkdir -p "$work/corpus"
+for d in $(seq 1 300); do printf 'document %d: text for the elastic resume test.\n%%\n' "$d"; done \
+  > "$work/corpus/text"
+export FLEXDEMO_INJECT_SIGNAL=  # set per leg
+
+train() {  # NP RANKS_PER_NODE OUT [options...]: a 60-step run
+  local np=$1 rpn=$2 out=$3
+  shift 3
+  mpirun --allow-run-as-root --oversubscribe -np "$np" -x OMP_NUM_THREADS=1 \
+    -x FLEXDEMO_TOKENIZE="$build/flexdemo-tokenize" -x FLEXDEMO_INJECT_SIGNAL \
+    "$build/flexdemo" train --model gpt-nano --width 32 --layers 2 --heads 2 --context 32 \
+    --seq 32 --batch 8 --chunk 8 --tokenizer bytes --data "$work/corpus" --steps 60 \
+    --checkpoint-every 1000 --eval-seqs 4 --eval-every 20 --progress lines --log-every 1000 \
+    --ranks-per-node "$rpn" --out "$out" "$@" > "$work/last.log" 2>&1
+}
+losses() { grep -o '"loss":[^,]*' "$1/metrics.jsonl" | cut -d: -f2; }
+
+# NAME "NP RPN" "NP RPN" "NP RPN" STOP1 STOP2 [options...]: the uninterrupted run on the first
+# topology and the elastic one; prints both losses every 5 steps and sets max1 / max2 / max3, the
+# largest relative difference in steps 1..STOP1, STOP1+1..STOP2 and after.
+compare() {
+  local name=$1 topologies="$2 -> $3 at $5 -> $4 at $6" stop1=$5 stop2=$6 first second third
+  read -ra first <<< "$2"
+  read -ra second <<< "$3"
+  read -ra third <<< "$4"
+  shift 6
+  local run=$work/$name
+  train "${first[@]}" "$run-whole" "$@" || { echo "FAIL ($name): the uninterrupted run failed"; exit 1; }
+  local rc=0
+  FLEXDEMO_INJECT_SIGNAL=$stop1:0 train "${first[@]}" "$run" "$@" || rc=$?
+  [ $rc -eq 75 ] || { echo "FAIL ($name): leg 1 ended with $rc, expected 75 (stopped)"; exit 1; }
+  rc=0
+  FLEXDEMO_INJECT_SIGNAL=$stop2:0 train "${second[@]}" "$run" --resume "$run" "$@" || rc=$?
+  [ $rc -eq 75 ] || { echo "FAIL ($name): leg 2 ended with $rc, expected 75 (stopped)"; exit 1; }
+  grep -q "^resuming step $stop1, written by" "$work/last.log" ||
+    { echo "FAIL ($name): leg 2 did not resume elastically from step $stop1"; exit 1; }
+  train "${third[@]}" "$run" --resume "$run" "$@" ||
+    { echo "FAIL ($name): leg 3 failed"; exit 1; }
+  [ "$(grep -o '"step":[0-9]*' "$run/metrics.jsonl" | cut -d: -f2)" = "$(seq 1 60)" ] ||
+    { echo "FAIL ($name): metrics.jsonl does not hold steps 1..60 once each"; exit 1; }
+  echo "$name: step, uninterrupted loss, elastic loss (np, ranks per node: $topologies)"
+  read -r max1 max2 max3 < <(paste <(losses "$run-whole") <(losses "$run") | awk -v a="$stop1" \
+    -v b="$stop2" '{ d = ($2 - $1) / $1; if (d < 0) d = -d; i = NR <= a ? 1 : NR <= b ? 2 : 3
+                     if (d > m[i]) m[i] = d
+                     if (NR % 5 == 0 || NR == a + 1 || NR == b + 1) printf "  %2d %.6f %.6f\n", NR, $1, $2 > "/dev/stderr" }
+                   END { printf "%.3g %.3g %.3g\n", m[1], m[2], m[3] }') 2>&1
+  echo "  largest relative difference: $max1 (steps 1-$stop1), $max2 (to $stop2), $max3 (to 60)"
+}
+within() { awk -v x="$1" -v b="$2" 'BEGIN { exit !(x <= b) }'; }
+final_loss() { losses "$1" | tail -1; }
+fail=0
+
+compare recut "2 2" "4 4" "2 2" 20 40
+within "$max1" 0 && within "$max2" 1e-6 && within "$max3" 1e-4 ||
+  { echo "FAIL (recut): the re-cut state does not continue the run"; fail=1; }
+
+compare sums "2 2" "4 4" "2 2" 21 41 --replicate-every 2 --optimizer adamw --clip 0
+within "$max1" 0 && within "$max2" 1e-6 && within "$max3" 1e-6 ||
+  { echo "FAIL (sums): the re-cut gradient sums do not continue the run"; fail=1; }
+
+compare adamw "4 2" "2 2" "4 2" 20 40 --optimizer adamw --clip 0
+within "$max1" 0 && within "$max2" 1e-6 && within "$max3" 1e-6 ||
+  { echo "FAIL (adamw): the mapped moments do not continue the run"; fail=1; }
+
+for variant in flexdemo overlap; do
+  options=(--check-replicas 10)
+  [ $variant = overlap ] && options+=(--overlap-step)
+  compare "$variant" "4 2" "2 2" "4 2" 20 40 "${options[@]}"
+  whole=$(final_loss "$work/$variant-whole")
+  elastic=$(final_loss "$work/$variant")
+  within "$(awk -v a="$whole" -v b="$elastic" 'BEGIN { d = (b - a) / a; print d < 0 ? -d : d }')" 0.01 ||
+    { echo "FAIL ($variant): final loss $elastic, uninterrupted $whole: more than 1% apart"; fail=1; }
+done
+exit "$fail"
