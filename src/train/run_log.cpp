@@ -169,12 +169,11 @@ void RunLog::finish(int64_t steps_done) {
   summary["optimizer"] = name_of(cfg.optimizer);
   summary["replicator"] = name_of(*cfg.replicator);
   std::ofstream(fs::path(cfg.out) / "summary.json") << summary.dump(2) << "\n";
-  fmt::print(
-      "{}; {:.0f} tokens/s; {} between nodes per step; outputs in {}\n",
-      std::isnan(val_loss_) ? std::string("no validation loss measured")
-                            : fmt::format("final validation loss {:.4f}", val_loss_),
-      summary["tokens_per_s"].get<double>(),
-      human_bytes(summary["inter_bytes_per_step"].get<double>()), cfg.out);
+  fmt::print("{}; {:.0f} tokens/s; {} between nodes per step; outputs in {}\n",
+             std::isnan(val_loss_) ? std::string("no validation loss measured")
+                                   : fmt::format("final validation loss {:.4f}", val_loss_),
+             summary["tokens_per_s"].get<double>(),
+             human_bytes(summary["inter_bytes_per_step"].get<double>()), cfg.out);
 }
 
 }  // namespace flexdemo::train
