@@ -5,6 +5,8 @@
 #
 #   scripts/cluster.sh up N S RATE     N nodes, S ranks per node, RATE like 100mbit or none
 #   scripts/cluster.sh run -- CMD...   mpirun CMD on N*S ranks (flexdemo learns S from the env)
+#   scripts/cluster.sh link I down|up  take node I's link to the switch down (a lost link: its
+#                                      packets are dropped, connections stay open) or up again
 #   scripts/cluster.sh down            remove everything (also after a failed run)
 set -euo pipefail
 
@@ -82,11 +84,22 @@ run() {
     ${FLEXDEMO_TOKENIZE:+-x FLEXDEMO_TOKENIZE} "$@"
 }
 
+link() {
+  local i=$1 to=$2
+  [ -f "$state/env" ] || die "no cluster is up (scripts/cluster.sh up N S RATE)"
+  # shellcheck disable=SC1091
+  . "$state/env"
+  [[ "$i" =~ ^[1-9][0-9]*$ && "$i" -le "$N" ]] || die "node must be 1..$N, got '$i'"
+  [[ "$to" == down || "$to" == up ]] || die "the link goes down or up, got '$to'"
+  ip -n "${prefix}-switch" link set "${prefix}$i-b" "$to"
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
   up) [ $# -eq 3 ] || die "usage: scripts/cluster.sh up N S RATE"; up "$@" ;;
   run) [ "${1:-}" = "--" ] && shift; run "$@" ;;
+  link) [ $# -eq 2 ] || die "usage: scripts/cluster.sh link I down|up"; link "$@" ;;
   down) down ;;
-  *) die "usage: scripts/cluster.sh up N S RATE | run -- CMD... | down" ;;
+  *) die "usage: scripts/cluster.sh up N S RATE | run -- CMD... | link I down|up | down" ;;
 esac
