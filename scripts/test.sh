@@ -7,7 +7,8 @@
 #                                for FLEXDEMO_FUZZ_SECONDS (default 60)
 #   scripts/test.sh --cuda       instead: the same suite built against the CUDA LibTorch of
 #                                .venv-cuda/ (build-cuda/), run on the CPU
-# Other arguments go to ctest.
+# Other arguments go to ctest. Tests run FLEXDEMO_TEST_JOBS (default 2) at a time; those of 4 ranks
+# reserve 4 (ctest's PROCESSORS), the emulated cluster's run alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
@@ -15,7 +16,7 @@ if [ "${1:-}" = "--cuda" ]; then
   shift
   bash scripts/install-deps.sh --cuda
   bash scripts/build.sh --cuda
-  exec ctest --test-dir build-cuda --output-on-failure "$@"
+  exec ctest --test-dir build-cuda --output-on-failure -j "${FLEXDEMO_TEST_JOBS:-2}" "$@"
 fi
 bash scripts/install-deps.sh
 if [ "${1:-}" = "--sanitize" ]; then
@@ -29,7 +30,8 @@ if [ "${1:-}" = "--sanitize" ]; then
   export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
   export LSAN_OPTIONS="suppressions=$PWD/tests/lsan.supp:print_suppressions=0"
   export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
-  exec ctest --test-dir build-sanitize --output-on-failure -L 'unit|fuzz' "$@"
+  exec ctest --test-dir build-sanitize --output-on-failure -j "${FLEXDEMO_TEST_JOBS:-2}" \
+    -L 'unit|fuzz' "$@"
 fi
 bash scripts/build.sh
-ctest --test-dir build --output-on-failure "$@"
+ctest --test-dir build --output-on-failure -j "${FLEXDEMO_TEST_JOBS:-2}" "$@"
