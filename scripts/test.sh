@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds (Release, reusing build/) and runs every test through ctest:
-# unit tests, MPI tests on 2 and 4 real ranks, bad input (docs/errors.md), dead ranks, the
-# command, the installed CMake package and the emulated cluster.
+# unit tests, MPI tests on 2 and 4 real ranks, bad input (docs/errors.md), dead ranks,
+# preemption, elastic resume, the command, the installed CMake package and the emulated cluster
+# (with a lost link).
 #   scripts/test.sh --sanitize   instead: clang with AddressSanitizer + UndefinedBehaviorSanitizer
 #                                (build-sanitize/): the unit tests, then each libFuzzer target
 #                                for FLEXDEMO_FUZZ_SECONDS (default 60)
