@@ -15,17 +15,18 @@ stop1="${STOP1:-150}"
 stop2="${STOP2:-300}"
 out=docs/results/elastic
 reference=docs/results/tune/gpt-micro-500/flexdemo-lr1e-3
+source tests/lib.sh  # rank_pid, steps_logged, seconds_since, newest_checkpoint
 bash scripts/install-deps.sh >/dev/null
 bash scripts/build.sh flexdemo_cli flexdemo_tokenize >/dev/null
 export OMP_NUM_THREADS=1 FLEXDEMO_INJECT_SIGNAL=
 root_flag=""
 if [ "$(id -u)" -eq 0 ]; then root_flag="--allow-run-as-root"; fi
-train() {  # NP RANKS_PER_NODE OUT [options...]
+train_command() {  # NP RANKS_PER_NODE OUT [options...]: sets cmd
   local np=$1 rpn=$2 run=$3
   shift 3
-  mpirun $root_flag --oversubscribe -np "$np" -x FLEXDEMO_INJECT_SIGNAL build/flexdemo train \
-    --model gpt-micro --ranks-per-node "$rpn" --steps 500 --eval-every 50 --log-every 100 \
-    --progress lines --optimizer flexdemo --lr 1e-3 --out "$run" "$@"
+  cmd=(mpirun $root_flag --oversubscribe -np "$np" -x FLEXDEMO_INJECT_SIGNAL build/flexdemo train
+    --model gpt-micro --ranks-per-node "$rpn" --steps 500 --eval-every 50 --log-every 100
+    --progress lines --optimizer flexdemo --lr 1e-3 --out "$run" "$@")
 }
 if [ ! -f "$reference/summary.json" ]; then
   ONLY='^flexdemo-lr1e-3$' bash bench/tune.sh
@@ -35,30 +36,30 @@ mkdir -p "$out"
 run="$out/run"
 
 # Leg 1: preempted by a SIGTERM to one rank.
-train 4 2 "$run" > "$out/leg1.log" 2>&1 &
-job=$!
-until [ "$(cat "$run/metrics.jsonl" 2>/dev/null | grep -c '"step"' || true)" -ge "$stop1" ]; do
+train_command 4 2 "$run"
+"${cmd[@]}" > "$out/leg1.log" 2>&1 &
+job=$!  # mpirun
+until [ "$(steps_logged "$run")" -ge "$stop1" ]; do
   kill -0 "$job" 2>/dev/null || { tail "$out/leg1.log"; echo "elastic: leg 1 ended early"; exit 1; }
   sleep 0.2
 done
-rank2=""
-for pid in $(pgrep -P "$job"); do
-  if tr '\0' '\n' < "/proc/$pid/environ" | grep -qx OMPI_COMM_WORLD_RANK=2; then rank2=$pid; fi
-done
+rank2=$(rank_pid "$job" 2)
 signalled=$(date +%s.%N)
 kill -TERM "$rank2"
 rc=0
 wait "$job" || rc=$?
-seconds=$(awk -v a="$signalled" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
-checkpoint=$(ls "$run/checkpoints" | sed 's/step-//' | sort -n | tail -1)
+seconds=$(seconds_since "$signalled")
+checkpoint=$(newest_checkpoint "$run")
 echo "leg 1: SIGTERM to rank 2, exit code $rc ${seconds} s later, checkpoint at step $checkpoint" |
   tee "$out/preemption.txt"
 
 # Leg 2: one node, one replica; leg 3: two nodes again.
 rc=0
-FLEXDEMO_INJECT_SIGNAL="$stop2:0" train 2 2 "$run" --resume "$run" > "$out/leg2.log" 2>&1 || rc=$?
+train_command 2 2 "$run" --resume "$run"
+FLEXDEMO_INJECT_SIGNAL="$stop2:0" "${cmd[@]}" > "$out/leg2.log" 2>&1 || rc=$?
 [ $rc -eq 75 ] || { tail "$out/leg2.log"; echo "elastic: leg 2 ended with $rc"; exit 1; }
-train 4 2 "$run" --resume "$run" > "$out/leg3.log" 2>&1
+train_command 4 2 "$run" --resume "$run"
+"${cmd[@]}" > "$out/leg3.log" 2>&1
 grep -h "^resuming" "$out"/leg*.log
 
 python3 - "$reference" "$run" "$out" "$checkpoint" "$stop2" "$seconds" <<'EOF'

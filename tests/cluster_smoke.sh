@@ -7,11 +7,8 @@
 set -euo pipefail
 build=$1
 src=$2
-if [ "$(id -u)" -ne 0 ] || ! ip netns add fdc-probe 2>/dev/null; then
-  echo "SKIPPED: cannot create network namespaces here (needs root and iproute2)"
-  exit 77
-fi
-ip netns del fdc-probe
+source "$(dirname "$0")/lib.sh"
+require_netns
 cluster="$src/scripts/cluster.sh"
 work=$(mktemp -d)
 trap 'bash "$cluster" down >/dev/null 2>&1 || true; rm -rf "$work"' EXIT

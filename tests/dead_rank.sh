@@ -7,25 +7,28 @@
 set -euo pipefail
 build=$1
 mode=$2
+source "$(dirname "$0")/lib.sh"
 work=$(mktemp -d)
-victim=""
+victim="" job=""
 # On any failure the job's log is printed, so that a rare one can be diagnosed from CI.
 trap 'rc=$?; [ -z "$victim" ] || kill -9 "$victim" 2>/dev/null || true
+      [ -z "$job" ] || kill -9 "$job" 2>/dev/null || true
       [ $rc -eq 0 ] || { echo "--- job log:"; tail -30 "$work/log" 2>/dev/null; }
       rm -rf "$work"' EXIT
 mkdir -p "$work/corpus"
 for d in $(seq 1 300); do printf 'document %d: text for the dead-rank test.\n%%\n' "$d"; done \
   > "$work/corpus/text"
-launch() {
-  mpirun --allow-run-as-root --oversubscribe -np 4 -x OMP_NUM_THREADS=1 \
-    -x FLEXDEMO_TOKENIZE="$build/flexdemo-tokenize" "$build/flexdemo" train --model gpt-nano \
-    --width 32 --layers 2 --heads 2 --context 32 --seq 32 --batch 8 --chunk 8 --tokenizer bytes \
-    --data "$work/corpus" --ranks-per-node 2 --checkpoint-every 10 --comm-timeout 10 \
-    --eval-seqs 4 --progress lines --log-every 1000 --out "$work/run" "$@"
+job_command() {  # sets cmd: the job with these extra options
+  cmd=(mpirun --allow-run-as-root --oversubscribe -np 4 -x OMP_NUM_THREADS=1
+    -x FLEXDEMO_TOKENIZE="$build/flexdemo-tokenize" "$build/flexdemo" train --model gpt-nano
+    --width 32 --layers 2 --heads 2 --context 32 --seq 32 --batch 8 --chunk 8 --tokenizer bytes
+    --data "$work/corpus" --ranks-per-node 2 --checkpoint-every 10 --comm-timeout 10
+    --eval-seqs 4 --progress lines --log-every 1000 --out "$work/run" "$@")
 }
 
-launch --steps 100000 > "$work/log" 2>&1 &
-job=$!
+job_command --steps 100000
+"${cmd[@]}" > "$work/log" 2>&1 &
+job=$!  # mpirun
 # Wait for a second checkpoint (step 20 or later: the job trains on while this polls, and
 # --keep-checkpoints 2 deletes older ones, so step-20 itself may already be gone).
 second_checkpoint() {
@@ -38,12 +41,7 @@ for _ in $(seq 1 600); do
   sleep 0.2
 done
 second_checkpoint || { echo "FAIL: no second checkpoint after 120 s"; exit 1; }
-for pid in $(pgrep -f "$build/flexdemo train"); do
-  if tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | grep -qx 'OMPI_COMM_WORLD_RANK=3'; then
-    victim=$pid
-  fi
-done
-[ -n "$victim" ] || { echo "FAIL: rank 3 not found"; exit 1; }
+victim=$(rank_pid "$job" 3) || { echo "FAIL: rank 3 not found"; exit 1; }
 start=$(date +%s.%N)
 if [ "$mode" = kill ]; then
   kill -9 "$victim"
@@ -52,17 +50,9 @@ else
   kill -STOP "$victim"
   what="stopped (SIGSTOP)"
 fi
-set +e
-for _ in $(seq 1 900); do kill -0 "$job" 2>/dev/null || break; sleep 0.1; done
-if kill -0 "$job" 2>/dev/null; then
-  echo "FAIL: the job still runs 90 s after rank 3 was $what"
-  kill -9 "$job"
-  exit 1
-fi
-wait "$job"
-rc=$?
-set -e
-seconds=$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.2f", b - a }')
+wait_for_exit "$job" 90 || { echo "FAIL: the job still runs 90 s after rank 3 was $what"; exit 1; }
+job=""
+seconds=$(seconds_since "$start")
 echo "rank 3 $what: the job ended ${seconds} s later with exit code $rc"
 grep -E 'flexdemo: error|exited on signal|has not completed' "$work/log" | head -3 || true
 fail=0
@@ -74,9 +64,10 @@ fi
 
 # The newest checkpoint is valid (--resume takes it without skipping a damaged one), and
 # training continues to 10 steps past it.
-newest=$(ls "$work/run/checkpoints" | grep -E '^step-[0-9]+$' | sed 's/step-//' | sort -n | tail -1)
+newest=$(newest_checkpoint "$work/run")
 end=$((newest + 10))
-launch --steps "$end" --resume "$work/run" > "$work/resume.log" 2>&1 || {
+job_command --steps "$end" --resume "$work/run"
+"${cmd[@]}" > "$work/resume.log" 2>&1 || {
   cat "$work/resume.log"; echo "FAIL: --resume failed"; exit 1; }
 if grep -q 'skipping damaged' "$work/resume.log"; then echo "FAIL: newest checkpoint damaged"; fail=1; fi
 steps=$(grep -o '"step":[0-9]*' "$work/run/metrics.jsonl" | cut -d: -f2)

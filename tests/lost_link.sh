@@ -12,11 +12,8 @@
 set -euo pipefail
 build=$1
 src=$2
-if [ "$(id -u)" -ne 0 ] || ! ip netns add fdc-probe 2>/dev/null; then
-  echo "SKIPPED: cannot create network namespaces here (needs root and iproute2)"
-  exit 77
-fi
-ip netns del fdc-probe
+source "$(dirname "$0")/lib.sh"
+require_netns
 cluster="$src/scripts/cluster.sh"
 work=$(mktemp -d)
 job=""
@@ -37,7 +34,6 @@ train() {  # OUT STEPS [options...]
     --steps "$steps" --checkpoint-every 50 --comm-timeout "$timeout_s" --eval-seqs 4 \
     --progress lines --log-every 1000 --out "$out" "$@"
 }
-steps_logged() { cat "$1/metrics.jsonl" 2>/dev/null | grep -c '"step"' || true; }
 wait_for_step() {  # RUN N
   for _ in $(seq 1 1200); do
     [ "$(steps_logged "$1")" -ge "$2" ] && return 0
@@ -56,7 +52,6 @@ ranks_alive() {  # flexdemo processes left in the nodes' namespaces
   done
   echo "$n"
 }
-since() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
 fail=0
 
 # ---- short: 2 s down, then up again
@@ -67,10 +62,8 @@ wait_for_step "$work/short" 100
 bash "$cluster" link 2 down
 sleep 2
 bash "$cluster" link 2 up
-set +e
-wait "$job"
-rc=$?
-set -e
+rc=0
+wait "$job" || rc=$?
 job=""
 longest=$(grep -o '"step_ms":[0-9.]*' "$work/short/metrics.jsonl" | cut -d: -f2 | sort -g | tail -1)
 echo "short (2 s down): exit code $rc, the slowest step took ${longest} ms"
@@ -90,7 +83,7 @@ for _ in $(seq 1 600); do
   [ "$(ranks_alive)" -eq 0 ] && break
   sleep 0.1
 done
-ended=$(since "$down_at")
+ended=$(seconds_since "$down_at")
 echo "long (left down): every rank ended ${ended} s after the link went down"
 [ "$(ranks_alive)" -eq 0 ] || { echo "FAIL: ranks still run 60 s after the link went down"; fail=1; }
 awk -v s="$ended" -v t="$timeout_s" 'BEGIN { exit !(s <= t + 10) }' ||
@@ -99,16 +92,11 @@ grep -q "^flexdemo: error: .* has not completed in $timeout_s s: a rank has died
   "$work/log" || { echo "FAIL: no timeout message"; fail=1; }
 up_at=$(date +%s.%N)
 bash "$cluster" link 2 up
-set +e
-for _ in $(seq 1 1200); do kill -0 "$job" 2>/dev/null || break; sleep 0.1; done
-kill -0 "$job" 2>/dev/null && { echo "FAIL: mpirun still runs 120 s after the link came back"; exit 1; }
-wait "$job"
-rc=$?
-set -e
+wait_for_exit "$job" 120 || { echo "FAIL: mpirun still runs 120 s after the link came back"; exit 1; }
 job=""
-echo "mpirun ended $(since "$up_at") s after the link came back, exit code $rc"
+echo "mpirun ended $(seconds_since "$up_at") s after the link came back, exit code $rc"
 [ "$rc" -ne 0 ] || { echo "FAIL: exit code 0"; fail=1; }
-newest=$(ls "$work/long/checkpoints" | grep -E '^step-[0-9]+$' | sed 's/step-//' | sort -n | tail -1)
+newest=$(newest_checkpoint "$work/long")
 train "$work/long" $((newest + 10)) --resume "$work/long" > "$work/resume.log" 2>&1 ||
   { cat "$work/resume.log"; echo "FAIL: --resume failed"; exit 1; }
 if grep -q 'skipping damaged' "$work/resume.log"; then echo "FAIL: newest checkpoint damaged"; fail=1; fi

@@ -14,6 +14,7 @@
 set -euo pipefail
 build=$1
 mode=$2
+source "$(dirname "$0")/lib.sh"
 work=$(mktemp -d)
 job=""
 trap 'rc=$?; [ -z "$job" ] || kill -9 "$job" 2>/dev/null || true
@@ -35,22 +36,6 @@ job_command() {  # RUN [mpirun option NAME VALUE] [train options...]: sets cmd
     --comm-timeout 30 --eval-seqs 4 --eval-every 50 --progress lines --log-every 1000
     "$@" --out "$out")
 }
-steps_logged() {  # of a run folder
-  cat "$1/metrics.jsonl" 2>/dev/null | grep -c '"step"' || true
-}
-newest_checkpoint() {
-  ls "$1/checkpoints" 2>/dev/null | grep -E '^step-[0-9]+$' | sed 's/step-//' | sort -n | tail -1
-}
-rank_pid() {  # RANK: the process of that world rank of the job
-  for pid in $(pgrep -P "$job"); do
-    if tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=$1"; then
-      echo "$pid"
-      return
-    fi
-  done
-  echo "FAIL: rank $1 not found" >&2
-  exit 1
-}
 # RUN SIGNALLER [mpirun option]: starts the job, calls SIGNALLER at step 40 and waits for the
 # job's end; sets rc and seconds (from the signal to the end).
 signal_and_wait() {
@@ -66,14 +51,9 @@ signal_and_wait() {
   done
   start=$(date +%s.%N)
   "$signaller"
-  set +e
-  for _ in $(seq 1 600); do kill -0 "$job" 2>/dev/null || break; sleep 0.1; done
-  kill -0 "$job" 2>/dev/null && { echo "FAIL: the job still runs 60 s after the signal"; exit 1; }
-  wait "$job"
-  rc=$?
-  set -e
+  wait_for_exit "$job" 60 || { echo "FAIL: the job still runs 60 s after the signal"; exit 1; }
   job=""
-  seconds=$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.2f", b - a }')
+  seconds=$(seconds_since "$start")
 }
 # RUN NAME: exit code 75, rank 0's line, the checkpoint at the last step logged.
 expect_stopped() {
@@ -96,9 +76,9 @@ resume_to_end() {
   [ "$(grep -o '"step":[0-9]*' "$1/metrics.jsonl" | cut -d: -f2)" = "$(seq 1 $steps)" ] ||
     { echo "FAIL: metrics.jsonl does not hold steps 1..$steps once each"; exit 1; }
 }
-term_rank2() { kill -TERM "$(rank_pid 2)"; }
+term_rank2() { kill -TERM "$(rank_pid "$job" 2)"; }
 # Two of the same signal pending at once are delivered once: the second is another one.
-term_int_rank2() { local pid; pid=$(rank_pid 2); kill -TERM "$pid"; kill -INT "$pid"; }
+term_int_rank2() { local pid; pid=$(rank_pid "$job" 2); kill -TERM "$pid"; kill -INT "$pid"; }
 usr1_mpirun() { kill -USR1 "$job"; }
 term_mpirun() { kill -TERM "$job"; }
 
