@@ -122,6 +122,36 @@ void load_own_state(Session& s, const fs::path& dir) {
 }
 
 // ====== Elastic resume ======
+// The manifest's table of ranks, checked: world_size pairs [replica, shard] that fill a grid of
+// R replicas x S shards, each place once. Throws std::invalid_argument otherwise.
+std::vector<std::pair<int64_t, int64_t>> rank_places(const nlohmann::json& manifest,
+                                                     const fs::path& dir) {
+  const nlohmann::json& table = manifest.at("ranks");
+  std::vector<std::pair<int64_t, int64_t>> places;
+  if (table.is_array() && int64_t(table.size()) == manifest.at("world_size").get<int64_t>()) {
+    for (const auto& place : table) {
+      if (!place.is_array() || place.size() != 2 || !place[0].is_number_unsigned() ||
+          !place[1].is_number_unsigned()) {
+        break;
+      }
+      places.push_back({place[0].get<int64_t>(), place[1].get<int64_t>()});
+    }
+  }
+  std::vector<std::pair<int64_t, int64_t>> grid = places;
+  std::sort(grid.begin(), grid.end());
+  const int64_t shards = grid.empty() ? 0 : grid.back().second + 1;
+  bool whole = !grid.empty() && places.size() == table.size() && int64_t(grid.size()) % shards == 0;
+  for (size_t i = 0; whole && i < grid.size(); ++i) {
+    whole = grid[i] == std::pair<int64_t, int64_t>(int64_t(i) / shards, int64_t(i) % shards);
+  }
+  if (!whole) {
+    throw std::invalid_argument("checkpoint " + dir.string() +
+                                " is damaged: its manifest's table of ranks is not a whole grid "
+                                "of [replica, shard] places");
+  }
+  return places;
+}
+
 // The optimizer state of a checkpoint written on another topology, by one rule (README,
 // "Elastic resume"): this rank's replica r takes the state of the checkpoint's replica r mod R
 // (R: the checkpoint's replicas), each tensor's state put together from that replica's shards and
@@ -139,14 +169,15 @@ void load_state_elastic(Session& s, const fs::path& dir, const nlohmann::json& m
         "flexdemo); this run is " +
         s.topo.describe() + ": resume it on its own topology");
   }
-  const nlohmann::json& places = manifest.at("ranks");  // [replica, shard] per world rank
+  // [replica, shard] per world rank: every place of a replicas x shards grid exactly once.
+  const std::vector<std::pair<int64_t, int64_t>> places = rank_places(manifest, dir);
   int64_t replicas = 0;
-  for (const auto& place : places) replicas = std::max(replicas, place.at(0).get<int64_t>() + 1);
+  for (const auto& place : places) replicas = std::max(replicas, place.first + 1);
   const int64_t source = s.topo.replica_rank % replicas;
   std::vector<std::map<std::string, at::Tensor>> shards;  // the source replica's, by shard
   for (size_t w = 0; w < places.size(); ++w) {
-    if (places[w].at(0).get<int64_t>() != source) continue;
-    const size_t shard = places[w].at(1).get<size_t>();
+    if (places[w].first != source) continue;
+    const size_t shard = size_t(places[w].second);
     if (shards.size() <= shard) shards.resize(shard + 1);
     shards[shard] = read_state_file(dir, int64_t(w));
   }
