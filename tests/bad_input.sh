@@ -9,7 +9,7 @@
 # tab), $RUN (a run with two valid
 # checkpoints), $OTHER (a run of another model), $DAMAGED (a run whose checkpoints all fail
 # their checksums), $NORANKS (that run's checkpoints without their table of ranks, as an older
-# flexdemo wrote them), $HF (that run exported as a transformers folder: a GPT2LMHeadModel of 257
+# flexdemo wrote them), $BADRANKS (their table of ranks naming one place twice), $HF (that run exported as a transformers folder: a GPT2LMHeadModel of 257
 # ids, no tokenizer files), $HF_ARCH (its config.json naming BertModel), $HF_LAYERS (claiming 2
 # layers), $HF_SHAPE (claiming a context of 32), $HF_DTYPE (its first tensor in the file's
 # header, wte, relabelled int32), $OUT (the --out folder).
@@ -30,7 +30,7 @@ DATA=$work/data.txt EMPTY=$work/empty.txt BINARY=$work/binary.dat EMPTYDIR=$work
 TINY=$work/tiny.txt
 TOML=$work/ok.toml TOML_UNKNOWN=$work/unknown.toml TOML_SNAKE=$work/snake.toml OUT=$work/out
 RUN=$work/run OTHER=$work/other DAMAGED=$work/damaged BADPAIRS=$work/pairs.tsv
-NORANKS=$work/noranks
+NORANKS=$work/noranks BADRANKS=$work/badranks
 HF=$work/hf HF_ARCH=$work/hf-arch HF_LAYERS=$work/hf-layers HF_SHAPE=$work/hf-shape
 HF_DTYPE=$work/hf-dtype
 for d in $(seq 1 200); do printf 'document %d: a few words of text to train on.\n%%\n' "$d"; done > "$DATA"
@@ -45,12 +45,14 @@ printf 'a source\ta target\nno tab here\n' > "$BADPAIRS"
 tiny=(--model gpt-nano --layers 1 --heads 2 --context 16 --seq 16 --batch 2 --chunk 8
       --tokenizer bytes --data "$DATA" --eval-seqs 2 --progress lines)
 case "$command" in
-  *'$RUN'* | *'$OTHER'* | *'$DAMAGED'* | *'$NORANKS'* | *'$HF'*)
+  *'$RUN'* | *'$OTHER'* | *'$DAMAGED'* | *'$NORANKS'* | *'$BADRANKS'* | *'$HF'*)
     "$build/flexdemo" train "${tiny[@]}" --width 16 --steps 2 --checkpoint-every 1 --out "$RUN" > /dev/null
     "$build/flexdemo" train "${tiny[@]}" --width 32 --steps 1 --out "$OTHER" > /dev/null
     cp -r "$RUN" "$DAMAGED"
     cp -r "$RUN" "$NORANKS"
     perl -0777 -pi -e 's/\n  "ranks": \[.*?\n  \],//s' "$NORANKS"/checkpoints/*/manifest.json
+    cp -r "$RUN" "$BADRANKS"
+    perl -0777 -pi -e 's/("ranks": \[)/$1\n    [\n      0,\n      0\n    ],/' "$BADRANKS"/checkpoints/*/manifest.json
     for f in "$DAMAGED"/checkpoints/*/model.safetensors; do printf 'X' | dd of="$f" bs=1 seek=100 conv=notrunc status=none; done
     "$build/flexdemo" export "$RUN" --out "$HF" > /dev/null
     for d in "$HF_ARCH" "$HF_LAYERS" "$HF_SHAPE" "$HF_DTYPE"; do cp -r "$HF" "$d"; done
@@ -63,7 +65,7 @@ esac
 
 expand() { # the named files and the launcher in a documented string
   local s=$1
-  for v in DATA EMPTYDIR EMPTY BINARY TINY TOML_UNKNOWN TOML_SNAKE TOML OUT RUN OTHER DAMAGED NORANKS BADPAIRS \
+  for v in DATA EMPTYDIR EMPTY BINARY TINY TOML_UNKNOWN TOML_SNAKE TOML OUT RUN OTHER DAMAGED NORANKS BADRANKS BADPAIRS \
            HF_ARCH HF_LAYERS HF_SHAPE HF_DTYPE HF; do s=${s//\$$v/${!v}}; done
   printf '%s' "$s"
 }
