@@ -11,9 +11,9 @@ namespace flexdemo::train {
 
 namespace {
 
-constexpr int kSignals[] = {SIGTERM, SIGINT, SIGUSR1};
+constexpr int kSignals[kStopSignals] = {SIGTERM, SIGINT, SIGUSR1};
 std::atomic<int> g_first{0};
-struct sigaction g_before[sizeof(kSignals) / sizeof(kSignals[0])];
+struct sigaction g_before[kStopSignals];
 
 void on_signal(int signal) {
   int none = 0;
@@ -34,15 +34,15 @@ StopSignals::StopSignals() {
   action.sa_handler = on_signal;
   sigemptyset(&action.sa_mask);
   action.sa_flags = SA_RESTART;  // reads and writes in progress go on
-  for (size_t i = 0; i < sizeof(kSignals) / sizeof(kSignals[0]); ++i) {
-    ::sigaction(kSignals[i], &action, &g_before[i]);
-  }
+  for (int i = 0; i < kStopSignals; ++i) ::sigaction(kSignals[i], &action, &g_before[i]);
 }
 
 StopSignals::~StopSignals() {
-  for (size_t i = 0; i < sizeof(kSignals) / sizeof(kSignals[0]); ++i) {
-    ::sigaction(kSignals[i], &g_before[i], nullptr);
-  }
+  for (int i = 0; i < kStopSignals; ++i) ::sigaction(kSignals[i], &g_before[i], nullptr);
+}
+
+int stop_signal(int i) {
+  return kSignals[i];
 }
 
 int StopSignals::received() {

@@ -22,6 +22,11 @@ class StopSignals {
   static int received();
 };
 
+// The signals caught, in a fixed order: stop_signal(i), i < kStopSignals (SIGTERM, SIGINT,
+// SIGUSR1), so that ranks can count each one in a fixed-size vote.
+inline constexpr int kStopSignals = 3;
+int stop_signal(int i);
+
 // "SIGTERM", "SIGINT", "SIGUSR1" (others: "signal N").
 std::string signal_name(int signal);
 

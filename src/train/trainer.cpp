@@ -120,8 +120,8 @@ StepOutcome train_step(Session& s, int64_t step, const Injection& inject) {
 
 // Why the ranks stop after this step, the same on every rank.
 struct StopVote {
-  int signal = 0;            // a stop signal on some rank: the first rank's (by rank) signal
-  int signalled = 0;         // ranks that caught one
+  int signal = 0;     // a stop signal caught on some rank (the first in SIGTERM, SIGINT, SIGUSR1)
+  int signalled = 0;  // ranks that caught one
   bool out_of_time = false;  // --max-time, on rank 0's clock
   bool stop() const { return signalled > 0 || out_of_time; }
 };
@@ -132,17 +132,18 @@ StopVote agree_to_stop(const Session& s, Clock::time_point started) {
   const int mine = StopSignals::received();
   const bool root_out_of_time =
       world->rank() == 0 && s.cfg.max_time > 0 && seconds_since(started) >= s.cfg.max_time;
-  at::Tensor votes = at::zeros({world->size() + 1}, at::kLong);  // each rank's signal; max-time
-  votes[world->rank()] = mine;
-  votes[world->size()] = int64_t(root_out_of_time);
+  // Ranks that caught each stop signal, then max-time: a few bytes, whatever the world's size.
+  at::Tensor votes = at::zeros({kStopSignals + 1}, at::kLong);
+  auto v = votes.accessor<int64_t, 1>();
+  for (int i = 0; i < kStopSignals; ++i) v[i] = mine == stop_signal(i) ? 1 : 0;
+  v[kStopSignals] = root_out_of_time ? 1 : 0;
   world->all_reduce(votes, comm::ReduceOp::Sum);
   StopVote vote;
-  for (int r = 0; r < world->size(); ++r) {
-    const int signal = int(votes[r].item<int64_t>());
-    if (signal == 0) continue;
-    if (vote.signalled++ == 0) vote.signal = signal;
+  for (int i = 0; i < kStopSignals; ++i) {
+    if (v[i] > 0 && vote.signal == 0) vote.signal = stop_signal(i);
+    vote.signalled += int(v[i]);
   }
-  vote.out_of_time = votes[world->size()].item<int64_t>() > 0;
+  vote.out_of_time = v[kStopSignals] > 0;
   return vote;
 }
 
