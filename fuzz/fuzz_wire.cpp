@@ -1,7 +1,8 @@
 // libFuzzer target: the decoder of DeMo payloads received from other nodes (validate + decode).
-// Byte 0 picks the receiver's chunk plan and k, byte 1 the value encoding and whether to repair
-// the CRC-32 (so that mutations also reach the checks behind it); the rest is the payload.
-// Anything but a WireFormatError, or a read out of bounds, is a finding.
+// Byte 0 picks the receiver's chunk plan and k, byte 1 the value encoding (bits 0-2, modulo the
+// number of encodings) and whether to repair the CRC-32 (bit 3) (so that mutations also reach the
+// checks behind it); the rest is the payload. Anything but a WireFormatError, or a read out of
+// bounds, is a finding.
 #include "flexdemo/compress.h"
 #include "flexdemo/dct.h"
 #include "flexdemo/kernels.h"
@@ -29,6 +30,8 @@ const Shape kShapes[] = {
     {128, 32, 16, dct::ChunkMode::Divisor}, {3, 1000, 64, dct::ChunkMode::Padded},
     {1, 5, 64, dct::ChunkMode::Divisor},    {20, 20, 1, dct::ChunkMode::Divisor}};
 constexpr int kNumShapes = sizeof(kShapes) / sizeof(kShapes[0]);
+constexpr int kNumEncodings = 5;  // fp32, bf16, int8, 1bit, 2bit
+constexpr uint8_t kRepairCrc = 8;
 
 struct Receiver {
   dct::ChunkPlan plan;
@@ -41,7 +44,7 @@ Receiver receiver_for(uint8_t b0, uint8_t b1) {
   Receiver r;
   r.plan = dct::make_chunk_plan({s.rows, s.cols}, s.chunk, s.mode);
   r.k = compress::clamp_topk(1 + (b0 / kNumShapes) % 33, r.plan);
-  r.encoding = compress::ValueEncoding(b1 & 3);
+  r.encoding = compress::ValueEncoding((b1 & 7) % kNumEncodings);
   return r;
 }
 
@@ -57,8 +60,8 @@ void repair_crc(std::vector<uint8_t>& payload) {
 void write_seeds(const std::string& dir) {
   at::manual_seed(0);
   for (int shape = 0; shape < kNumShapes; ++shape) {
-    for (uint8_t e = 0; e < 4; ++e) {
-      const uint8_t b0 = uint8_t(shape + kNumShapes * 3), b1 = uint8_t(e | 4);
+    for (uint8_t e = 0; e < kNumEncodings; ++e) {
+      const uint8_t b0 = uint8_t(shape + kNumShapes * 3), b1 = uint8_t(e | kRepairCrc);
       Receiver r = receiver_for(b0, b1);
       const at::Tensor coeffs = at::randn({r.plan.padded_rows, r.plan.padded_cols});
       compress::TopK topk = kernels::select_topk(coeffs, r.plan, r.k);
@@ -83,7 +86,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 2) return 0;
   const Receiver r = receiver_for(data[0], data[1]);
   std::vector<uint8_t> payload(data + 2, data + size);
-  if (data[1] & 4) repair_crc(payload);
+  if (data[1] & kRepairCrc) repair_crc(payload);
   const at::Tensor out = at::empty({r.plan.padded_rows, r.plan.padded_cols});
   try {
     // Two replicas sent the same bytes: the decoder reads both.

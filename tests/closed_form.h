@@ -17,7 +17,7 @@ inline uint64_t closed_form_payload_bytes(const std::vector<flexdemo::dct::Chunk
     const uint64_t n = plan.chunk_numel();
     const uint64_t k = std::min<uint64_t>(o.topk, n);
     const uint64_t entries = plan.num_chunks() * k;
-    const uint64_t index_bytes = n <= 256 ? 1 : n <= 65536 ? 2 : 4;
+    uint64_t index_bytes = (n <= 256 ? 1 : n <= 65536 ? 2 : 4) * entries;
     uint64_t value_bytes = 0;
     switch (o.values) {
       case ValueEncoding::Fp32:
@@ -32,8 +32,15 @@ inline uint64_t closed_form_payload_bytes(const std::vector<flexdemo::dct::Chunk
       case ValueEncoding::Sign:
         value_bytes = (entries + 7) / 8 + 4 * plan.num_chunks();
         break;
+      case ValueEncoding::TwoBit: {  // Elias-Fano: low = floor(log2(n / k)) bits + a bitmap
+        uint64_t low = 0;
+        while (k << (low + 1) <= n) ++low;
+        index_bytes = plan.num_chunks() * ((k * low + ((n - 1) >> low) + k + 7) / 8);
+        value_bytes = (2 * entries + 7) / 8 + 8 * plan.num_chunks();
+        break;
+      }
     }
-    total += 36 + index_bytes * entries + value_bytes;
+    total += 36 + index_bytes + value_bytes;
   }
   return total;
 }

@@ -23,7 +23,8 @@ using compress::ValueEncoding;
 namespace {
 
 const ValueEncoding kAllEncodings[] = {ValueEncoding::Fp32, ValueEncoding::Bf16,
-                                       ValueEncoding::Int8, ValueEncoding::Sign};
+                                       ValueEncoding::Int8, ValueEncoding::Sign,
+                                       ValueEncoding::TwoBit};
 
 // Sort-based reference: per chunk, positions by descending magnitude (ties: lower position).
 std::vector<std::vector<int64_t>> reference_topk(const at::Tensor& coeffs, const dct::ChunkPlan& p,
@@ -146,6 +147,10 @@ TEST(WireFormat, PayloadSizeIsClosedForm) {
   EXPECT_EQ(compress::wire_payload_bytes(plan, 32, ValueEncoding::Bf16), 36u + 256 + 256);
   EXPECT_EQ(compress::wire_payload_bytes(plan, 32, ValueEncoding::Int8), 36u + 256 + 16 + 128);
   EXPECT_EQ(compress::wire_payload_bytes(plan, 32, ValueEncoding::Sign), 36u + 256 + 16 + 16);
+  // 2bit: per chunk a packed record of 32 * 7 low bits + a 63-bit bitmap (36 bytes), two fp32
+  // levels, and 32 values of 2 bits: 1.5 bytes per kept coefficient before the header.
+  EXPECT_EQ(compress::wire_payload_bytes(plan, 32, ValueEncoding::TwoBit),
+            36u + 4 * 36 + 4 * 8 + 4 * 8);
   // A vector of 192 in chunks of 64: 3 chunks, 1-byte indices.
   dct::ChunkPlan vec = dct::make_chunk_plan({192}, 64, dct::ChunkMode::Divisor);
   EXPECT_EQ(compress::wire_payload_bytes(vec, 32, ValueEncoding::Bf16), 36u + 96 + 192);
@@ -190,6 +195,20 @@ TEST(WireFormat, RoundTripEveryEncoding) {
         EXPECT_TRUE(at::equal(t.values.sign(), original.sign()));
         break;
       }
+      case ValueEncoding::TwoBit: {  // per chunk, float64: above the mean |v| or not, group means
+        const at::Tensor a = original.abs().to(at::kDouble);
+        const at::Tensor large = a > a.mean(1, true);
+        const at::Tensor ones = at::ones_like(a);
+        const at::Tensor level_large =
+            (a * large).sum(1, true) / (ones * large).sum(1, true).clamp_min(1);
+        const at::Tensor level_small =
+            (a * ~large).sum(1, true) / (ones * ~large).sum(1, true).clamp_min(1);
+        const at::Tensor want = at::where(large, level_large, level_small);
+        EXPECT_TRUE(at::allclose(t.values.abs().to(at::kDouble), want, 1e-6, 1e-7));
+        EXPECT_TRUE(at::equal(t.values.sign(), original.sign()));
+        EXPECT_TRUE(at::all(err <= a.to(at::kFloat)).item<bool>());
+        break;
+      }
     }
   }
   EXPECT_THROW(parse_name<compress::ValueEncoding>("fp16"), std::invalid_argument);
@@ -220,8 +239,8 @@ TEST(WireFormat, RejectsMalformedPayloads) {
   magic[0] ^= 0xff;
   expect_reject(magic, "magic");
   std::vector<uint8_t> version(good.begin(), good.end());
-  version[4] = 2;
-  expect_reject(version, "version 2");
+  version[4] = 1;
+  expect_reject(version, "version 1");
   std::vector<uint8_t> encoding(good.begin(), good.end());
   encoding[5] = uint8_t(ValueEncoding::Fp32);
   expect_reject(encoding, "value encoding");
@@ -247,6 +266,67 @@ TEST(WireFormat, RejectsMalformedPayloads) {
   EXPECT_THROW(compress::decode_mean({bad_index.data()}, bad_index.size(), wide, 4,
                                      ValueEncoding::Fp32, out),
                compress::WireFormatError);
+}
+
+// Packed indices (2bit): a record per chunk of the closed-form size, read back exactly, for chunk
+// sizes that are and are not powers of two and k from 1 to the whole chunk.
+TEST(WireFormat, PackedIndicesRoundTripAtEveryShape) {
+  at::manual_seed(14);
+  for (int64_t chunk : {4, 12, 16, 64}) {
+    const dct::ChunkPlan plan =
+        dct::make_chunk_plan({2 * chunk, 3 * chunk}, chunk, dct::ChunkMode::Divisor);
+    const int64_t n = plan.chunk_numel();
+    for (int64_t k : {int64_t(1), int64_t(3), n / 8 + 1, n / 2, n - 1, n}) {
+      if (k < 1) continue;
+      compress::TopK t = kernels::select_topk(at::randn({2 * chunk, 3 * chunk}), plan, k);
+      const std::vector<uint8_t> bytes = encode(plan, t, ValueEncoding::TwoBit);
+      int low = 0;  // floor(log2(n / k)), by doubles
+      while (double(k) * std::pow(2.0, low + 1) <= double(n)) ++low;
+      const int64_t bits = k * low + (n - 1) / (int64_t(1) << low) + k;
+      const size_t want = size_t(36 + plan.num_chunks() * ((bits + 7) / 8 + 8) +
+                                 (2 * plan.num_chunks() * k + 7) / 8);
+      EXPECT_EQ(bytes.size(), want) << "n " << n << " k " << k;
+      const compress::SparseChunks back = compress::decode_mean_sparse(
+          {bytes.data()}, bytes.size(), plan, k, ValueEncoding::TwoBit);
+      EXPECT_TRUE(at::equal(back.positions.to(at::kLong), t.indices)) << "n " << n << " k " << k;
+      EXPECT_TRUE(at::equal(back.values, t.values)) << "n " << n << " k " << k;
+    }
+  }
+}
+
+// A packed record that does not hold exactly k ascending positions, or sets a padding bit, is
+// refused; so is every single-bit change of the index section (the checksum refreshed).
+TEST(WireFormat, RejectsMalformedPackedIndices) {
+  at::manual_seed(15);
+  const dct::ChunkPlan plan = dct::make_chunk_plan({8, 8}, 8, dct::ChunkMode::Divisor);
+  compress::TopK t = kernels::select_topk(at::randn({8, 8}), plan, 5);  // low 3, 12 bitmap bits
+  const std::vector<uint8_t> good = encode(plan, t, ValueEncoding::TwoBit);
+  const compress::PayloadLayout l = compress::payload_layout(plan, 5, ValueEncoding::TwoBit);
+  ASSERT_EQ(l.record_bytes, 4u);  // 15 + 12 = 27 bits: 5 of padding
+  int refused = 0, changes = 0;
+  for (size_t bit = 0; bit < 8 * l.record_bytes; ++bit) {
+    std::vector<uint8_t> bytes = good;
+    bytes[compress::kWireHeaderBytes + bit / 8] ^= uint8_t(1u << (bit % 8));
+    refresh_checksum(bytes);
+    ++changes;
+    try {
+      compress::validate_payload(bytes.data(), bytes.size(), plan, 5, ValueEncoding::TwoBit);
+      // A changed low bit can still spell 5 ascending positions: then they must differ.
+      const compress::SparseChunks back = compress::decode_mean_sparse(
+          {bytes.data()}, bytes.size(), plan, 5, ValueEncoding::TwoBit);
+      EXPECT_LT(bit, 15u) << "accepted a change of bitmap or padding bit " << bit;
+      EXPECT_FALSE(at::equal(back.positions.to(at::kLong), t.indices)) << bit;
+    } catch (const compress::WireFormatError& err) {
+      ++refused;
+      const std::string what = err.what();
+      EXPECT_TRUE(what.find("positions, expected 5") != std::string::npos ||
+                  what.find("padding bits") != std::string::npos ||
+                  what.find("not strictly ascending") != std::string::npos ||
+                  what.find("outside a chunk") != std::string::npos)
+          << what;
+    }
+  }
+  EXPECT_GE(refused, 12 + 5) << "of " << changes;  // every bitmap and padding bit at least
 }
 
 TEST(DecodeMean, AveragesOverReplicasThatSelectedEachCoefficient) {

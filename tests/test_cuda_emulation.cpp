@@ -125,7 +125,8 @@ TEST_P(EmulatedKernels, EncodeDecodeAndStepEqualTheCpuBitForBit) {
 
 INSTANTIATE_TEST_SUITE_P(Encodings, EmulatedKernels,
                          testing::Values(ValueEncoding::Fp32, ValueEncoding::Bf16,
-                                         ValueEncoding::Int8, ValueEncoding::Sign),
+                                         ValueEncoding::Int8, ValueEncoding::Sign,
+                                         ValueEncoding::TwoBit),
                          [](const auto& info) { return std::string(name_of(info.param)); });
 
 // The launch's own block size (256 threads, more than a small chunk's coefficients, so most

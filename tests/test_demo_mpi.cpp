@@ -8,6 +8,9 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <map>
+#include <string>
+
 using namespace flexdemo;
 
 namespace {
@@ -36,8 +39,9 @@ std::vector<dct::ChunkPlan> plans_of(const optim::OptimizerOptions& o) {
 
 TEST(DemoMpi, ReplicasStayBitIdenticalAndBytesMatchClosedForm) {
   auto world = test_world();
-  for (auto values : {compress::ValueEncoding::Fp32, compress::ValueEncoding::Bf16,
-                      compress::ValueEncoding::Int8, compress::ValueEncoding::Sign}) {
+  for (auto values :
+       {compress::ValueEncoding::Fp32, compress::ValueEncoding::Bf16, compress::ValueEncoding::Int8,
+        compress::ValueEncoding::Sign, compress::ValueEncoding::TwoBit}) {
     optim::OptimizerOptions o;
     o.lr = 0.01;
     o.topk = 8;
@@ -193,4 +197,131 @@ TEST(DemoMpi, ExchangeStartedInBucketsEqualsOneBucket) {
   EXPECT_THROW(demo.start_exchange({5}), std::out_of_range);
   demo.start_exchange({0});
   EXPECT_THROW(demo.start_exchange({0}), std::logic_error);  // already started
+}
+
+namespace {
+
+// --inner-steps' outer loop in float64, from the gradients every replica sees (a function of the
+// replica and the step only): local sign-SGD steps from the anchor, the replicas' mean
+// pseudo-gradient, Nesterov SGD on the anchor. Returns every parameter after `steps` steps as
+// replica `rank` holds it.
+std::vector<at::Tensor> outer_loop_reference(const optim::OptimizerOptions& o, int replicas,
+                                             int rank, int steps) {
+  std::vector<at::Tensor> anchor, momentum, mine;
+  for (auto& p : make_params()) {
+    anchor.push_back(p.detach().to(at::kDouble));
+    momentum.push_back(at::zeros_like(anchor.back()));
+  }
+  mine = anchor;
+  std::vector<std::vector<at::Tensor>> local(replicas, anchor);
+  for (int step = 0; step < steps; ++step) {
+    for (int q = 0; q < replicas; ++q) {
+      std::vector<at::Tensor> grads = make_params();
+      set_gradients(grads, q, step);
+      for (size_t i = 0; i < anchor.size(); ++i) {
+        local[q][i] = local[q][i] - o.lr * grads[i].grad().to(at::kDouble).sign();
+      }
+    }
+    if ((step + 1) % o.inner_steps == 0) {
+      for (size_t i = 0; i < anchor.size(); ++i) {
+        at::Tensor mean = at::zeros_like(anchor[i]);
+        for (int q = 0; q < replicas; ++q) mean += (anchor[i] - local[q][i]) / replicas;
+        momentum[i] = o.outer_momentum * momentum[i] + mean;
+        anchor[i] = anchor[i] - o.outer_lr * (mean + o.outer_momentum * momentum[i]);
+        for (int q = 0; q < replicas; ++q) local[q][i] = anchor[i];
+      }
+    }
+  }
+  return local[rank];
+}
+
+}  // namespace
+
+TEST(DemoMpi, InnerStepsEqualFloat64OuterLoop) {
+  // --inner-steps 3 over 3 rounds and a step into the fourth: local sign-SGD, the pseudo-gradient
+  // averaged by the full replicator (exact) or by DeMo keeping every coefficient in fp32 with
+  // no residual carried (exact up to the transform's rounding), Nesterov on the anchor. One
+  // exchange per round; replicas bit-identical after each; mid-round each holds its own steps.
+  auto world = test_world();
+  for (auto kind : {optim::ReplicatorKind::Full, optim::ReplicatorKind::Demo}) {
+    optim::OptimizerOptions o;
+    o.lr = 0.01;
+    o.inner_steps = 3;
+    o.outer_lr = 0.7;
+    o.outer_momentum = 0.9;
+    o.replicator = kind;
+    o.chunk = 8;
+    o.topk = 64;  // every coefficient of an 8 x 8 chunk
+    o.decay = 0.0;
+    o.values = compress::ValueEncoding::Fp32;
+    auto group = world->split(0, world->rank());
+    std::vector<at::Tensor> params = make_params();
+    optim::Optimizer outer(params, o, group);
+    for (int step = 0; step < 10; ++step) {
+      set_gradients(params, world->rank(), step);
+      outer.step();
+      const std::vector<at::Tensor> want =
+          outer_loop_reference(o, world->size(), world->rank(), step + 1);
+      for (size_t i = 0; i < params.size(); ++i) {
+        EXPECT_TRUE(at::allclose(params[i].detach().to(at::kDouble), want[i], 1e-5, 1e-6))
+            << name_of(kind) << " parameter " << i << " step " << step + 1;
+      }
+      if ((step + 1) % 3 == 0) {
+        for (size_t i = 0; i < params.size(); ++i) {
+          at::Tensor root = params[i].detach().clone();
+          world->broadcast(root, 0);
+          EXPECT_TRUE(at::equal(params[i].detach(), root)) << "replicas differ, " << i;
+          EXPECT_TRUE(at::equal(outer.replicated_params()[i].reshape(params[i].sizes()), root));
+        }
+      }
+    }
+    EXPECT_EQ(group->stats().collectives, 3u) << name_of(kind);
+  }
+}
+
+TEST(DemoMpi, InnerStepsResumeExactlyFromTheirState) {
+  // --inner-steps 4 with DeMo's 2bit exchange (residuals carried): a run stopped after step 5
+  // (mid-round) and continued by a fresh optimizer from the state it named equals the run
+  // that never stopped, bit for bit, for local sign-SGD and local AdamW.
+  auto world = test_world();
+  for (auto inner : {optim::InnerKind::SignSgd, optim::InnerKind::AdamW}) {
+    optim::OptimizerOptions o;
+    o.lr = 0.01;
+    o.inner = inner;
+    o.sign = inner == optim::InnerKind::SignSgd;
+    o.inner_steps = 4;
+    o.chunk = 16;
+    o.topk = 8;
+    o.values = compress::ValueEncoding::TwoBit;
+    std::vector<at::Tensor> a = make_params(), b = make_params(), c = make_params();
+    optim::Optimizer whole(a, o, world->split(0, world->rank()));
+    optim::Optimizer first(b, o, world->split(0, world->rank()));
+    for (int step = 0; step < 5; ++step) {
+      set_gradients(a, world->rank(), step);
+      whole.step();
+      set_gradients(b, world->rank(), step);
+      first.step();
+    }
+    std::map<std::string, at::Tensor> saved;
+    for (auto& [name, t] : first.state_tensors()) saved[name] = t.clone();
+    EXPECT_EQ(saved.count("local.0") + saved.count("anchor.0") + saved.count("outer.residual.0") +
+                  saved.count("outer.momentum.0"),
+              4u);
+    optim::Optimizer second(c, o, world->split(0, world->rank()));  // c: the initial weights
+    {
+      at::NoGradGuard no_grad;  // local.i are the parameters themselves
+      for (auto& [name, t] : second.state_tensors()) t.copy_(saved.at(name));
+    }
+    second.restore_steps(5);
+    for (int step = 5; step < 11; ++step) {
+      set_gradients(a, world->rank(), step);
+      whole.step();
+      set_gradients(c, world->rank(), step);
+      second.step();
+      for (size_t i = 0; i < a.size(); ++i) {
+        EXPECT_TRUE(at::equal(a[i], c[i]))
+            << name_of(inner) << " parameter " << i << " step " << step + 1;
+      }
+    }
+  }
 }

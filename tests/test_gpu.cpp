@@ -34,7 +34,8 @@ TEST_P(GpuKernels, EncodeDecodeAndStepEqualTheCpuBitForBit) {
 
 INSTANTIATE_TEST_SUITE_P(Encodings, GpuKernels,
                          testing::Values(ValueEncoding::Fp32, ValueEncoding::Bf16,
-                                         ValueEncoding::Int8, ValueEncoding::Sign),
+                                         ValueEncoding::Int8, ValueEncoding::Sign,
+                                         ValueEncoding::TwoBit),
                          [](const auto& info) { return std::string(name_of(info.param)); });
 
 // The optimizer end to end on a GPU (DemoReplicator through the CUDA kernels, one replica) against

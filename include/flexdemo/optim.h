@@ -33,8 +33,10 @@ enum class ReplicatorKind {
 };
 
 enum class InnerKind {
-  SignSgd,  // p -= lr * sign(direction)   (DeMo's)
-  AdamW,    // AdamW fed with sign(direction) or the direction (FlexDeMo's AdamW variant)
+  SignSgd,   // p -= lr * sign(direction)   (DeMo's)
+  AdamW,     // AdamW fed with sign(direction) or the direction (FlexDeMo's AdamW variant)
+  Nesterov,  // SGD with Nesterov momentum, torch.optim.SGD(nesterov=True)'s formula, on
+             // sign(direction) or the direction (CPUs only): the outer optimizer's
 };
 
 struct OptimizerOptions {
@@ -43,9 +45,10 @@ struct OptimizerOptions {
   double weight_decay = 0.0;  // decoupled, >= 0 and lr * weight_decay < 1
   bool sign = true;           // apply sign(direction) instead of the direction
   InnerKind inner = InnerKind::SignSgd;
-  double beta1 = 0.9;    // AdamW, in [0, 1)
-  double beta2 = 0.999;  // AdamW, in [0, 1)
-  double eps = 1e-8;     // AdamW, > 0
+  double beta1 = 0.9;     // AdamW, in [0, 1)
+  double beta2 = 0.999;   // AdamW, in [0, 1)
+  double eps = 1e-8;      // AdamW, > 0
+  double momentum = 0.9;  // Nesterov, in [0, 1)
   // ====== DeMo compression ======
   double decay = 0.999;  // residual decay, in [0, 1)
   int64_t topk = 32;     // coefficients kept per chunk (> 0; clamped to the chunk)
@@ -66,6 +69,16 @@ struct OptimizerOptions {
                                       // at once as a preview, replaced when the update arrives
   double random_fraction = 1.0 / 32;  // Random: fraction of rows exchanged, in (0, 1]
   uint64_t seed = 0;                  // Random: selection seed, the same on every replica
+  // ====== Many local steps (DiLoCo's outer loop) ======
+  // inner_steps > 1: every step is a local step of the inner optimizer on this replica's own
+  // gradient (nothing crosses the replica group); every inner_steps steps, the parameters'
+  // change since the last exchange (the pseudo-gradient, last minus now) goes through the
+  // replicator as a gradient would (with lr 1: DeMo's residual, transform, top-k and encoding),
+  // and the outer optimizer applies the replicas' mean to the parameters of the last exchange,
+  // identically on every replica; every replica then continues from them.
+  int64_t inner_steps = 1;      // >= 1; > 1 excludes replicate_every > 1 and overlap_step
+  double outer_lr = 0.7;        // > 0 (DiLoCo's)
+  double outer_momentum = 0.9;  // Nesterov's, in [0, 1) (0: plain SGD; lr 1 and 0: averaging)
 
   void validate() const;  // throws std::invalid_argument naming the bad option
 };
@@ -130,7 +143,8 @@ class Optimizer {
   const at::Tensor& residual(size_t i) const;
   // What is identical on every replica after a step: the parameters ([rows, cols] views), or
   // with --overlap-step and sign-SGD the committed parameters (the ones in the model also carry
-  // this replica's preview of the update in flight).
+  // this replica's preview of the update in flight), or with inner_steps > 1 the parameters of
+  // the last exchange.
   std::vector<at::Tensor> replicated_params() const;
 
  private:
@@ -164,6 +178,8 @@ template <>
 struct NameTable<optim::InnerKind> {
   static constexpr const char* what = "inner optimizer";
   static constexpr std::pair<optim::InnerKind, const char*> entries[] = {
-      {optim::InnerKind::SignSgd, "sgd"}, {optim::InnerKind::AdamW, "adamw"}};
+      {optim::InnerKind::SignSgd, "sgd"},
+      {optim::InnerKind::AdamW, "adamw"},
+      {optim::InnerKind::Nesterov, "nesterov"}};
 };
 }  // namespace flexdemo

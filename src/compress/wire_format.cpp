@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 namespace flexdemo::compress {
 
@@ -45,8 +46,16 @@ float get_f32(const uint8_t* p) {
 
 using Layout = PayloadLayout;
 
-bool has_scales(ValueEncoding e) {
-  return e == ValueEncoding::Int8 || e == ValueEncoding::Sign;
+int scales_per_chunk(ValueEncoding e) {
+  switch (e) {
+    case ValueEncoding::Int8:
+    case ValueEncoding::Sign:
+      return 1;
+    case ValueEncoding::TwoBit:
+      return 2;
+    default:
+      return 0;
+  }
 }
 
 }  // namespace
@@ -57,9 +66,15 @@ PayloadLayout payload_layout(const dct::ChunkPlan& plan, int64_t k_requested,
   l.chunks = plan.num_chunks();
   l.k = clamp_topk(k_requested, plan);
   l.entries = l.chunks * l.k;
-  l.index_bytes = index_bytes_for(plan.chunk_numel());
-  l.scales_at = size_t(l.entries) * l.index_bytes;
-  l.values_at = l.scales_at + (has_scales(encoding) ? size_t(l.chunks) * 4 : 0);
+  if (packed_indices(encoding)) {
+    l.index_bytes = 0;
+    l.record_bytes = size_t(cm::packed_record_bytes(plan.chunk_numel(), l.k));
+    l.scales_at = size_t(l.chunks) * l.record_bytes;
+  } else {
+    l.index_bytes = index_bytes_for(plan.chunk_numel());
+    l.scales_at = size_t(l.entries) * l.index_bytes;
+  }
+  l.values_at = l.scales_at + size_t(l.chunks) * 4 * scales_per_chunk(encoding);
   size_t value_bytes = 0;
   switch (encoding) {
     case ValueEncoding::Fp32:
@@ -73,6 +88,9 @@ PayloadLayout payload_layout(const dct::ChunkPlan& plan, int64_t k_requested,
       break;
     case ValueEncoding::Sign:
       value_bytes = (size_t(l.entries) + 7) / 8;
+      break;
+    case ValueEncoding::TwoBit:
+      value_bytes = (size_t(l.entries) + 3) / 4;
       break;
   }
   l.body_bytes = l.values_at + value_bytes;
@@ -108,6 +126,52 @@ void write_index(uint8_t* p, int64_t v, int width) {
   for (int b = 0; b < width; ++b) p[b] = uint8_t(v >> (8 * b));
 }
 
+void set_bit(uint8_t* p, int64_t bit) {
+  p[bit / 8] |= uint8_t(1u << (bit % 8));
+}
+
+// Chunk c's k ascending positions (idx) into its part of the index section (zeroed first).
+void write_positions(uint8_t* body, const Layout& l, int64_t n, int64_t c, const int64_t* idx) {
+  if (l.index_bytes > 0) {
+    for (int64_t j = 0; j < l.k; ++j) {
+      write_index(body + (c * l.k + j) * l.index_bytes, idx[j], l.index_bytes);
+    }
+    return;
+  }
+  uint8_t* record = body + c * l.record_bytes;
+  const int low = cm::packed_low_bits(n, l.k);
+  for (int64_t j = 0; j < l.k; ++j) {
+    for (int b = 0; b < low; ++b) {
+      if ((idx[j] >> b) & 1) set_bit(record, j * low + b);
+    }
+    set_bit(record, l.k * low + (idx[j] >> low) + j);
+  }
+}
+
+// Chunk c's positions, in the order sent, into out[0, k). Returns how many the chunk holds: k, or
+// for a damaged packed record another count (then out holds the first min(count, k)).
+int64_t read_positions(const uint8_t* body, const Layout& l, int64_t n, int64_t c, int64_t* out) {
+  if (l.index_bytes > 0) {
+    for (int64_t j = 0; j < l.k; ++j) {
+      out[j] = read_index(body + (c * l.k + j) * l.index_bytes, l.index_bytes);
+    }
+    return l.k;
+  }
+  const uint8_t* record = body + c * l.record_bytes;
+  const int low = cm::packed_low_bits(n, l.k);
+  const int64_t high_at = l.k * low, high_bits = cm::packed_high_bits(n, l.k);
+  int64_t found = 0;
+  for (int64_t b = 0; b < high_bits; ++b) {
+    if (!cm::get_bit(record, high_at + b)) continue;
+    if (found < l.k) out[found] = (b - found) << low | cm::get_bits(record, found * low, low);
+    ++found;
+  }
+  for (int64_t b = high_at + high_bits; b < int64_t(l.record_bytes) * 8; ++b) {
+    if (cm::get_bit(record, b)) return -1;  // a padding bit set: not a record this build writes
+  }
+  return found;
+}
+
 // Value j (0-based among all entries) of a validated body.
 inline float read_value(const uint8_t* body, const Layout& l, ValueEncoding e, int64_t entry) {
   const uint8_t* values = body + l.values_at;
@@ -122,6 +186,11 @@ inline float read_value(const uint8_t* body, const Layout& l, ValueEncoding e, i
     case ValueEncoding::Sign: {
       const float scale = get_f32(body + l.scales_at + 4 * (entry / l.k));
       return (values[entry / 8] >> (entry % 8)) & 1 ? -scale : scale;
+    }
+    case ValueEncoding::TwoBit: {
+      const bool large = cm::get_bit(values, 2 * entry + 1);
+      const float level = get_f32(body + l.scales_at + 8 * (entry / l.k) + (large ? 4 : 0));
+      return cm::get_bit(values, 2 * entry) ? -level : level;
     }
   }
   return 0.0f;
@@ -153,8 +222,9 @@ void encode_payload(const dct::ChunkPlan& plan, TopK& topk, ValueEncoding encodi
   const int64_t* idx = topk.indices.data_ptr<int64_t>();
   float* val = topk.values.data_ptr<float>();
 
-  for (int64_t e = 0; e < l.entries; ++e)
-    write_index(body + e * l.index_bytes, idx[e], l.index_bytes);
+  std::memset(body, 0, l.body_bytes);
+  for (int64_t c = 0; c < l.chunks; ++c)
+    write_positions(body, l, plan.chunk_numel(), c, idx + c * l.k);
   uint8_t* values = body + l.values_at;
   switch (encoding) {
     case ValueEncoding::Fp32:
@@ -183,7 +253,6 @@ void encode_payload(const dct::ChunkPlan& plan, TopK& topk, ValueEncoding encodi
       }
       break;
     case ValueEncoding::Sign:
-      std::memset(values, 0, (size_t(l.entries) + 7) / 8);
       for (int64_t c = 0; c < l.chunks; ++c) {
         double sum_abs = 0.0;
         for (int64_t j = 0; j < l.k; ++j) sum_abs += std::fabs(val[c * l.k + j]);
@@ -194,6 +263,33 @@ void encode_payload(const dct::ChunkPlan& plan, TopK& topk, ValueEncoding encodi
           const bool negative = std::signbit(val[e]);
           if (negative) values[e / 8] |= uint8_t(1u << (e % 8));
           val[e] = negative ? -scale : scale;
+        }
+      }
+      break;
+    case ValueEncoding::TwoBit:
+      for (int64_t c = 0; c < l.chunks; ++c) {
+        float* v = val + c * l.k;
+        double sum_abs = 0.0, sum_large = 0.0;
+        for (int64_t j = 0; j < l.k; ++j) sum_abs += std::fabs(v[j]);
+        const float mean_abs = cm::sign_scale(sum_abs, l.k);
+        int64_t large = 0;
+        for (int64_t j = 0; j < l.k; ++j) {
+          if (cm::two_bit_large(v[j], mean_abs)) sum_large += std::fabs(v[j]), ++large;
+        }
+        double sum_small = 0.0;  // summed apart, in entry order, as the GPU does
+        for (int64_t j = 0; j < l.k; ++j) {
+          if (!cm::two_bit_large(v[j], mean_abs)) sum_small += std::fabs(v[j]);
+        }
+        const float levels[2] = {cm::two_bit_level(sum_small, l.k - large, mean_abs),
+                                 cm::two_bit_level(sum_large, large, mean_abs)};
+        put_f32(body + l.scales_at + 8 * c, levels[0]);
+        put_f32(body + l.scales_at + 8 * c + 4, levels[1]);
+        for (int64_t j = 0; j < l.k; ++j) {
+          const int64_t e = c * l.k + j;
+          const bool negative = std::signbit(v[j]), is_large = cm::two_bit_large(v[j], mean_abs);
+          if (negative) set_bit(values, 2 * e);
+          if (is_large) set_bit(values, 2 * e + 1);
+          v[j] = negative ? -levels[is_large] : levels[is_large];
         }
       }
       break;
@@ -250,16 +346,24 @@ void validate_payload(const uint8_t* data, size_t size, const dct::ChunkPlan& pl
   const uint8_t* body = data + kWireHeaderBytes;
   if (checksum(body, l.body_bytes) != get_u32(data + 32)) reject("checksum mismatch");
   const int64_t limit = plan.chunk_numel();
-  for (int64_t e = 0, previous = -1; e < l.entries; ++e) {
-    const int64_t index = read_index(body + e * l.index_bytes, l.index_bytes);
-    if (index >= limit) {
-      reject("index " + std::to_string(index) + " outside a chunk of " + std::to_string(limit) +
-             " coefficients");
+  std::vector<int64_t> positions(l.k);
+  for (int64_t c = 0; c < l.chunks; ++c) {
+    const int64_t held = read_positions(body, l, limit, c, positions.data());
+    if (held != l.k) {
+      reject("chunk " + std::to_string(c) + "'s packed indices " +
+             (held < 0 ? std::string("have padding bits set")
+                       : "hold " + std::to_string(held) + " positions, expected " +
+                             std::to_string(l.k)));
     }
-    if (e % l.k != 0 && index <= previous) {  // distinct, so the GPU's decode never races
-      reject("chunk " + std::to_string(e / l.k) + "'s indices are not strictly ascending");
+    for (int64_t j = 0; j < l.k; ++j) {
+      if (positions[j] >= limit) {
+        reject("index " + std::to_string(positions[j]) + " outside a chunk of " +
+               std::to_string(limit) + " coefficients");
+      }
+      if (j > 0 && positions[j] <= positions[j - 1]) {  // distinct: the GPU's decode never races
+        reject("chunk " + std::to_string(c) + "'s indices are not strictly ascending");
+      }
     }
-    previous = index;
   }
 }
 
@@ -279,14 +383,16 @@ SparseChunks decode_mean_sparse(const std::vector<const uint8_t*>& payloads, siz
   at::parallel_for(0, l.chunks, 16, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> slot(plan.chunk_numel(), -1);  // per coefficient: its entry, or -1
     std::vector<uint32_t> seen(capacity);               // per entry: how many replicas sent it
+    std::vector<int64_t> chunk_positions(l.k);
     for (int64_t c = begin; c < end; ++c) {
       int32_t* pos_out = positions + c * capacity;
       float* val_out = values + c * capacity;
       int64_t count = 0;
       for (const uint8_t* payload : payloads) {  // rank order: the same sums on every replica
         const uint8_t* body = payload + kWireHeaderBytes;
+        read_positions(body, l, plan.chunk_numel(), c, chunk_positions.data());
         for (int64_t e = c * l.k; e < (c + 1) * l.k; ++e) {
-          const int64_t pos = read_index(body + e * l.index_bytes, l.index_bytes);
+          const int64_t pos = chunk_positions[e - c * l.k];
           int32_t& s = slot[pos];
           if (s < 0) {
             s = int32_t(count++);

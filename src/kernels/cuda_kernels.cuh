@@ -21,7 +21,7 @@ namespace {
 namespace cm = chunk_math;
 
 constexpr int kThreads = 256;
-constexpr int kFp32 = 0, kBf16 = 1, kInt8 = 2, kSign = 3;  // compress::ValueEncoding
+constexpr int kFp32 = 0, kBf16 = 1, kInt8 = 2, kSign = 3, kTwoBit = 4;  // compress::ValueEncoding
 
 // Where chunk `c` of tensor t lies: its rows and columns inside the tensor (the rest is padding).
 struct Place {
@@ -72,8 +72,8 @@ __device__ float get_f32(const uint8_t* p) {
   return cm::bits_float(get_bytes(p, 4));
 }
 
-// Sets bit `bit` of the byte array at p (any alignment), atomically: neighbouring chunks share
-// bytes of the 1bit encoding's sign array.
+// Sets bit `bit` of the byte array at p (any alignment), atomically: neighbouring entries and
+// chunks share bytes of the 1bit and 2bit value arrays and of packed index records.
 __device__ void set_bit(uint8_t* p, int64_t bit) {
   const uintptr_t address = reinterpret_cast<uintptr_t>(p + bit / 8);
   unsigned int* word = reinterpret_cast<unsigned int*>(address & ~uintptr_t(3));
@@ -115,6 +115,7 @@ __global__ void encode_kernel(Bucket bucket, float beta, float alpha, uint8_t* p
   __shared__ uint32_t hist[256];
   __shared__ int scan[kThreads];
   __shared__ uint32_t max_bits;
+  __shared__ float levels[3];  // 1bit and 2bit: mean |v|; 2bit: the small and the large level
   const int64_t chunk = blockIdx.x;
   const TensorDesc& t = bucket.tensors[bucket.chunk_tensor[chunk]];
   const int64_t c = chunk - t.first_chunk;
@@ -190,15 +191,29 @@ __global__ void encode_kernel(Bucket bucket, float beta, float alpha, uint8_t* p
     }
     __syncthreads();
     scale = cm::int8_scale(cm::bits_float(max_bits));
-  } else if (encoding == kSign) {
-    __shared__ float sign_scale;
-    if (threadIdx.x == 0) {  // summed in double, in entry order
-      double sum_abs = 0.0;
+  } else if (encoding == kSign || encoding == kTwoBit) {
+    if (threadIdx.x == 0) {  // summed in double, in entry order (wire_format.cpp's sums)
+      double sum_abs = 0.0, sum_large = 0.0, sum_small = 0.0;
       for (int j = 0; j < k; ++j) sum_abs += fabs(double(x[selected[j]]));
-      sign_scale = cm::sign_scale(sum_abs, k);
+      levels[0] = cm::sign_scale(sum_abs, k);
+      int large = 0;
+      for (int j = 0; j < k; ++j) {
+        const float v = x[selected[j]];
+        if (cm::two_bit_large(v, levels[0])) sum_large += fabs(double(v)), ++large;
+      }
+      for (int j = 0; j < k; ++j) {
+        const float v = x[selected[j]];
+        if (!cm::two_bit_large(v, levels[0])) sum_small += fabs(double(v));
+      }
+      levels[1] = cm::two_bit_level(sum_small, k - large, levels[0]);
+      levels[2] = cm::two_bit_level(sum_large, large, levels[0]);
     }
     __syncthreads();
-    scale = sign_scale;
+    scale = levels[0];
+    if (encoding == kTwoBit && threadIdx.x == 0) {
+      put_bytes(body + t.scales_at + 8 * c, cm::float_bits(levels[1]), 4);
+      put_bytes(body + t.scales_at + 8 * c + 4, cm::float_bits(levels[2]), 4);
+    }
   }
   if ((encoding == kInt8 || encoding == kSign) && threadIdx.x == 0) {
     put_bytes(body + t.scales_at + 4 * c, cm::float_bits(scale), 4);
@@ -207,7 +222,16 @@ __global__ void encode_kernel(Bucket bucket, float beta, float alpha, uint8_t* p
   for (int j = threadIdx.x; j < k; j += blockDim.x) {
     const int pos = selected[j];
     const int64_t entry = first + j;
-    put_bytes(body + entry * t.index_bytes, uint32_t(pos), t.index_bytes);
+    if (t.index_bytes > 0) {
+      put_bytes(body + entry * t.index_bytes, uint32_t(pos), t.index_bytes);
+    } else {  // chunk_math's packed record: the low bits, then the high part's bit
+      uint8_t* record = body + c * t.record_bytes;
+      const int low = cm::packed_low_bits(n, k);
+      for (int b = 0; b < low; ++b) {
+        if ((pos >> b) & 1) set_bit(record, int64_t(j) * low + b);
+      }
+      set_bit(record, int64_t(k) * low + (pos >> low) + j);
+    }
     const float v = x[pos];
     float sent = v;
     if (encoding == kFp32) {
@@ -220,10 +244,15 @@ __global__ void encode_kernel(Bucket bucket, float beta, float alpha, uint8_t* p
       const int8_t q = cm::int8_quantize(v, scale);
       values[entry] = uint8_t(q);
       sent = float(q) * scale;
-    } else {
+    } else if (encoding == kSign) {
       const bool negative = signbit(v);
       if (negative) set_bit(values, entry);
       sent = negative ? -scale : scale;
+    } else {
+      const bool negative = signbit(v), large = cm::two_bit_large(v, scale);
+      if (negative) set_bit(values, 2 * entry);
+      if (large) set_bit(values, 2 * entry + 1);
+      sent = negative ? -levels[1 + large] : levels[1 + large];
     }
     float& r = residual[(pos / w) * t.padded_cols + pos % w];
     r = r + -1.0f * sent;  // compress::add_selected with alpha -1
@@ -240,9 +269,14 @@ __device__ float read_value(const uint8_t* body, const TensorDesc& t, int encodi
       return cm::bf16_value(uint16_t(get_bytes(values + 2 * entry, 2)));
     case kInt8:
       return float(int8_t(values[entry])) * get_f32(body + t.scales_at + 4 * (entry / t.k));
-    default: {
+    case kSign: {
       const float scale = get_f32(body + t.scales_at + 4 * (entry / t.k));
       return (values[entry / 8] >> (entry % 8)) & 1 ? -scale : scale;
+    }
+    default: {
+      const bool large = cm::get_bit(values, 2 * entry + 1);
+      const float level = get_f32(body + t.scales_at + 8 * (entry / t.k) + (large ? 4 : 0));
+      return cm::get_bit(values, 2 * entry) ? -level : level;
     }
   }
 }
@@ -267,7 +301,9 @@ __global__ void decode_step_kernel(Bucket bucket, const uint8_t* gathered, int64
     const uint8_t* body = gathered + r * bucket_bytes + t.payload_offset + 36;
     for (int j = threadIdx.x; j < k; j += blockDim.x) {
       const int64_t entry = c * k + j;
-      const int pos = int(get_bytes(body + entry * t.index_bytes, t.index_bytes));
+      const int pos = t.index_bytes > 0
+                          ? int(get_bytes(body + entry * t.index_bytes, t.index_bytes))
+                          : int(cm::packed_position(body + c * t.record_bytes, n, k, j));
       X[pos] += read_value(body, t, bucket.encoding, entry);
       count[pos] += 1;
     }

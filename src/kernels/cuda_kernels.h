@@ -29,7 +29,8 @@ struct TensorDesc {
   int64_t first_chunk = 0;     // the bucket-wide number of its chunk 0
   int64_t payload_offset = 0;  // bytes from the start of a replica's bucket to its payload
   int64_t k = 1;               // top-k per chunk
-  int index_bytes = 2;         // compress::index_bytes_for(chunk_h * chunk_w)
+  int index_bytes = 2;         // compress::index_bytes_for(chunk_h * chunk_w); 0: packed
+  int64_t record_bytes = 0;    // packed indices: one record (chunk_math) per chunk
   int64_t scales_at = 0;       // offsets inside the payload's body (after the 36-byte header)
   int64_t values_at = 0;
 };

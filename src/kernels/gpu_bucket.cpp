@@ -43,6 +43,7 @@ cuda::BucketLayout cuda::bucket_layout(const std::vector<dct::ChunkPlan>& plans,
     d.k = compress::clamp_topk(k, plan);
     const compress::PayloadLayout body = compress::payload_layout(plan, k, encoding);
     d.index_bytes = body.index_bytes;
+    d.record_bytes = int64_t(body.record_bytes);
     d.scales_at = int64_t(body.scales_at);
     d.values_at = int64_t(body.values_at);
     layout.tensors.push_back(d);

@@ -1,5 +1,5 @@
-// Sign-SGD and AdamW applied to one tensor at a time, in place on this rank's parameters.
-// AdamW follows torch.optim.AdamW's operation order, so it can be checked against it.
+// Sign-SGD, AdamW and Nesterov SGD applied to one tensor at a time, in place on this rank's
+// parameters. AdamW follows torch.optim.AdamW's operation order, so it can be checked against it.
 #include "inner.h"
 
 #include <ATen/ATen.h>
@@ -16,10 +16,12 @@ InnerOptimizer::InnerOptimizer(const std::vector<OptimParam>& params,
   for (const OptimParam& p : params) {
     params_.push_back(
         p.leaf.view(-1).narrow(0, 0, p.plan.numel()).view({p.plan.rows, p.plan.cols}));
+    const auto floats = at::dtype(at::kFloat).device(p.leaf.device());
     if (options.inner == InnerKind::AdamW) {
-      const auto options = at::dtype(at::kFloat).device(p.leaf.device());
-      exp_avg_.push_back(at::zeros({p.plan.rows, p.plan.cols}, options));
-      exp_avg_sq_.push_back(at::zeros({p.plan.rows, p.plan.cols}, options));
+      exp_avg_.push_back(at::zeros({p.plan.rows, p.plan.cols}, floats));
+      exp_avg_sq_.push_back(at::zeros({p.plan.rows, p.plan.cols}, floats));
+    } else if (options.inner == InnerKind::Nesterov) {
+      momentum_.push_back(at::zeros({p.plan.rows, p.plan.cols}, floats));
     }
   }
 }
@@ -66,6 +68,12 @@ void InnerOptimizer::apply(size_t i, const at::Tensor& direction) {
     return;
   }
   const at::Tensor grad = o.sign ? direction.sign() : direction;
+  if (o.inner == InnerKind::Nesterov) {  // buf = mu * buf + g; p -= lr * (g + mu * buf)
+    at::Tensor& buf = momentum_[i];
+    buf.mul_(o.momentum).add_(grad);
+    p.sub_(grad.add(buf, o.momentum), lr_);
+    return;
+  }
   at::Tensor& m = exp_avg_[i];
   at::Tensor& v = exp_avg_sq_[i];
   const auto [bias_correction1, bias_correction2] = bias_corrections();
@@ -79,7 +87,7 @@ bool InnerOptimizer::apply_sparse(size_t i, const compress::SparseChunks& coeffs
                                   const dct::ChunkPlan& plan) {
   const at::Tensor& p = params_.at(i);
   const OptimizerOptions& o = options_;
-  if (p.scalar_type() != at::kFloat || !p.is_cpu()) return false;
+  if (p.scalar_type() != at::kFloat || !p.is_cpu() || o.inner == InnerKind::Nesterov) return false;
   if (o.inner == InnerKind::SignSgd) {
     if (!o.sign) return false;  // plain SGD on the direction: apply() in one pass
     kernels::idct_sparse_sign_step(coeffs, plan,
@@ -112,6 +120,9 @@ void InnerOptimizer::apply_gpu(const kernels::GpuBucket& bucket, const at::Tenso
   if (options_.inner == InnerKind::SignSgd && !options_.sign) {
     throw std::invalid_argument("DeMo on a GPU: sign-SGD needs sign on (plain SGD runs on CPUs)");
   }
+  if (options_.inner == InnerKind::Nesterov) {
+    throw std::invalid_argument("DeMo on a GPU: Nesterov SGD runs on CPUs only");
+  }
   bucket.decode_step(gathered, replicas, params_, exp_avg_, exp_avg_sq_, hyper());
 }
 
@@ -120,6 +131,9 @@ std::vector<std::pair<std::string, at::Tensor>> InnerOptimizer::state_tensors() 
   for (size_t i = 0; i < exp_avg_.size(); ++i) {
     state.push_back({"exp_avg." + std::to_string(i), exp_avg_[i]});
     state.push_back({"exp_avg_sq." + std::to_string(i), exp_avg_sq_[i]});
+  }
+  for (size_t i = 0; i < momentum_.size(); ++i) {
+    state.push_back({"momentum." + std::to_string(i), momentum_[i]});
   }
   return state;
 }

@@ -1,5 +1,6 @@
-// Inner optimizers: apply a replicator's direction to this rank's tensors. Sign-SGD (DeMo's) or
-// AdamW (the same formula as torch.optim.AdamW), with decoupled weight decay.
+// Inner optimizers: apply a replicator's direction to this rank's tensors. Sign-SGD (DeMo's),
+// AdamW (the same formula as torch.optim.AdamW) or SGD with Nesterov momentum (the same as
+// torch.optim.SGD(nesterov=True)), with decoupled weight decay.
 #pragma once
 
 #include "flexdemo/kernels.h"
@@ -29,7 +30,7 @@ class InnerOptimizer {
   // This step's numbers (AdamW's; sign-SGD reads lr and weight_decay).
   kernels::AdamWHyper hyper() const;
   at::Tensor param(size_t i) const { return params_.at(i); }  // [rows, cols] view of tensor i
-  // AdamW's moments, named for files (handles: loading copies into them).
+  // AdamW's moments or Nesterov's momentum, named for files (handles: loading copies into them).
   std::vector<std::pair<std::string, at::Tensor>> state_tensors() const;
   void restore_step(int64_t applied_steps) { step_ = applied_steps; }
 
@@ -39,6 +40,7 @@ class InnerOptimizer {
   std::vector<at::Tensor> params_;  // views [rows, cols] of the leaves
   OptimizerOptions options_;
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_;  // AdamW moments (float32)
+  std::vector<at::Tensor> momentum_;              // Nesterov's (float32)
   int64_t step_ = 0;
   double lr_ = 0.0;  // this step's
 };

@@ -1,5 +1,7 @@
 // The optimizer driver: validates options, asks the replicator for each tensor's direction
-// (every replicate_every steps) and has the inner optimizer apply it. Never talks to MPI.
+// (every replicate_every steps) and has the inner optimizer apply it; or, with inner_steps > 1,
+// takes local steps and every inner_steps steps has the replicator exchange the pseudo-gradient
+// and the outer optimizer apply it. Never talks to MPI.
 #include "flexdemo/optim.h"
 
 #include "inner.h"
@@ -40,6 +42,19 @@ void OptimizerOptions::validate() const {
   if (!(random_fraction > 0.0 && random_fraction <= 1.0)) {
     fail("random_fraction must be in (0, 1], got " + str(random_fraction));
   }
+  if (!(momentum >= 0.0 && momentum < 1.0))
+    fail("momentum must be in [0, 1), got " + str(momentum));
+  if (inner_steps < 1) fail("inner_steps must be >= 1, got " + std::to_string(inner_steps));
+  if (!(outer_lr > 0.0)) fail("outer_lr must be > 0, got " + str(outer_lr));
+  if (!(outer_momentum >= 0.0 && outer_momentum < 1.0)) {
+    fail("outer_momentum must be in [0, 1), got " + str(outer_momentum));
+  }
+  if (inner_steps > 1 && replicate_every > 1) {
+    fail(
+        "inner_steps and replicate_every exclude each other (both set how often replicas "
+        "exchange)");
+  }
+  if (inner_steps > 1 && overlap_step) fail("overlap_step does not take inner_steps");
 }
 
 // ====== The driver ======
@@ -52,6 +67,14 @@ struct Optimizer::Impl {
   std::unique_ptr<Replicator> replicator;
   std::unique_ptr<InnerOptimizer> inner;
   int64_t steps = 0;
+  // inner_steps > 1: `replicator` exchanges pseudo-gradients and `outer` (Nesterov SGD) applies
+  // them to `anchors`, the parameters of the last exchange; `inner` takes the local steps.
+  std::vector<at::Tensor> anchors;  // float32 [rows, cols]
+  std::unique_ptr<InnerOptimizer> outer;
+
+  bool local_steps() const { return options.inner_steps > 1; }
+  void local_step(const std::vector<at::Tensor>& grads, double lr);
+  void outer_step();
 };
 
 namespace {
@@ -103,8 +126,31 @@ Optimizer::Optimizer(std::vector<OptimParam> params, OptimizerOptions options,
   }
   const at::Device device =
       s.params.empty() ? at::Device(at::kCPU) : s.params.front().leaf.device();
-  s.replicator = make_replicator(s.plans, options, std::move(replica_group), device);
   s.inner = std::make_unique<InnerOptimizer>(s.params, options);
+  if (!s.local_steps()) {
+    s.replicator = make_replicator(s.plans, options, std::move(replica_group), device);
+    return;
+  }
+  if (device.is_cuda() && options.replicator != ReplicatorKind::Full &&
+      options.replicator != ReplicatorKind::None) {
+    throw std::invalid_argument(
+        "DeMo: inner_steps > 1 exchanges through the demo or random replicator on CPUs only "
+        "(on a GPU: the full one)");
+  }
+  std::vector<OptimParam> anchors;
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    const dct::ChunkPlan& plan = s.plans[i];
+    s.anchors.push_back(at::empty({plan.rows, plan.cols}, at::dtype(at::kFloat).device(device)));
+    anchors.push_back({s.anchors.back(), plan});
+  }
+  OptimizerOptions outer = options;
+  outer.inner = InnerKind::Nesterov;
+  outer.sign = false;
+  outer.lr = options.outer_lr;
+  outer.momentum = options.outer_momentum;
+  outer.weight_decay = 0.0;  // the local steps decay the weights
+  s.replicator = make_replicator(s.plans, outer, std::move(replica_group), device);
+  s.outer = std::make_unique<InnerOptimizer>(anchors, outer);
 }
 
 Optimizer::~Optimizer() = default;
@@ -122,6 +168,7 @@ at::Tensor flat_grad(const OptimParam& p) {
 void Optimizer::start_exchange(const std::vector<size_t>& tensors) {
   Impl& s = *impl_;
   if ((s.steps + 1) % s.options.replicate_every != 0) return;  // step() only folds them in
+  if (s.local_steps()) return;  // the exchange is of the parameters, after the step
   at::NoGradGuard no_grad;
   std::vector<size_t> mine;
   std::vector<at::Tensor> grads;
@@ -144,12 +191,41 @@ void Optimizer::step() {
   for (const OptimParam& p : s.params) grads.push_back(flat_grad(p));
   ++s.steps;
   const double lr = s.options.lr;
+  if (s.local_steps()) {
+    s.local_step(grads, lr);
+    if (s.steps % s.options.inner_steps == 0) s.outer_step();
+    return;
+  }
   if (s.steps % s.options.replicate_every != 0) {
     s.replicator->accumulate(grads, lr);
     return;
   }
   s.inner->begin_step(lr);
   s.replicator->exchange(grads, lr, *s.inner);
+}
+
+void Optimizer::Impl::local_step(const std::vector<at::Tensor>& grads, double lr) {
+  if (steps == 1) {  // the parameters as training starts (after any --init-from) anchor round 1
+    for (size_t i = 0; i < anchors.size(); ++i) anchors[i].copy_(inner->param(i));
+  }
+  inner->begin_step(lr);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const dct::ChunkPlan& plan = plans[i];
+    inner->apply(i, grads[i].defined() ? grads[i].view({plan.rows, plan.cols}).to(at::kFloat)
+                                       : at::zeros({plan.rows, plan.cols}, anchors[i].options()));
+  }
+}
+
+// The pseudo-gradient (anchor - now) through the replicator with lr 1, its replicas' mean applied
+// to the anchors by the outer optimizer; every replica continues from the new anchors.
+void Optimizer::Impl::outer_step() {
+  std::vector<at::Tensor> pseudo;
+  for (size_t i = 0; i < params.size(); ++i) {
+    pseudo.push_back((anchors[i] - inner->param(i).to(at::kFloat)).reshape({-1}));
+  }
+  outer->begin_step(options.outer_lr);
+  replicator->exchange(pseudo, 1.0, *outer);
+  for (size_t i = 0; i < params.size(); ++i) inner->param(i).copy_(anchors[i]);
 }
 
 void Optimizer::zero_grad() {
@@ -172,8 +248,19 @@ int64_t Optimizer::steps() const {
   return impl_->steps;
 }
 std::vector<std::pair<std::string, at::Tensor>> Optimizer::state_tensors() const {
-  auto state = impl_->replicator->state_tensors();
-  for (auto& t : impl_->inner->state_tensors()) state.push_back(t);
+  const Impl& s = *impl_;
+  NamedTensors state;
+  if (s.local_steps()) {  // this replica's own parameters, loaded after the checkpoint's weights
+    for (size_t i = 0; i < s.params.size(); ++i) {
+      state.push_back({"local." + std::to_string(i), s.inner->param(i)});
+    }
+    for (auto& t : numbered("anchor", s.anchors)) state.push_back(t);
+    for (auto& [name, t] : s.outer->state_tensors()) state.push_back({"outer." + name, t});
+    for (auto& [name, t] : s.replicator->state_tensors()) state.push_back({"outer." + name, t});
+  } else {
+    state = s.replicator->state_tensors();
+  }
+  for (auto& t : s.inner->state_tensors()) state.push_back(t);
   // The replicator and the inner optimizer number the non-empty tensors; the name carries the
   // index among all given, the same on every sharding (elastic resume matches them by it).
   for (auto& [name, t] : state) {
@@ -194,6 +281,12 @@ int64_t Optimizer::state_bytes() const {
 void Optimizer::restore_steps(int64_t steps) {
   Impl& s = *impl_;
   s.steps = steps;
+  if (s.local_steps()) {
+    s.inner->restore_step(steps);
+    s.outer->restore_step(steps / s.options.inner_steps);
+    s.replicator->restore_counters(steps / s.options.inner_steps, 0);
+    return;
+  }
   const int64_t every = s.options.replicate_every;
   s.inner->restore_step(steps / every);
   s.replicator->restore_counters(steps / every, steps % every);
@@ -203,6 +296,7 @@ const dct::ChunkPlan& Optimizer::chunk_plan(size_t i) const {
   return impl_->plans.at(i);
 }
 std::vector<at::Tensor> Optimizer::replicated_params() const {
+  if (impl_->local_steps()) return impl_->anchors;
   std::vector<at::Tensor> committed = impl_->replicator->committed_params();
   if (!committed.empty()) return committed;
   std::vector<at::Tensor> views;

@@ -174,6 +174,15 @@ void TrainConfig::validate() const {
           name_of(on_nonfinite));
     }
   }
+  if (inner_steps > 1) {
+    if (replicate_every > 1) {
+      fail(
+          fmt::format("--inner-steps {} and --replicate-every {} exclude each other (both set "
+                      "how often replicas exchange)",
+                      inner_steps, replicate_every));
+    }
+    if (overlap_step) fail("--inner-steps and --overlap-step exclude each other");
+  }
   if (data::is_pair_source(data) && !is_t5(*this)) {
     fail("--data " + data +
          " holds translation pairs, which train an encoder-decoder: --model t5-nano or t5-small, "
@@ -285,6 +294,9 @@ optim::OptimizerOptions optimizer_options(const TrainConfig& c) {
   o.decay = c.decay;
   o.values = c.values;
   o.replicate_every = c.replicate_every;
+  o.inner_steps = c.inner_steps;
+  o.outer_lr = c.outer_lr;
+  o.outer_momentum = c.outer_momentum;
   o.overlap_step = c.overlap_step;
   o.seed = c.seed;
   o.validate();
