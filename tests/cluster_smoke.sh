@@ -12,9 +12,7 @@ require_netns
 cluster="$src/scripts/cluster.sh"
 work=$(mktemp -d)
 trap 'bash "$cluster" down >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
-mkdir -p "$work/corpus"
-for d in $(seq 1 300); do printf 'fortune %d: a short text for the smoke test.\n%%\n' "$d"; done \
-  > "$work/corpus/text"
+tiny_corpus "$work/corpus" 'fortune %d: a short text for the smoke test.'
 export FLEXDEMO_TOKENIZE="$build/flexdemo-tokenize"
 
 median_step_ms() {  # of a run's metrics.jsonl

@@ -15,9 +15,7 @@ trap 'rc=$?; [ -z "$victim" ] || kill -9 "$victim" 2>/dev/null || true
       [ -z "$job" ] || kill -9 "$job" 2>/dev/null || true
       [ $rc -eq 0 ] || { echo "--- job log:"; tail -30 "$work/log" 2>/dev/null; }
       rm -rf "$work"' EXIT
-mkdir -p "$work/corpus"
-for d in $(seq 1 300); do printf 'document %d: text for the dead-rank test.\n%%\n' "$d"; done \
-  > "$work/corpus/text"
+tiny_corpus "$work/corpus" 'document %d: text for the dead-rank test.'
 job_command() {  # sets cmd: the job with these extra options
   cmd=(mpirun --allow-run-as-root --oversubscribe -np 4 -x OMP_NUM_THREADS=1
     -x FLEXDEMO_TOKENIZE="$build/flexdemo-tokenize" "$build/flexdemo" train --model gpt-nano

@@ -16,13 +16,12 @@
 #   5. The same with --overlap-step (the exchange in flight settled by its preview): within 1%.
 #   tests/elastic_resume.sh BUILD_DIR
 set -euo pipefail
+source "$(dirname "$0")/lib.sh"
 build=$1
 work=$(mktemp -d)
 trap 'rc=$?; [ $rc -eq 0 ] || { echo "--- last log:"; tail -20 "$work/last.log" 2>/dev/null; }
       rm -rf "$work"' EXIT
-mkdir -p "$work/corpus"
-for d in $(seq 1 300); do printf 'document %d: text for the elastic resume test.\n%%\n' "$d"; done \
-  > "$work/corpus/text"
+tiny_corpus "$work/corpus" 'document %d: text for the elastic resume test.'
 export FLEXDEMO_INJECT_SIGNAL=  # set per leg
 
 train() {  # NP RANKS_PER_NODE OUT [options...]: a 60-step run

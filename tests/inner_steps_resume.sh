@@ -7,13 +7,12 @@
 # identical every 4 steps (--check-replicas 4).
 #   tests/inner_steps_resume.sh BUILD_DIR
 set -euo pipefail
+source "$(dirname "$0")/lib.sh"
 build=$1
 work=$(mktemp -d)
 trap 'rc=$?; [ $rc -eq 0 ] || { echo "--- last log:"; tail -20 "$work/last.log" 2>/dev/null; }
       rm -rf "$work"' EXIT
-mkdir -p "$work/corpus"
-for d in $(seq 1 300); do printf 'document %d: text for the inner steps test.\n%%\n' "$d"; done \
-  > "$work/corpus/text"
+tiny_corpus "$work/corpus" 'document %d: text for the inner steps test.'
 export FLEXDEMO_INJECT_SIGNAL=  # set for the stopped leg
 steps=30
 train() {  # OUT [options...]

@@ -51,3 +51,10 @@ seconds_since() {
 newest_checkpoint() {
   ls "$1/checkpoints" 2>/dev/null | grep -E '^step-[0-9]+$' | sed 's/step-//' | sort -n | tail -1
 }
+
+# DIR FORMAT: a corpus of 300 short documents in DIR/text, document d being printf FORMAT d.
+tiny_corpus() {
+  mkdir -p "$1"
+  # shellcheck disable=SC2059  # the format is the argument
+  for d in $(seq 1 300); do printf "$2\n%%\n" "$d"; done > "$1/text"
+}

@@ -20,9 +20,7 @@ job=""
 trap 'rc=$?; [ -z "$job" ] || kill -9 "$job" 2>/dev/null || true
       [ $rc -eq 0 ] || { echo "--- job log:"; grep -v "^step" "$work/log" 2>/dev/null | tail -20; }
       bash "$cluster" down >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
-mkdir -p "$work/corpus"
-for d in $(seq 1 300); do printf 'document %d: text for the lost-link test.\n%%\n' "$d"; done \
-  > "$work/corpus/text"
+tiny_corpus "$work/corpus" 'document %d: text for the lost-link test.'
 export FLEXDEMO_TOKENIZE="$build/flexdemo-tokenize"
 timeout_s=10
 

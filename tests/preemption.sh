@@ -20,9 +20,7 @@ job=""
 trap 'rc=$?; [ -z "$job" ] || kill -9 "$job" 2>/dev/null || true
       [ $rc -eq 0 ] || { echo "--- job log:"; grep -v "^step" "$work/log" 2>/dev/null | tail -30; }
       rm -rf "$work"' EXIT
-mkdir -p "$work/corpus"
-for d in $(seq 1 300); do printf 'document %d: text for the preemption test.\n%%\n' "$d"; done \
-  > "$work/corpus/text"
+tiny_corpus "$work/corpus" 'document %d: text for the preemption test.'
 steps=300
 job_command() {  # RUN [mpirun option NAME VALUE] [train options...]: sets cmd
   local out=$1
