@@ -6,6 +6,7 @@
 #include "flexdemo/optim.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
 #include <map>
