@@ -158,11 +158,12 @@ struct OptionSpec {
   X(replicate_every, int64_t, 1, State, at_least(1), "exchange every N steps")                     \
   X(inner_steps, int64_t, 1, State, at_least(1),                                                   \
     "take H local steps on each replica, then exchange the parameters' change since the last "     \
-    "exchange through --replicator and apply the mean with Nesterov SGD (DiLoCo's outer loop; "    \
+    "exchange through --replicator and apply the mean with the outer SGD (DiLoCo's outer loop; "    \
     "1: exchange every step)")                                                                     \
-  X(outer_lr, double, 0.7, State, above(0), "--inner-steps: the outer Nesterov SGD's rate")         \
-  X(outer_momentum, double, 0.9, State, half_open(0, 1),                                           \
-    "--inner-steps: the outer Nesterov SGD's momentum (0: plain SGD)")                             \
+  X(outer_lr, double, 1.0, State, above(0),                                                        \
+    "--inner-steps: the outer SGD's rate (1 with momentum 0: the replicas' parameters averaged)")   \
+  X(outer_momentum, double, 0.0, State, half_open(0, 1),                                           \
+    "--inner-steps: the outer SGD's Nesterov momentum (DiLoCo's 0.9 with --outer-lr 0.7)")         \
   X(overlap_step, bool, false, State, anything(),                                                  \
     "run each exchange between nodes through the next step and apply it there (one step "          \
     "stale), hiding it behind that step's forward and backward")                                   \

@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+# Many local steps (--inner-steps, DiLoCo's outer loop) against FlexDeMo and AdamW-HSDP on slow
+# links: gpt-micro, 2 nodes x 2 ranks, 500 steps, validation loss against wall time at 100 Mbit/s
+# and 10 Mbit/s, and the time each run takes to reach AdamW-HSDP's 500-step validation loss.
+#
+# Two measurements, combined:
+#   1. loss: each run's 500 steps on this machine (mpirun, no link limit). The losses do not
+#      depend on the link: a run is bit-identical at every rate (docs/results/e2e.csv).
+#   2. time: each run on the emulated cluster (scripts/cluster.sh; needs root) at each rate for
+#      TIME_STEPS steps after 2 warm-up steps, no evaluation; its mean step time (whole rounds of
+#      every --inner-steps H: 50 steps by default) is its seconds per step at that rate.
+#      AdamW-HSDP sends 34 MB a step (30 s at 10 Mbit/s): it is timed over HSDP_STEPS (6) steps.
+# Wall time at a rate = steps x that rate's mean step time (evaluations not counted).
+#   PHASES (default "loss time table"), RATES (default "100mbit 10mbit"), RUNS (default all).
+# Runs the tuning sweep or the wire-format run already trained with the same options are reused
+# (flexdemo, adamw-hsdp, flexdemo-2bit). Everything lands in docs/results/local-steps/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+phases="${PHASES:-loss time table}"
+rates="${RATES-100mbit 10mbit}"
+all_runs="adamw-hsdp flexdemo flexdemo-2bit diloco-h10 diloco-h10-avg diloco-demo-h10
+  diloco-demo-h10-avg"
+runs="${RUNS:-$all_runs}"
+time_steps="${TIME_STEPS:-50}"
+hsdp_steps="${HSDP_STEPS:-6}"
+out=docs/results/local-steps
+mkdir -p "$out"
+export FLEXDEMO_TOKENIZE="$PWD/build/flexdemo-tokenize"
+common=(--model gpt-micro --lr 1e-3 --progress lines)
+
+options_of() {
+  case "$1" in
+    adamw-hsdp) echo "--optimizer adamw" ;;
+    flexdemo) echo "--optimizer flexdemo" ;;
+    flexdemo-2bit) echo "--optimizer flexdemo --values 2bit" ;;
+    # DiLoCo: AdamW local steps, the exact mean of the pseudo-gradients (a dense all-reduce),
+    # DiLoCo's outer Nesterov SGD (lr 0.7, momentum 0.9), or plain averaging (lr 1, momentum 0).
+    diloco-h10) echo "--optimizer adamw --inner-steps 10 --outer-lr 0.7 --outer-momentum 0.9" ;;
+    diloco-h10-avg) echo "--optimizer adamw --inner-steps 10 --outer-lr 1 --outer-momentum 0" ;;
+    # The same through DeMo's exchange: top-k 320 of 4,096 (10x the default: at H = 10 the
+    # same coefficients per step as FlexDeMo), 2bit values.
+    diloco-demo-h10) echo "--optimizer adamw --replicator demo --inner-steps 10 --topk 320 --values 2bit --outer-lr 0.7 --outer-momentum 0.9" ;;
+    diloco-demo-h10-avg) echo "--optimizer adamw --replicator demo --inner-steps 10 --topk 320 --values 2bit --outer-lr 1 --outer-momentum 0" ;;
+    *) echo "local_steps.sh: unknown run '$1'" >&2; exit 1 ;;
+  esac
+}
+trained_as() {  # a kept run with the same options
+  case "$1" in
+    adamw-hsdp) echo docs/results/tune/gpt-micro-500/adamw-lr1e-3 ;;
+    flexdemo) echo docs/results/tune/gpt-micro-500/flexdemo-lr1e-3 ;;
+    flexdemo-2bit) echo docs/results/wire/gpt-micro-500-2bit ;;
+    *) echo "" ;;
+  esac
+}
+loss_dir() { local d; d=$(trained_as "$1"); echo "${d:-$out/loss/$1}"; }
+
+field() { grep -o "\"$2\": *[0-9.e+-]*" "$1" | head -1 | sed 's/.*: *//'; }
+
+if [[ " $phases " == *" loss "* ]]; then
+  bash scripts/build.sh flexdemo_cli flexdemo-tokenize > /dev/null
+  for run in $runs; do
+    d=$(loss_dir "$run")
+    [ -f "$d/summary.json" ] && { echo "== loss: $run (kept: $d) =="; continue; }
+    echo "== loss: $run =="
+    rm -rf "$d"
+    # shellcheck disable=SC2046
+    mpirun --allow-run-as-root --oversubscribe -np 4 build/flexdemo train "${common[@]}" \
+      --ranks-per-node 2 --steps 500 --eval-every 50 --log-every 100 $(options_of "$run") --out "$d"
+  done
+fi
+
+if [[ " $phases " == *" time "* ]]; then
+  cluster=scripts/cluster.sh
+  trap 'bash "$cluster" down >/dev/null 2>&1 || true' EXIT
+  for rate in $rates; do
+    bash "$cluster" up 2 2 "$rate"
+    for run in $runs; do
+      steps=$time_steps
+      [ "$run" = adamw-hsdp ] && steps=$hsdp_steps
+      d="$out/time/$rate/$run"
+      echo "== time at $rate: $run ($steps steps) =="
+      rm -rf "$d"
+      # shellcheck disable=SC2046
+      bash "$cluster" run -- "$PWD/build/flexdemo" train "${common[@]}" --steps $((steps + 2)) \
+        --eval-every 0 --log-every 10 $(options_of "$run") --out "$PWD/$d" > /dev/null
+    done
+    bash "$cluster" down
+  done
+fi
+
+if [[ " $phases " == *" table "* ]]; then
+  target=$(field "$(loss_dir adamw-hsdp)/summary.json" final_val_loss)
+  flexdemo_target=$(field "$(loss_dir flexdemo)/summary.json" final_val_loss)
+  csv="$out/local-steps.csv"
+  echo "rate,run,final_val_loss,s_per_step,inter_bytes_per_step,s_to_adamw_hsdp_loss,step_reached,s_to_flexdemo_loss,step_reached_flexdemo" > "$csv"
+  # RUN_DIR TARGET: the first step whose validation loss is at most TARGET, or -.
+  first_step_at() {
+    awk -v target="$2" 'match($0, /"step":[0-9]+/) { s = substr($0, RSTART + 7, RLENGTH - 7) }
+      match($0, /"val_loss":[0-9.e+-]+/) {
+        if (substr($0, RSTART + 11, RLENGTH - 11) + 0 <= target + 0) { print s; found = 1; exit } }
+      END { if (!found) print "-" }' "$1/metrics.jsonl"
+  }
+  seconds_for() { [ "$1" = "-" ] && echo "-" || awk -v s="$1" -v t="$2" 'BEGIN { printf "%.0f", s * t }'; }
+  for rate in $rates; do
+    for run in $all_runs; do
+      ld=$(loss_dir "$run") td="$out/time/$rate/$run"
+      [ -f "$ld/summary.json" ] && [ -f "$td/metrics.jsonl" ] || continue
+      # Mean step time over the steps after the 2 warm-up steps.
+      s_per_step=$(awk 'match($0, /"step":[0-9]+/) { s = substr($0, RSTART + 7, RLENGTH - 7) }
+        match($0, /"step_ms":[0-9.e+-]+/) { if (s > 2) { t += substr($0, RSTART + 10, RLENGTH - 10); n++ } }
+        END { printf "%.4f", t / n / 1000 }' "$td/metrics.jsonl")
+      reached=$(first_step_at "$ld" "$target")
+      reached_flexdemo=$(first_step_at "$ld" "$flexdemo_target")
+      echo "$rate,$run,$(field "$ld/summary.json" final_val_loss),$s_per_step,$(field "$ld/summary.json" inter_bytes_per_step),$(seconds_for "$reached" "$s_per_step"),$reached,$(seconds_for "$reached_flexdemo" "$s_per_step"),$reached_flexdemo" >> "$csv"
+      # Validation loss against the wall time at this rate, for the plot.
+      awk -v t="$s_per_step" 'match($0, /"step":[0-9]+/) { s = substr($0, RSTART + 7, RLENGTH - 7) }
+        match($0, /"val_loss":[0-9.e+-]+/) { print s * t, substr($0, RSTART + 11, RLENGTH - 11) }' \
+        "$ld/metrics.jsonl" > "$out/curve-$rate-$run.dat"
+    done
+    gp="$out/loss-vs-time-$rate.gp"
+    {
+      echo "set terminal pngcairo size 900,560 noenhanced"
+      echo "set output '$out/loss-vs-time-$rate.png'"
+      echo "set title 'Validation loss against wall time at $rate (gpt-micro, 2 nodes x 2 ranks, 500 steps)'"
+      echo "set xlabel 'seconds (steps x mean step time at $rate)'; set ylabel 'validation loss'"
+      echo "set logscale x; set grid; set key top right"
+      echo "set arrow from graph 0, first $target to graph 1, first $target nohead dashtype 2"
+      printf "plot "
+      first=1
+      for run in $all_runs; do
+        [ -f "$out/curve-$rate-$run.dat" ] || continue
+        [ $first -eq 1 ] || printf ", "
+        first=0
+        printf "'%s' using 1:2 with linespoints title '%s'" "$out/curve-$rate-$run.dat" "$run"
+      done
+      echo
+    } > "$gp"
+    gnuplot "$gp"
+  done
+  column -s, -t < "$csv"
+  echo "AdamW-HSDP's 500-step validation loss: $target, FlexDeMo's: $flexdemo_target; results: $csv, $out/loss-vs-time-<rate>.png"
+fi
