@@ -76,7 +76,7 @@ struct OptimizerOptions {
   // replicator as a gradient would (with lr 1: DeMo's residual, transform, top-k and encoding),
   // and the outer optimizer applies the replicas' mean to the parameters of the last exchange,
   // identically on every replica; every replica then continues from them.
-  int64_t inner_steps = 1;      // >= 1; > 1 excludes replicate_every > 1 and overlap_step
+  int64_t inner_steps = 1;  // >= 1; > 1 excludes replicate_every > 1 and overlap_step
   // The defaults average the replicas' parameters (lr 1, momentum 0); DiLoCo's 0.7 and 0.9
   // trained worse at H = 10 on gpt-micro (README, "Many local steps").
   double outer_lr = 1.0;        // > 0
