@@ -259,6 +259,13 @@ std::vector<std::pair<std::string, at::Tensor>> Optimizer::state_tensors() const
     for (auto& [name, t] : s.replicator->state_tensors()) state.push_back({"outer." + name, t});
   } else {
     state = s.replicator->state_tensors();
+    // --overlap-step's preview: the checkpoint's weights are replica 0's, each replica's own
+    // parameters (the committed ones plus its own preview) are loaded after them.
+    if (!s.replicator->committed_params().empty()) {
+      for (size_t i = 0; i < s.params.size(); ++i) {
+        state.push_back({"previewed." + std::to_string(i), s.inner->param(i)});
+      }
+    }
   }
   for (auto& t : s.inner->state_tensors()) state.push_back(t);
   // The replicator and the inner optimizer number the non-empty tensors; the name carries the

@@ -192,7 +192,11 @@ void load_state_elastic(Session& s, const fs::path& dir, const nlohmann::json& m
       continue;
     }
     // The payloads in flight and the parameters before the preview: the next step overwrites them.
-    if (name == "pending_payloads" || name.rfind("committed.", 0) == 0) continue;
+    // A replica's own previewed parameters: the weights loaded (replica 0's) stand for them.
+    if (name == "pending_payloads" || name.rfind("committed.", 0) == 0 ||
+        name.rfind("previewed.", 0) == 0) {
+      continue;
+    }
     const size_t i = std::stoul(name.substr(name.rfind('.') + 1));
     // A matrix is sharded in whole chunk-rows (dim 0), a vector, held as [1, n], in chunks.
     const shard::ShardSpec& spec = *specs.at(i);
