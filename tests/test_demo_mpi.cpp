@@ -326,3 +326,145 @@ TEST(DemoMpi, InnerStepsResumeExactlyFromTheirState) {
     }
   }
 }
+
+TEST(DemoMpi, ScheduleChangesEqualFreshOptimizersWithTheirOptions) {
+  // set_schedule between steps (what --link-budget auto does): top-k, values and the interval
+  // changed twice during a run equal three optimizers, each made with its segment's options as
+  // fixed ones and continuing from the previous one's state (residuals, AdamW's moments), bit
+  // for bit every step; the bytes sent are each segment's closed form.
+  auto world = test_world();
+  struct Segment {
+    int64_t steps;
+    optim::ExchangeSchedule schedule;
+  };
+  const std::vector<Segment> segments = {{3, {8, compress::ValueEncoding::Bf16, 1}},
+                                         {4, {4, compress::ValueEncoding::TwoBit, 2}},
+                                         {3, {12, compress::ValueEncoding::Fp32, 1}}};
+  for (auto inner : {optim::InnerKind::SignSgd, optim::InnerKind::AdamW}) {
+    optim::OptimizerOptions o;
+    o.lr = 0.01;
+    o.inner = inner;
+    o.sign = inner == optim::InnerKind::SignSgd;
+    o.chunk = 16;
+    o.topk = segments[0].schedule.topk;
+    o.values = segments[0].schedule.values;
+    std::vector<at::Tensor> a = make_params(), b = make_params();
+    auto group = world->split(0, world->rank());
+    optim::Optimizer changing(a, o, group);
+    std::unique_ptr<optim::Optimizer> fixed;
+    int step = 0;
+    int64_t exchanges = 0;
+    uint64_t bytes = 0;
+    for (const Segment& segment : segments) {
+      changing.set_schedule(segment.schedule);
+      optim::OptimizerOptions segment_options = o;
+      segment_options.topk = segment.schedule.topk;
+      segment_options.values = segment.schedule.values;
+      segment_options.replicate_every = segment.schedule.every;
+      auto next =
+          std::make_unique<optim::Optimizer>(b, segment_options, world->split(0, world->rank()));
+      if (fixed) {
+        std::map<std::string, at::Tensor> state;
+        for (auto& [name, t] : fixed->state_tensors()) state[name] = t;
+        for (auto& [name, t] : next->state_tensors()) t.copy_(state.at(name));
+        next->restore_steps(step, {exchanges, 0});  // every segment ends with an exchange
+      }
+      fixed = std::move(next);
+      EXPECT_EQ(changing.schedule(), segment.schedule);
+      EXPECT_EQ(changing.schedule_in_flight(), segment.schedule);
+      EXPECT_EQ(changing.wire_bytes(segment.schedule), fixed->traffic().wire_bytes);
+      for (int k = 0; k < segment.steps; ++k, ++step) {
+        set_gradients(a, world->rank(), step);
+        set_gradients(b, world->rank(), step);
+        changing.step();
+        fixed->step();
+        for (size_t i = 0; i < a.size(); ++i) {
+          EXPECT_TRUE(at::equal(a[i], b[i]))
+              << name_of(inner) << " parameter " << i << " step " << step + 1;
+        }
+      }
+      const int64_t segment_exchanges = segment.steps / segment.schedule.every;
+      exchanges += segment_exchanges;
+      optim::OptimizerOptions closed = o;
+      closed.topk = segment.schedule.topk;
+      closed.values = segment.schedule.values;
+      bytes +=
+          segment_exchanges * (world->size() - 1) * closed_form_payload_bytes(plans_of(o), closed);
+    }
+    EXPECT_EQ(changing.counters().exchanges, exchanges);
+    EXPECT_EQ(group->stats().bytes_sent, bytes);
+    EXPECT_EQ(group->stats().collectives, uint64_t(exchanges));
+    for (size_t i = 0; i < a.size(); ++i) {
+      at::Tensor root = a[i].detach().clone();
+      world->broadcast(root, 0);
+      EXPECT_TRUE(at::equal(a[i], root)) << "replicas differ, parameter " << i;
+    }
+  }
+}
+
+TEST(DemoMpi, ScheduleChangesUnderOverlapStepDecodeWhatWasSent) {
+  // --overlap-step with the top-k and values changed while an exchange is in flight: that one is
+  // decoded as it was sent, the next goes out in the new layout. The committed parameters after
+  // step t + 1 stay the blocking run's after step t (both changed before the same steps), and a
+  // fresh optimizer given the schedule in use, the state and the counters after such a change
+  // continues bit for bit.
+  auto world = test_world();
+  optim::OptimizerOptions o;
+  o.lr = 0.01;
+  o.topk = 8;
+  o.chunk = 16;
+  o.values = compress::ValueEncoding::Bf16;
+  optim::OptimizerOptions overlapped = o;
+  overlapped.overlap_step = true;
+  const std::map<int, optim::ExchangeSchedule> changes = {
+      {3, {4, compress::ValueEncoding::TwoBit, 1}}, {6, {16, compress::ValueEncoding::Fp32, 1}}};
+  std::vector<at::Tensor> a = make_params(), b = make_params(), c = make_params();
+  optim::Optimizer blocking(a, o, world->split(0, world->rank()));
+  optim::Optimizer overlap(b, overlapped, world->split(0, world->rank()));
+  std::unique_ptr<optim::Optimizer> resumed;
+  std::vector<at::Tensor> previous;
+  for (auto& p : a) previous.push_back(p.detach().clone());
+  const int steps = 9;
+  for (int step = 0; step < steps; ++step) {
+    if (changes.count(step)) {
+      const optim::ExchangeSchedule was = overlap.schedule_in_flight();
+      blocking.set_schedule(changes.at(step));
+      overlap.set_schedule(changes.at(step));
+      if (resumed) resumed->set_schedule(changes.at(step));
+      EXPECT_EQ(overlap.schedule_in_flight(), was) << "the exchange in flight keeps its layout";
+      EXPECT_EQ(overlap.schedule(), changes.at(step));
+    }
+    set_gradients(a, world->rank(), step);
+    set_gradients(b, world->rank(), step);
+    blocking.step();
+    overlap.step();
+    if (resumed) {
+      set_gradients(c, world->rank(), step);
+      resumed->step();
+      for (size_t i = 0; i < b.size(); ++i) {
+        EXPECT_TRUE(at::equal(b[i], c[i])) << "resumed, parameter " << i << " step " << step + 1;
+      }
+    }
+    const std::vector<at::Tensor> committed = overlap.replicated_params();
+    for (size_t i = 0; i < b.size(); ++i) {
+      const at::Tensor mine = committed[i].reshape(b[i].sizes());
+      EXPECT_TRUE(at::equal(mine, previous[i])) << "parameter " << i << " step " << step + 1;
+      at::Tensor root = mine.clone();
+      world->broadcast(root, 0);
+      EXPECT_TRUE(at::equal(mine, root)) << "replicas differ, parameter " << i;
+      previous[i] = a[i].detach().clone();
+    }
+    if (step == 3) {  // right after the first change: the exchange in flight is in the new layout
+      EXPECT_EQ(overlap.schedule_in_flight(), changes.at(3));
+      resumed = std::make_unique<optim::Optimizer>(c, overlapped, world->split(0, world->rank()));
+      resumed->set_schedule(overlap.schedule_in_flight());
+      at::NoGradGuard no_grad;
+      std::map<std::string, at::Tensor> state;
+      for (auto& [name, t] : overlap.state_tensors()) state[name] = t.clone();
+      for (auto& [name, t] : resumed->state_tensors()) t.copy_(state.at(name));
+      for (size_t i = 0; i < b.size(); ++i) c[i].detach().copy_(b[i].detach());
+      resumed->restore_steps(step + 1, overlap.counters());
+      resumed->set_schedule(overlap.schedule());
+    }
+  }
+}

@@ -94,7 +94,26 @@ struct OptimParam {
   dct::ChunkPlan plan;
 };
 
-// What one exchange puts on the wire from this replica (the same every exchange).
+// What each exchange sends and how often: the options' topk, values and replicate_every until
+// Optimizer::set_schedule changes them between steps (--link-budget auto).
+struct ExchangeSchedule {
+  int64_t topk = 32;
+  compress::ValueEncoding values = compress::ValueEncoding::Fp32;
+  int64_t every = 1;  // exchange every `every` steps, the steps between folding into the state
+  bool operator==(const ExchangeSchedule& o) const {
+    return topk == o.topk && values == o.values && every == o.every;
+  }
+  bool operator!=(const ExchangeSchedule& o) const { return !(*this == o); }
+};
+
+// Exchanges so far, and the steps folded into the state since the last one.
+struct ExchangeCounters {
+  int64_t exchanges = 0;
+  int64_t folded = 0;
+};
+
+// What one exchange puts on the wire from this replica (the same every exchange, until the
+// schedule changes).
 struct ExchangeTraffic {
   uint64_t wire_bytes = 0;        // payload of one exchange: all tensors, headers included
   int64_t kept_coefficients = 0;  // Demo: sum over tensors of chunks * k
@@ -132,13 +151,32 @@ class Optimizer {
   void set_lr(double lr);  // the learning rate of this and later steps (a schedule)
   ExchangeTraffic traffic() const;
   int64_t steps() const;  // step() calls so far
+  // The schedule the exchanges follow, as last set. set_schedule, between steps and alike on
+  // every replica: `every` counts at once (the next step exchanges if as many steps have been
+  // folded in); top-k and values from the next payload encoded (an exchange in flight under
+  // overlap_step is decoded as it was sent). Demo replicator and inner_steps 1 only.
+  ExchangeSchedule schedule() const;
+  void set_schedule(const ExchangeSchedule& schedule);
+  // The top-k and values of the payloads last encoded (under overlap_step: the exchange in
+  // flight), with the interval set. A checkpoint restores this schedule before its state (the
+  // payloads in flight are sized by it), then schedule().
+  ExchangeSchedule schedule_in_flight() const;
+  ExchangeCounters counters() const;
+  // Waits until the exchange in flight (overlap_step) has arrived; it is still applied at the
+  // next step, as always. A no-op when nothing is in flight.
+  void wait_in_flight();
+  // What one exchange of `schedule` would put on the wire from this rank (headers included).
+  uint64_t wire_bytes(const ExchangeSchedule& schedule) const;
   // This rank's optimizer state (residuals, accumulators, AdamW moments) by name; the tensors
   // share storage with the optimizer, so a checkpoint loads by copying into them, then calls
   // restore_steps with the number of steps taken. A tensor's state is named "what.i", i the
   // tensor's index among those given (an empty shard has none), shaped as its chunk plan
   // [rows, cols] (DeMo's residuals: [padded_rows, padded_cols]).
   std::vector<std::pair<std::string, at::Tensor>> state_tensors() const;
+  // The fixed schedule's counters follow from the steps; a schedule that changed (set_schedule)
+  // needs them given.
   void restore_steps(int64_t steps);
+  void restore_steps(int64_t steps, ExchangeCounters counters);
   int64_t state_bytes() const;  // of state_tensors()
   const dct::ChunkPlan& chunk_plan(size_t i) const;
   // Demo: parameter i's residual momentum in the DCT domain (block layout, see dct.h).

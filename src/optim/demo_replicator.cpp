@@ -5,7 +5,8 @@
 // overlap_step the all-gather is non-blocking and its result is applied one step later. On a GPU
 // every tensor goes in the one bucket, encoded and decoded by kernels::GpuBucket (one launch
 // each); the payloads travel through pinned host memory (MPI) or stay on the device (NCCL), and
-// are validated on the host either way.
+// are validated on the host either way. The payloads' top-k and values may change between steps
+// (set_layout); an exchange in flight completes as it was sent.
 #include "inner.h"
 #include "replicator.h"
 
@@ -35,24 +36,21 @@ class DemoReplicator final : public Replicator {
  public:
   DemoReplicator(const std::vector<dct::ChunkPlan>& plans, const OptimizerOptions& options,
                  std::shared_ptr<comm::Communicator> group, at::Device device)
-      : plans_(plans), options_(options), group_(std::move(group)), started_(plans.size(), 0) {
+      : plans_(plans),
+        options_(options),
+        group_(std::move(group)),
+        device_(device),
+        started_(plans.size(), 0) {
     if (device.is_cuda() && options.overlap_step) {
       throw std::invalid_argument("DeMo: overlap_step runs on CPUs only");
     }
     int64_t largest = 1;
-    std::vector<size_t> all;
     const auto floats = at::dtype(at::kFloat).device(device);
-    for (size_t i = 0; i < plans_.size(); ++i) {
-      const dct::ChunkPlan& plan = plans_[i];
+    for (const dct::ChunkPlan& plan : plans_) {
       residuals_.push_back(at::zeros({plan.padded_rows, plan.padded_cols}, floats));
-      payload_bytes_.push_back(compress::wire_payload_bytes(plan, options.topk, options.values));
       largest = std::max(largest, plan.padded_numel());
-      traffic_.kept_coefficients += plan.num_chunks() * compress::clamp_topk(options.topk, plan);
-      traffic_.params += plan.numel();
-      all.push_back(i);
     }
-    all_ = make_bucket(all);
-    traffic_.wire_bytes = all_.bytes;
+    use_layout(device);
     if (previews()) {
       for (const dct::ChunkPlan& plan : plans_) {
         committed_.push_back(at::empty({plan.rows, plan.cols}, at::kFloat));
@@ -62,16 +60,17 @@ class DemoReplicator final : public Replicator {
     if (!device.is_cuda()) {  // the CPU paths' decode buffers; the GPU's kernels need none
       decoded_ = at::empty({largest}, floats);
       samples_ = at::empty({largest}, floats);
-    } else {
-      gpu_ = std::make_unique<kernels::GpuBucket>(plans_, options.topk, options.values, device);
-      const auto bytes = at::dtype(at::kByte).device(device);
-      device_send_ = at::empty({int64_t(all_.bytes)}, bytes);
-      device_recv_ = at::empty({int64_t(all_.bytes) * replicas()}, bytes);
-      all_.send = at::empty({int64_t(all_.bytes)}, at::dtype(at::kByte).pinned_memory(true));
-      all_.recv =
-          at::empty({int64_t(all_.bytes) * replicas()}, at::dtype(at::kByte).pinned_memory(true));
     }
   }
+
+  void set_layout(int64_t topk, compress::ValueEncoding values) override {
+    next_layout_ = {topk, values};
+    if (!all_.work && pending_.item<int64_t>() == 0) use_next_layout();  // nothing in flight
+  }
+  std::optional<std::pair<int64_t, compress::ValueEncoding>> layout() const override {
+    return std::make_pair(options_.topk, options_.values);
+  }
+  void wait_in_flight() override { finish_in_flight(); }
 
   void accumulate(const std::vector<at::Tensor>& grads, double lr) override {
     for (size_t i = 0; i < plans_.size(); ++i) accumulate_one(i, grads[i], lr);
@@ -110,7 +109,9 @@ class DemoReplicator final : public Replicator {
       if (pending_.item<int64_t>() != 0) {
         if (previews()) restore_committed(inner);
         decode(all_, inner);
+        pending_.fill_(0);
       }
+      use_next_layout();  // what arrived was decoded as it was sent; this step's in the new one
       if (previews()) save_committed(inner);
       encode(all_, grads, lr);
       launch(all_);
@@ -152,6 +153,40 @@ class DemoReplicator final : public Replicator {
 
  private:
   int replicas() const { return group_ ? group_->size() : 1; }
+
+  // The payloads' sizes, the bucket of every tensor and (on a GPU) the kernels for options_'s
+  // top-k and values.
+  void use_layout(at::Device device) {
+    payload_bytes_.clear();
+    traffic_ = {};
+    std::vector<size_t> all;
+    for (size_t i = 0; i < plans_.size(); ++i) {
+      const dct::ChunkPlan& plan = plans_[i];
+      payload_bytes_.push_back(compress::wire_payload_bytes(plan, options_.topk, options_.values));
+      traffic_.kept_coefficients += plan.num_chunks() * compress::clamp_topk(options_.topk, plan);
+      traffic_.params += plan.numel();
+      all.push_back(i);
+    }
+    all_ = make_bucket(all);
+    traffic_.wire_bytes = all_.bytes;
+    if (!device.is_cuda()) return;
+    gpu_ = std::make_unique<kernels::GpuBucket>(plans_, options_.topk, options_.values, device);
+    const auto bytes = at::dtype(at::kByte).device(device);
+    device_send_ = at::empty({int64_t(all_.bytes)}, bytes);
+    device_recv_ = at::empty({int64_t(all_.bytes) * replicas()}, bytes);
+    all_.send = at::empty({int64_t(all_.bytes)}, at::dtype(at::kByte).pinned_memory(true));
+    all_.recv =
+        at::empty({int64_t(all_.bytes) * replicas()}, at::dtype(at::kByte).pinned_memory(true));
+  }
+  void use_next_layout() {
+    if (!next_layout_) return;
+    const auto [topk, values] = *next_layout_;
+    next_layout_.reset();
+    if (topk == options_.topk && values == options_.values) return;
+    options_.topk = topk;
+    options_.values = values;
+    use_layout(device_);
+  }
 
   Bucket make_bucket(const std::vector<size_t>& tensors) const {
     Bucket b;
@@ -308,6 +343,7 @@ class DemoReplicator final : public Replicator {
   std::vector<dct::ChunkPlan> plans_;
   OptimizerOptions options_;
   std::shared_ptr<comm::Communicator> group_;
+  at::Device device_;                  // of the state
   std::vector<at::Tensor> residuals_;  // per tensor: float32 block-layout DCT coefficients
   std::vector<size_t> payload_bytes_;  // per tensor
   ExchangeTraffic traffic_;
@@ -315,6 +351,8 @@ class DemoReplicator final : public Replicator {
   // This step's buckets started early (start()), in order, and which tensors they hold.
   std::vector<Bucket> buckets_;
   std::vector<char> started_;
+  // set_layout's top-k and values, until the payloads in flight have been decoded.
+  std::optional<std::pair<int64_t, compress::ValueEncoding>> next_layout_;
   at::Tensor decoded_;  // float32 scratch buffers as large as the largest padded tensor (the
   at::Tensor samples_;  // first two on CPUs only), so that a step allocates nothing big
   at::Tensor scratch_;

@@ -67,6 +67,8 @@ struct Optimizer::Impl {
   std::unique_ptr<Replicator> replicator;
   std::unique_ptr<InnerOptimizer> inner;
   int64_t steps = 0;
+  ExchangeSchedule schedule;  // as set; the replicator reports the top-k and values in use
+  ExchangeCounters counters;
   // inner_steps > 1: `replicator` exchanges pseudo-gradients and `outer` (Nesterov SGD) applies
   // them to `anchors`, the parameters of the last exchange; `inner` takes the local steps.
   std::vector<at::Tensor> anchors;  // float32 [rows, cols]
@@ -104,6 +106,7 @@ Optimizer::Optimizer(std::vector<OptimParam> params, OptimizerOptions options,
   options.validate();
   Impl& s = *impl_;
   s.options = options;
+  s.schedule = {options.topk, options.values, options.replicate_every};
   for (size_t i = 0; i < params.size(); ++i) {
     const OptimParam& p = params[i];
     s.slot.push_back(-1);
@@ -167,7 +170,7 @@ at::Tensor flat_grad(const OptimParam& p) {
 
 void Optimizer::start_exchange(const std::vector<size_t>& tensors) {
   Impl& s = *impl_;
-  if ((s.steps + 1) % s.options.replicate_every != 0) return;  // step() only folds them in
+  if (s.counters.folded + 1 < s.schedule.every) return;  // step() only folds them in
   if (s.local_steps()) return;  // the exchange is of the parameters, after the step
   at::NoGradGuard no_grad;
   std::vector<size_t> mine;
@@ -196,10 +199,13 @@ void Optimizer::step() {
     if (s.steps % s.options.inner_steps == 0) s.outer_step();
     return;
   }
-  if (s.steps % s.options.replicate_every != 0) {
+  if (s.counters.folded + 1 < s.schedule.every) {
+    ++s.counters.folded;
     s.replicator->accumulate(grads, lr);
     return;
   }
+  s.counters.folded = 0;
+  ++s.counters.exchanges;
   s.inner->begin_step(lr);
   s.replicator->exchange(grads, lr, *s.inner);
 }
@@ -247,6 +253,51 @@ ExchangeTraffic Optimizer::traffic() const {
 int64_t Optimizer::steps() const {
   return impl_->steps;
 }
+
+ExchangeSchedule Optimizer::schedule() const {
+  return impl_->schedule;
+}
+
+ExchangeSchedule Optimizer::schedule_in_flight() const {
+  ExchangeSchedule in_use = impl_->schedule;
+  if (const auto layout = impl_->replicator->layout()) {
+    in_use.topk = layout->first;
+    in_use.values = layout->second;
+  }
+  return in_use;
+}
+
+void Optimizer::set_schedule(const ExchangeSchedule& schedule) {
+  Impl& s = *impl_;
+  if (s.options.replicator != ReplicatorKind::Demo || s.local_steps()) {
+    throw std::invalid_argument(
+        "DeMo: the exchange schedule changes with the demo replicator and inner_steps 1 only");
+  }
+  if (schedule.topk <= 0 || schedule.every < 1) {
+    throw std::invalid_argument("DeMo: a schedule needs topk > 0 and every >= 1, got topk " +
+                                std::to_string(schedule.topk) + ", every " +
+                                std::to_string(schedule.every));
+  }
+  s.schedule = schedule;
+  s.replicator->set_layout(schedule.topk, schedule.values);
+}
+
+ExchangeCounters Optimizer::counters() const {
+  return impl_->counters;
+}
+
+void Optimizer::wait_in_flight() {
+  impl_->replicator->wait_in_flight();
+}
+
+uint64_t Optimizer::wire_bytes(const ExchangeSchedule& schedule) const {
+  if (impl_->options.replicator != ReplicatorKind::Demo) return traffic().wire_bytes;
+  uint64_t bytes = 0;
+  for (const dct::ChunkPlan& plan : impl_->plans) {
+    bytes += compress::wire_payload_bytes(plan, schedule.topk, schedule.values);
+  }
+  return bytes;
+}
 std::vector<std::pair<std::string, at::Tensor>> Optimizer::state_tensors() const {
   const Impl& s = *impl_;
   NamedTensors state;
@@ -287,16 +338,27 @@ int64_t Optimizer::state_bytes() const {
 
 void Optimizer::restore_steps(int64_t steps) {
   Impl& s = *impl_;
-  s.steps = steps;
   if (s.local_steps()) {
+    s.steps = steps;
     s.inner->restore_step(steps);
     s.outer->restore_step(steps / s.options.inner_steps);
     s.replicator->restore_counters(steps / s.options.inner_steps, 0);
     return;
   }
-  const int64_t every = s.options.replicate_every;
-  s.inner->restore_step(steps / every);
-  s.replicator->restore_counters(steps / every, steps % every);
+  const int64_t every = s.schedule.every;
+  restore_steps(steps, {steps / every, steps % every});
+}
+
+void Optimizer::restore_steps(int64_t steps, ExchangeCounters counters) {
+  Impl& s = *impl_;
+  if (s.local_steps()) {
+    restore_steps(steps);
+    return;
+  }
+  s.steps = steps;
+  s.counters = counters;
+  s.inner->restore_step(counters.exchanges);
+  s.replicator->restore_counters(counters.exchanges, counters.folded);
 }
 
 const dct::ChunkPlan& Optimizer::chunk_plan(size_t i) const {

@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -55,6 +56,16 @@ class Replicator {
     (void)pending;
   }
   virtual const at::Tensor& residual(size_t i) const;  // throws unless the kind keeps one
+  // DeMo: the top-k and values of the payloads from the next one encoded on (an exchange in
+  // flight completes as it was sent), and those of the payloads last put in use. The kinds
+  // whose payloads do not depend on them ignore the one and have no other.
+  virtual void set_layout(int64_t topk, compress::ValueEncoding values) {
+    (void)topk;
+    (void)values;
+  }
+  virtual std::optional<std::pair<int64_t, compress::ValueEncoding>> layout() const { return {}; }
+  // Waits for the exchange in flight between steps (overlap_step), if any, without applying it.
+  virtual void wait_in_flight() {}
   // Where the parameters carry a replica's own preview (--overlap-step): the committed ones,
   // identical on every replica. Empty otherwise.
   virtual std::vector<at::Tensor> committed_params() const { return {}; }

@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <vector>
 
 namespace flexdemo::train {
@@ -316,6 +317,18 @@ fs::path save_checkpoint(Session& s, int64_t step) {
       manifest["ranks"].push_back({places[r][0].item<int64_t>(), places[r][1].item<int64_t>()});
     }
     manifest["config"] = to_json(s.cfg);
+    if (s.cfg.link_budget == LinkBudgetMode::Auto) {  // a schedule that changes while training
+      const optim::ExchangeSchedule set = s.optimizer->schedule();
+      const optim::ExchangeSchedule in_flight = s.optimizer->schedule_in_flight();
+      const optim::ExchangeCounters counters = s.optimizer->counters();
+      manifest["exchange"] = {
+          {"topk", set.topk},
+          {"values", name_of(set.values)},
+          {"every", set.every},
+          {"in_flight", {{"topk", in_flight.topk}, {"values", name_of(in_flight.values)}}},
+          {"exchanges", counters.exchanges},
+          {"folded", counters.folded}};
+    }
     std::ofstream(tmp / "manifest.json") << manifest.dump(2) << "\n";
     sync_file(tmp / "manifest.json");
     sync_file(tmp);
@@ -347,13 +360,33 @@ int64_t load_checkpoint(Session& s, const fs::path& dir, bool with_optimizer) {
   }
   const int64_t step = manifest.at("step").get<int64_t>();
   if (!with_optimizer) return step;
+  // --link-budget auto: the schedule of the exchange in flight sizes its payloads in the state;
+  // the schedule set takes over after them.
+  std::optional<optim::ExchangeSchedule> schedule;
+  std::optional<optim::ExchangeCounters> counters;
+  if (manifest.contains("exchange")) {
+    const nlohmann::json& e = manifest.at("exchange");
+    const auto read = [](const nlohmann::json& j, int64_t every) {
+      return optim::ExchangeSchedule{
+          j.at("topk").get<int64_t>(),
+          parse_name<compress::ValueEncoding>(j.at("values").get<std::string>()), every};
+    };
+    schedule = read(e, e.at("every").get<int64_t>());
+    s.optimizer->set_schedule(read(e.at("in_flight"), schedule->every));
+    counters = {e.at("exchanges").get<int64_t>(), e.at("folded").get<int64_t>()};
+  }
   if (manifest.at("world_size").get<int>() == world->size() &&
       manifest.at("topology").get<std::string>() == s.topo.describe()) {
     load_own_state(s, dir);
   } else {
     load_state_elastic(s, dir, manifest, step);
   }
-  s.optimizer->restore_steps(step);
+  if (counters) {
+    s.optimizer->restore_steps(step, *counters);
+    s.optimizer->set_schedule(*schedule);
+  } else {
+    s.optimizer->restore_steps(step);
+  }
   return step;
 }
 

@@ -183,6 +183,21 @@ void TrainConfig::validate() const {
     }
     if (overlap_step) fail("--inner-steps and --overlap-step exclude each other");
   }
+  if (link_budget == LinkBudgetMode::Auto) {
+    if (!demo_replicator) {
+      fail("--link-budget auto needs the demo replicator (--optimizer flexdemo or flexdemo-adamw)");
+    }
+    if (inner_steps > 1) fail("--link-budget auto and --inner-steps exclude each other");
+    if (link_min_topk > link_max_topk) {
+      fail(fmt::format("--link-min-topk {} exceeds --link-max-topk {}", link_min_topk,
+                       link_max_topk));
+    }
+    if (link_max_topk > chunk * chunk) {
+      fail(fmt::format("--link-max-topk {} exceeds the {} coefficients of a --chunk {} chunk",
+                       link_max_topk, chunk * chunk, chunk));
+    }
+  }
+  link_encodings(link_values);  // throws naming a bad word
   if (data::is_pair_source(data) && !is_t5(*this)) {
     fail("--data " + data +
          " holds translation pairs, which train an encoder-decoder: --model t5-nano or t5-small, "
@@ -227,6 +242,20 @@ void TrainConfig::resolve() {
   // AdamW's first moment on top of DeMo's residual (itself a momentum) trains worse: measured
   // in README, "FlexDeMo against AdamW at equal steps".
   if (!beta1) beta1 = optimizer == OptimizerKind::FlexDemoAdamW ? 0.0 : 0.9;
+}
+
+std::vector<compress::ValueEncoding> link_encodings(const std::string& list) {
+  std::vector<compress::ValueEncoding> encodings;
+  for (size_t begin = 0;;) {
+    const size_t end = std::min(list.find(',', begin), list.size());
+    try {
+      encodings.push_back(parse_name<compress::ValueEncoding>(list.substr(begin, end - begin)));
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument("--link-values " + list + ": " + e.what());
+    }
+    if (end == list.size()) return encodings;
+    begin = end + 1;
+  }
 }
 
 double default_lr(OptimizerKind optimizer) {

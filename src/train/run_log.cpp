@@ -134,6 +134,13 @@ void RunLog::record(const StepMetrics& m) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count();
   j["elapsed_s"] = elapsed;
   if (m.val_loss) j["val_loss"] = *m.val_loss;
+  if (cfg.link_budget == LinkBudgetMode::Auto) {  // the schedule this step's exchange followed
+    const optim::ExchangeSchedule schedule = s_.optimizer->schedule_in_flight();
+    j["topk"] = schedule.topk;
+    j["values"] = name_of(schedule.values);
+    j["every"] = schedule.every;
+  }
+  if (m.link_choice) j["link_budget"] = *m.link_choice;
   metrics_ << j.dump() << "\n" << std::flush;
 
   const double done = double(m.step - start_step_);

@@ -7,6 +7,8 @@
 
 #include "flexdemo/topology.h"
 
+#include <nlohmann/json.hpp>
+
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -23,7 +25,8 @@ struct StepMetrics {
   double inter_collectives = 0.0;     // mean per rank
   double intra_sent = 0.0, intra_recv = 0.0, inter_sent = 0.0, inter_recv = 0.0;  // bytes, sum
   int64_t skipped_steps = 0;                                                      // so far
-  std::optional<double> val_loss;  // when evaluated at this step
+  std::optional<double> val_loss;                     // when evaluated at this step
+  std::optional<nlohmann::ordered_json> link_choice;  // --link-budget auto chose before this step
 };
 
 // Collective over world: this rank's loss, step time and traffic reduced over all ranks (bytes

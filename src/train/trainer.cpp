@@ -7,6 +7,7 @@
 
 #include "checkpoint_store.h"
 #include "hf_format.h"
+#include "link_budget.h"
 #include "options.h"
 #include "run_log.h"
 #include "session.h"
@@ -103,19 +104,22 @@ bool any_nonfinite(Session& s, int64_t step, double loss) {
 struct StepOutcome {
   double loss = 0.0;  // this rank's
   bool skipped = false;
+  double compute_s = 0.0;  // before the optimizer step: what an exchange in flight can hide behind
 };
 
 StepOutcome train_step(Session& s, int64_t step, const Injection& inject) {
+  const Clock::time_point t0 = Clock::now();
   s.optimizer->set_lr(scheduled_lr(s.cfg, step));
   s.optimizer->zero_grad();
   const double loss = forward_backward(s, step, inject);
   if (any_nonfinite(s, step, loss)) {
     s.optimizer->zero_grad();  // nothing reaches the residuals or the parameters
-    return {loss, true};
+    return {loss, true, seconds_since(t0)};
   }
   if (s.cfg.clip > 0) optim::clip_grad_norm(s.params, s.cfg.clip, *s.topo.shard_group);
+  const double compute_s = seconds_since(t0);
   s.optimizer->step();
-  return {loss, false};
+  return {loss, false, compute_s};
 }
 
 // Why the ranks stop after this step, the same on every rank.
@@ -167,6 +171,7 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
   const Injection inject = Injection::from_env("FLEXDEMO_INJECT_NONFINITE");
   const Injection inject_signal = Injection::from_env("FLEXDEMO_INJECT_SIGNAL");
   RunLog log(s, step);
+  LinkBudget link(s, step);
   comm::TrafficMeter meter(s.topo);
   int64_t skipped_steps = 0;
   const Clock::time_point started = Clock::now();
@@ -174,7 +179,9 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
   std::string checkpoint;  // the newest written
   while (step < cfg.steps && !vote.stop()) {
     const Clock::time_point t0 = Clock::now();
+    std::optional<nlohmann::ordered_json> link_choice = link.before_step(step);
     const StepOutcome outcome = train_step(s, step, inject);
+    link.add_compute(outcome.compute_s);
     skipped_steps += outcome.skipped ? 1 : 0;
     ++step;
     if (cfg.check_replicas > 0 && step % cfg.check_replicas == 0) {
@@ -184,6 +191,7 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
     StepMetrics m = reduce_step_metrics(*world, step, outcome.loss, seconds_since(t0), traffic);
     m.lr = scheduled_lr(cfg, step - 1);
     m.skipped_steps = skipped_steps;
+    m.link_choice = std::move(link_choice);
     if (inject_signal.at(step, world->rank())) std::raise(SIGTERM);
     vote = agree_to_stop(s, started);
     const bool last = step == cfg.steps || vote.stop();
