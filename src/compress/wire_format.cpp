@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -130,6 +131,16 @@ void set_bit(uint8_t* p, int64_t bit) {
   p[bit / 8] |= uint8_t(1u << (bit % 8));
 }
 
+// ORs the low `width` (< 32) bits of v in from bit `bit` on, LSB first, a byte's share at a time.
+void put_bits(uint8_t* p, int64_t bit, int64_t v, int width) {
+  for (int done = 0; done < width;) {
+    const int64_t at = bit + done;
+    const int shift = int(at % 8), take = std::min(8 - shift, width - done);
+    p[at / 8] |= uint8_t(((v >> done) & ((1 << take) - 1)) << shift);
+    done += take;
+  }
+}
+
 // Chunk c's k ascending positions (idx) into its part of the index section (zeroed first).
 void write_positions(uint8_t* body, const Layout& l, int64_t n, int64_t c, const int64_t* idx) {
   if (l.index_bytes > 0) {
@@ -141,9 +152,7 @@ void write_positions(uint8_t* body, const Layout& l, int64_t n, int64_t c, const
   uint8_t* record = body + c * l.record_bytes;
   const int low = cm::packed_low_bits(n, l.k);
   for (int64_t j = 0; j < l.k; ++j) {
-    for (int b = 0; b < low; ++b) {
-      if ((idx[j] >> b) & 1) set_bit(record, j * low + b);
-    }
+    put_bits(record, j * low, idx[j], low);
     set_bit(record, l.k * low + (idx[j] >> low) + j);
   }
 }

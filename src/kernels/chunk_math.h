@@ -149,9 +149,16 @@ FLEXDEMO_HD int64_t packed_record_bytes(int64_t n, int64_t k) {
 FLEXDEMO_HD bool get_bit(const uint8_t* p, int64_t bit) {
   return (p[bit / 8] >> (bit % 8)) & 1;
 }
+// `width` (< 32) bits from bit `bit` on, LSB first, a byte's share at a time.
 FLEXDEMO_HD int64_t get_bits(const uint8_t* p, int64_t bit, int width) {
   int64_t v = 0;
-  for (int b = 0; b < width; ++b) v |= int64_t(get_bit(p, bit + b)) << b;
+  for (int done = 0; done < width;) {
+    const int64_t at = bit + done;
+    const int shift = int(at % 8), room = 8 - shift,
+              take = room < width - done ? room : width - done;
+    v |= int64_t((p[at / 8] >> shift) & ((1u << take) - 1)) << done;
+    done += take;
+  }
   return v;
 }
 // Position j of a record: its low bits and, for its high part, the place of the bitmap's j-th set
