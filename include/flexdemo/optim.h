@@ -32,6 +32,13 @@ enum class ReplicatorKind {
   Random,  // a seeded random subset of rows (elements of vectors), dense-averaged, with residual
 };
 
+// The per-chunk transform DeMo's residual is kept and selected in.
+enum class Transform {
+  Dct,   // the orthonormal chunked DCT-II (DeMo's)
+  None,  // the samples themselves: top-k of the residual's own entries in each chunk (CPUs
+         // only; the plain path: the fused kernels are the DCT's)
+};
+
 enum class InnerKind {
   SignSgd,   // p -= lr * sign(direction)   (DeMo's)
   AdamW,     // AdamW fed with sign(direction) or the direction (FlexDeMo's AdamW variant)
@@ -52,6 +59,7 @@ struct OptimizerOptions {
   // ====== DeMo compression ======
   double decay = 0.999;  // residual decay, in [0, 1)
   int64_t topk = 32;     // coefficients kept per chunk (> 0; clamped to the chunk)
+  Transform transform = Transform::Dct;
   // The chunk geometry of whole parameters (the constructor taking tensors); given OptimParams
   // (e.g. shards) bring their own plans and these two are not used.
   int64_t chunk = 64;  // target chunk edge (> 0)
@@ -212,6 +220,13 @@ struct NameTable<optim::ReplicatorKind> {
       {optim::ReplicatorKind::Full, "full"},
       {optim::ReplicatorKind::None, "none"},
       {optim::ReplicatorKind::Random, "random"}};
+};
+
+template <>
+struct NameTable<optim::Transform> {
+  static constexpr const char* what = "transform";
+  static constexpr std::pair<optim::Transform, const char*> entries[] = {
+      {optim::Transform::Dct, "dct"}, {optim::Transform::None, "none"}};
 };
 
 template <>

@@ -153,6 +153,9 @@ struct OptionSpec {
     "apply sign(update) (default: on for flexdemo, off otherwise); --no-sign: the update itself")  \
   X(topk, int64_t, 32, State, at_least(1), "DCT coefficients kept per chunk")                      \
   X(chunk, int64_t, 64, Model, at_least(1), "DCT chunk edge")                                      \
+  X(transform, optim::Transform, optim::Transform::Dct, State, anything(),                         \
+    "the per-chunk transform DeMo selects in: dct, or none (the residual's own entries; CPUs "      \
+    "only, without the fused kernels)")                                                            \
   X(decay, double, 0.999, State, half_open(0, 1), "DeMo residual decay")                           \
   X(values, compress::ValueEncoding, compress::ValueEncoding::Bf16, State, anything(),             \
     "wire value encoding of DeMo's payloads")                                                      \

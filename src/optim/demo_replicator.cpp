@@ -44,6 +44,10 @@ class DemoReplicator final : public Replicator {
     if (device.is_cuda() && options.overlap_step) {
       throw std::invalid_argument("DeMo: overlap_step runs on CPUs only");
     }
+    if (options.transform == Transform::None) {
+      if (device.is_cuda()) throw std::invalid_argument("DeMo: transform none runs on CPUs only");
+      options_.fast_path = false;  // the fused kernels are the DCT's
+    }
     int64_t largest = 1;
     const auto floats = at::dtype(at::kFloat).device(device);
     for (const dct::ChunkPlan& plan : plans_) {
@@ -265,10 +269,18 @@ class DemoReplicator final : public Replicator {
     }
   }
 
-  // residual = decay * residual + lr * DCT(grad)
+  // residual = decay * residual + lr * DCT(grad) (transform none: lr * grad, in the block layout
+  // which is the samples' own)
   void accumulate_one(size_t i, const at::Tensor& grad, double lr) {
+    const dct::ChunkPlan& plan = plans_[i];
     if (options_.fast_path && !gpu_) {
-      kernels::dct_accumulate(grad, plans_[i], options_.decay, lr, residuals_[i]);
+      kernels::dct_accumulate(grad, plan, options_.decay, lr, residuals_[i]);
+    } else if (grad.defined() && options_.transform == Transform::None) {
+      residuals_[i].mul_(options_.decay);
+      residuals_[i]
+          .narrow(0, 0, plan.rows)
+          .narrow(1, 0, plan.cols)
+          .add_(grad.reshape({plan.rows, plan.cols}).to(at::kFloat), lr);
     } else if (grad.defined()) {
       dct::chunked_dct_accumulate(grad, plans_[i], options_.decay, lr, residuals_[i], &scratch_);
     } else {
@@ -334,7 +346,11 @@ class DemoReplicator final : public Replicator {
       const at::Tensor decoded = decoded_.narrow(0, 0, plan.padded_numel());
       compress::decode_mean(payloads, payload_bytes_[i], plan, options_.topk, options_.values,
                             decoded);
-      dct::chunked_idct_into(decoded, plan, samples, &scratch_);
+      if (options_.transform == Transform::None) {
+        samples.copy_(decoded);
+      } else {
+        dct::chunked_idct_into(decoded, plan, samples, &scratch_);
+      }
     }
     at::Tensor d = samples.view({plan.padded_rows, plan.padded_cols});
     return plan.is_padded() ? d.narrow(0, 0, plan.rows).narrow(1, 0, plan.cols) : d;

@@ -320,6 +320,7 @@ optim::OptimizerOptions optimizer_options(const TrainConfig& c) {
   o.beta1 = c.beta1.value();
   o.beta2 = c.beta2;
   o.topk = c.topk;  // the chunk geometry is the sharded units' (session.cpp)
+  o.transform = c.transform;
   o.decay = c.decay;
   o.values = c.values;
   o.replicate_every = c.replicate_every;
