@@ -29,18 +29,7 @@ train() {  # OUT [options...]
 losses() { grep -o '"loss":[^,]*' "$1/metrics.jsonl"; }
 
 train "$work/whole" || { echo "FAIL: the uninterrupted run failed"; exit 1; }
-rc=0
-FLEXDEMO_INJECT_SIGNAL=14:0 train "$work/run" || rc=$?
-[ $rc -eq 75 ] || { echo "FAIL: the stopped leg ended with $rc, expected 75"; exit 1; }
-[ -d "$work/run/checkpoints/step-14" ] || { echo "FAIL: no checkpoint at step 14"; exit 1; }
-train "$work/run" --resume "$work/run" || { echo "FAIL: --resume failed"; exit 1; }
-[ "$(grep -o '"step":[0-9]*' "$work/run/metrics.jsonl" | cut -d: -f2)" = "$(seq 1 $steps)" ] ||
-  { echo "FAIL: metrics.jsonl does not hold steps 1..$steps once each"; exit 1; }
-diff <(losses "$work/whole") <(losses "$work/run") ||
-  { echo "FAIL: the losses differ from the uninterrupted run's"; exit 1; }
-cmp "$work/whole/checkpoints/step-$steps/model.safetensors" \
-  "$work/run/checkpoints/step-$steps/model.safetensors" ||
-  { echo "FAIL: the final weights differ from the uninterrupted run's"; exit 1; }
+expect_exact_resume "$work" "$steps" 14
 # The losses move: local steps train, and the outer steps do not undo them.
 first=$(losses "$work/whole" | head -1 | cut -d: -f2)
 last=$(losses "$work/whole" | tail -1 | cut -d: -f2)

@@ -58,3 +58,24 @@ tiny_corpus() {
   # shellcheck disable=SC2059  # the format is the argument
   for d in $(seq 1 300); do printf "$2\n%%\n" "$d"; done > "$1/text"
 }
+
+# WORK STEPS STOP: with the caller's `train OUT [options...]` (passing FLEXDEMO_INJECT_SIGNAL on
+# to the ranks) and WORK/whole trained STEPS steps uninterrupted: a run stopped by a preemption
+# signal after step STOP and resumed must log steps 1..STEPS once each and equal WORK/whole, every
+# loss and the final weights bit for bit.
+expect_exact_resume() {
+  local work=$1 steps=$2 stop=$3 rc=0
+  FLEXDEMO_INJECT_SIGNAL=$stop:0 train "$work/run" || rc=$?
+  [ $rc -eq 75 ] || { echo "FAIL: the stopped leg ended with $rc, expected 75"; exit 1; }
+  [ -d "$work/run/checkpoints/step-$stop" ] || { echo "FAIL: no checkpoint at step $stop"; exit 1; }
+  train "$work/run" --resume "$work/run" || { echo "FAIL: --resume failed"; exit 1; }
+  # (uniq: a --link-budget choice logs the step it applies to inside the step's own line)
+  [ "$(grep -o '"step":[0-9]*' "$work/run/metrics.jsonl" | cut -d: -f2 | uniq)" = "$(seq 1 "$steps")" ] ||
+    { echo "FAIL: metrics.jsonl does not hold steps 1..$steps once each"; exit 1; }
+  diff <(grep -o '"loss":[^,]*' "$work/whole/metrics.jsonl") \
+    <(grep -o '"loss":[^,]*' "$work/run/metrics.jsonl") ||
+    { echo "FAIL: the losses differ from the uninterrupted run's"; exit 1; }
+  cmp "$work/whole/checkpoints/step-$steps/model.safetensors" \
+    "$work/run/checkpoints/step-$steps/model.safetensors" ||
+    { echo "FAIL: the final weights differ from the uninterrupted run's"; exit 1; }
+}

@@ -31,7 +31,6 @@ train() {  # OUT [options...]
     --check-replicas 1 --checkpoint-every 1000 --eval-seqs 4 --eval-every 1000 \
     --progress lines --log-every 1000 --out "$out" "$@" > "$work/last.log" 2>&1
 }
-losses() { grep -o '"loss":[^,]*' "$1/metrics.jsonl"; }
 
 train "$work/whole" || { echo "FAIL: the uninterrupted run failed"; exit 1; }
 # The choices: step, top-k, values, interval.
@@ -55,17 +54,6 @@ schedule_of() {
 [ "$(schedule_of "$work/whole" 4)" = "32,bf16,2" ] || { echo "FAIL: step 4: $(schedule_of "$work/whole" 4)"; exit 1; }
 [ "$(schedule_of "$work/whole" 5)" = "4,2bit,2" ] || { echo "FAIL: step 5: $(schedule_of "$work/whole" 5)"; exit 1; }
 [ "$(schedule_of "$work/whole" 9)" = "32,bf16,1" ] || { echo "FAIL: step 9: $(schedule_of "$work/whole" 9)"; exit 1; }
-rc=0
-FLEXDEMO_INJECT_SIGNAL=14:0 train "$work/run" || rc=$?
-[ $rc -eq 75 ] || { echo "FAIL: the stopped leg ended with $rc, expected 75"; exit 1; }
-[ -d "$work/run/checkpoints/step-14" ] || { echo "FAIL: no checkpoint at step 14"; exit 1; }
-train "$work/run" --resume "$work/run" || { echo "FAIL: --resume failed"; exit 1; }
-[ "$(grep -o '"step":[0-9]*' "$work/run/metrics.jsonl" | cut -d: -f2 | uniq)" = "$(seq 1 $steps)" ] ||
-  { echo "FAIL: metrics.jsonl does not hold steps 1..$steps once each"; exit 1; }
-diff <(losses "$work/whole") <(losses "$work/run") ||
-  { echo "FAIL: the losses differ from the uninterrupted run's"; exit 1; }
-cmp "$work/whole/checkpoints/step-$steps/model.safetensors" \
-  "$work/run/checkpoints/step-$steps/model.safetensors" ||
-  { echo "FAIL: the final weights differ from the uninterrupted run's"; exit 1; }
+expect_exact_resume "$work" "$steps" 14
 echo "choices as injected; stopped after step 14 and resumed to $steps: every loss and the final" \
   "weights equal the uninterrupted run's"

@@ -36,6 +36,16 @@ std::vector<dct::ChunkPlan> plans_of(const optim::OptimizerOptions& o) {
   return plans;
 }
 
+// Sign-SGD, lr 0.01, top-k 8 of 16 x 16 chunks, bf16 values.
+optim::OptimizerOptions bf16_options() {
+  optim::OptimizerOptions o;
+  o.lr = 0.01;
+  o.topk = 8;
+  o.chunk = 16;
+  o.values = compress::ValueEncoding::Bf16;
+  return o;
+}
+
 }  // namespace
 
 TEST(DemoMpi, ReplicasStayBitIdenticalAndBytesMatchClosedForm) {
@@ -118,11 +128,7 @@ TEST(DemoMpi, OverlapStepKeepsReplicasIdenticalAndOneStepBehind) {
   // step, the committed parameters stay bit-identical across replicas, and after step t + 1
   // they are what the blocking exchange gave after step t (same gradients, constant lr).
   auto world = test_world();
-  optim::OptimizerOptions o;
-  o.lr = 0.01;
-  o.topk = 8;
-  o.chunk = 16;
-  o.values = compress::ValueEncoding::Bf16;
+  const optim::OptimizerOptions o = bf16_options();
   optim::OptimizerOptions overlapped = o;
   overlapped.overlap_step = true;
   std::vector<at::Tensor> a = make_params(), b = make_params();
@@ -409,11 +415,7 @@ TEST(DemoMpi, ScheduleChangesUnderOverlapStepDecodeWhatWasSent) {
   // fresh optimizer given the schedule in use, the state and the counters after such a change
   // continues bit for bit.
   auto world = test_world();
-  optim::OptimizerOptions o;
-  o.lr = 0.01;
-  o.topk = 8;
-  o.chunk = 16;
-  o.values = compress::ValueEncoding::Bf16;
+  const optim::OptimizerOptions o = bf16_options();
   optim::OptimizerOptions overlapped = o;
   overlapped.overlap_step = true;
   const std::map<int, optim::ExchangeSchedule> changes = {
@@ -466,5 +468,60 @@ TEST(DemoMpi, ScheduleChangesUnderOverlapStepDecodeWhatWasSent) {
       resumed->restore_steps(step + 1, overlap.counters());
       resumed->set_schedule(overlap.schedule());
     }
+  }
+}
+
+TEST(DemoMpi, TransformNoneSelectsTheResidualsOwnEntries) {
+  // transform none: each replica keeps the top-k of lr * grad's own entries in every chunk, and
+  // the update is, per entry, the mean over the replicas that kept it. Two steps (the second
+  // carries the first's residual, less what it sent) against a float64 replay of every replica.
+  auto world = test_world();
+  const int P = world->size();
+  optim::OptimizerOptions o;
+  o.lr = 0.05;
+  o.topk = 5;
+  o.chunk = 8;
+  o.sign = false;
+  o.decay = 0.9;
+  o.transform = optim::Transform::None;
+  std::vector<at::Tensor> params = make_params();
+  optim::Optimizer demo(params, o, world->split(0, world->rank()));
+  const int steps = 2;
+  for (int step = 0; step < steps; ++step) {
+    set_gradients(params, world->rank(), step);
+    demo.step();
+  }
+  for (size_t i = 0; i < kShapes.size(); ++i) {
+    const dct::ChunkPlan plan = demo.chunk_plan(i);
+    const int64_t R = plan.row_chunks(), C = plan.col_chunks(), h = plan.chunk_rows,
+                  w = plan.chunk_cols;
+    // [rows, cols] float64 <-> [chunks, h * w], chunks row-major (divisor plans: no padding).
+    auto to_chunks = [&](const at::Tensor& t) {
+      return t.reshape({R, h, C, w}).permute({0, 2, 1, 3}).reshape({R * C, h * w});
+    };
+    auto from_chunks = [&](const at::Tensor& t) {
+      return t.reshape({R, C, h, w}).permute({0, 2, 1, 3}).reshape({plan.rows, plan.cols});
+    };
+    at::Tensor expected = make_params()[i].detach().to(at::kDouble).reshape({plan.rows, plan.cols});
+    std::vector<at::Tensor> residuals(P);
+    for (int q = 0; q < P; ++q) residuals[q] = at::zeros({R * C, h * w}, at::kDouble);
+    for (int step = 0; step < steps; ++step) {
+      at::Tensor sum = at::zeros({R * C, h * w}, at::kDouble), count = at::zeros_like(sum);
+      for (int q = 0; q < P; ++q) {
+        std::vector<at::Tensor> replica = make_params();
+        set_gradients(replica, q, step);
+        at::Tensor& r = residuals[q];
+        r = o.decay * r + o.lr * to_chunks(replica[i].grad().to(at::kDouble));
+        const at::Tensor kept = std::get<1>(r.abs().topk(std::min(o.topk, h * w), 1));
+        const at::Tensor mask = at::zeros_like(r).scatter_(1, kept, 1.0);
+        sum += r * mask;
+        count += mask;
+        r = r * (1 - mask);
+      }
+      expected -= o.lr * from_chunks(at::where(count > 0, sum / count.clamp_min(1), sum));
+    }
+    EXPECT_TRUE(at::allclose(params[i].detach().to(at::kDouble).reshape({plan.rows, plan.cols}),
+                             expected, 1e-5, 1e-6))
+        << "parameter " << i;
   }
 }
