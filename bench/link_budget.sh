@@ -1,125 +1,136 @@
 #!/usr/bin/env bash
 # --link-budget auto on the emulated cluster (scripts/cluster.sh; needs root): gpt-micro, 2 nodes
-# x 2 ranks, --overlap-step, at each link rate. Measures what it chose, its step time against the
-# same run on an unlimited link, and its validation loss against fixed settings.
+# x 2 ranks, --overlap-step. Measures what it chose at each link rate, its step time against the
+# unlimited link's, and its validation loss against fixed settings.
 #
-#   1. auto: --link-budget auto at each rate of RATES (500 steps; on the unlimited link,
-#      AUTO_NONE_STEPS = 100: only its step time is compared).
-#   2. fixed: each fixed setting of FIXED (top-k and values, --overlap-step) trains 500 steps on
-#      the unlimited link (its loss: a fixed run is bit-identical at every rate) and is timed for
-#      TIME_STEPS (30) steps at each rate.
-#   3. table: per rate the settings auto chose (from metrics.jsonl), its mean step time (steps
-#      after the first 3, probes included) over the unlimited link's, its final validation
-#      loss, and the best fixed setting at that rate: the lowest loss among the fixed runs whose
-#      mean step time there is at most 1.1x the unlimited link's auto run.
-#   PHASES (default "auto fixed table"), RATES (default "none 1gbit 100mbit 10mbit"),
-#   FIXED (default "512-bf16 256-2bit 32-bf16"). Results in docs/results/link-budget/.
+#   1. loss: --link-budget auto trains 500 steps on the emulated cluster at each rate of RATES
+#      (its choices depend on the link); each fixed setting of FIXED (TOPK-VALUES, with
+#      --overlap-step) trains 500 steps with mpirun on this machine (a fixed run's losses do not
+#      depend on the link). Runs already kept are not trained again.
+#   2. time: this machine's step times drift by 20% between minutes, so step times are compared
+#      in pairs run back to back: ROUNDS (3) times, for each rate, auto on the unlimited link
+#      then auto at the rate, TIME_STEPS (30) steps each after its first choice (before step 4).
+#      Per rate: the median of the pairs' ratios (rate / unlimited) and the mean step times.
+#   3. table: per rate the settings auto chose (from metrics.jsonl of the 500-step run), the
+#      rate it measured, its step time ratio, its validation loss, and the fixed settings'.
+#   PHASES (default "loss time table"), RATES (default "1gbit 100mbit 10mbit"), FIXED (default
+#   "32-bf16 128-bf16"), AUTO (extra options of the auto runs, e.g. "--link-max-topk 512"; its
+#   runs then go to auto-OPTIONS/). Results in docs/results/link-budget/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-phases="${PHASES:-auto fixed table}"
-rates="${RATES-none 1gbit 100mbit 10mbit}"
-fixed="${FIXED:-512-bf16 256-2bit 32-bf16}"
-auto_none_steps="${AUTO_NONE_STEPS:-100}"
+phases="${PHASES:-loss time table}"
+rates="${RATES-1gbit 100mbit 10mbit}"
+fixed="${FIXED:-32-bf16 128-bf16}"
+rounds="${ROUNDS:-3}"
 time_steps="${TIME_STEPS:-30}"
 out=docs/results/link-budget
+read -r -a auto_options <<< "${AUTO:-}"
+auto_dir=auto
+[ ${#auto_options[@]} -eq 0 ] || auto_dir="auto$(printf '%s' "${auto_options[*]}" | tr -c 'a-z0-9' '-')"
 mkdir -p "$out"
 export FLEXDEMO_TOKENIZE="$PWD/build/flexdemo-tokenize"
 common=(--model gpt-micro --optimizer flexdemo --lr 1e-3 --overlap-step --progress lines)
 cluster=scripts/cluster.sh
 trap 'bash "$cluster" down >/dev/null 2>&1 || true' EXIT
 
-# RATE STEPS DIR OPTIONS...: a run on the emulated cluster at RATE.
+# RATE STEPS DIR OPTIONS...: a run on the emulated cluster at RATE (the cluster must be up).
 train_at() {
-  local rate=$1 steps=$2 dir=$3
-  shift 3
-  bash "$cluster" up 2 2 "$rate"
+  local steps=$1 dir=$2
+  shift 2
   rm -rf "$dir"
   bash "$cluster" run -- "$PWD/build/flexdemo" train "${common[@]}" --steps "$steps" \
-    --eval-every 50 --log-every 100 "$@" --out "$PWD/$dir"
-  bash "$cluster" down
+    --log-every 100 "$@" --out "$PWD/$dir"
 }
-fixed_options() { echo "--topk ${1%-*} --values ${1#*-}"; }
 
-if [[ " $phases " == *" auto "* ]]; then
+if [[ " $phases " == *" loss "* ]]; then
+  for setting in $fixed; do
+    d="$out/fixed/$setting"
+    [ -f "$d/summary.json" ] && { echo "== fixed $setting (kept) =="; continue; }
+    echo "== fixed $setting =="
+    rm -rf "$d"
+    mpirun --allow-run-as-root --oversubscribe -np 4 build/flexdemo train "${common[@]}" \
+      --ranks-per-node 2 --steps 500 --eval-every 50 --log-every 100 \
+      --topk "${setting%-*}" --values "${setting#*-}" --out "$d"
+  done
   for rate in $rates; do
-    steps=500
-    [ "$rate" = none ] && steps=$auto_none_steps
-    echo "== auto at $rate ($steps steps) =="
-    train_at "$rate" "$steps" "$out/auto/$rate" --link-budget auto
+    d="$out/$auto_dir/$rate"
+    [ -f "$d/summary.json" ] && { echo "== auto at $rate (kept) =="; continue; }
+    echo "== auto at $rate =="
+    bash "$cluster" up 2 2 "$rate"
+    train_at 500 "$d" --eval-every 50 --link-budget auto "${auto_options[@]}"
+    bash "$cluster" down
   done
 fi
 
-if [[ " $phases " == *" fixed "* ]]; then
-  for setting in $fixed; do
+if [[ " $phases " == *" time "* ]]; then
+  for round in $(seq 1 "$rounds"); do
     for rate in $rates; do
-      steps=$time_steps
-      [ "$rate" = none ] && steps=500
-      echo "== fixed $setting at $rate ($steps steps) =="
-      # shellcheck disable=SC2046
-      train_at "$rate" "$steps" "$out/fixed/$rate/$setting" $(fixed_options "$setting")
+      for link in none "$rate"; do
+        echo "== time, round $round: $rate pair, link $link =="
+        bash "$cluster" up 2 2 "$link" > /dev/null
+        train_at $((time_steps + 4)) "$out/time-$auto_dir/$round-$rate-$link" --eval-every 0 \
+          --link-budget auto "${auto_options[@]}" > /dev/null
+        bash "$cluster" down
+      done
     done
   done
 fi
 
 if [[ " $phases " == *" table "* ]]; then
-  python3 - "$out" "$rates" "$fixed" <<'PY'
-import json, os, sys
-out, rates, fixed = sys.argv[1], sys.argv[2].split(), sys.argv[3].split()
+  python3 - "$out" "$rates" "$fixed" "$rounds" "$auto_dir" <<'PY'
+import json, os, statistics, sys
+out, rates, fixed, rounds, auto_dir = sys.argv[1], sys.argv[2].split(), sys.argv[3].split(), int(sys.argv[4]), sys.argv[5]
 
 def lines(run):
     with open(os.path.join(run, "metrics.jsonl")) as f:
         return [json.loads(l) for l in f if l.strip()]
 
-def mean_step_s(run):  # after the first 3 steps (the first choice comes before step 4)
-    t = [l["step_ms"] for l in lines(run) if l["step"] > 3]
+def mean_step_s(run):  # the steps after the first choice (before step 4)
+    t = [l["step_ms"] for l in lines(run) if l["step"] > 4]
     return sum(t) / len(t) / 1e3
 
 def final_loss(run):
     return json.load(open(os.path.join(run, "summary.json")))["final_val_loss"]
 
-def choices(run):  # "top-k/values/every from step N" for each change
-    out, last = [], None
+def choices(run):  # each change: "top-k values every N from step S"
+    found, last = [], None
     for l in lines(run):
         c = l.get("link_budget")
-        if not c:
-            continue
-        now = (c["topk"], c["values"], c["every"])
-        if now != last:
-            out.append("%d %s every %d from step %d" % (now + (c["step"],)))
-            last = now
-    return "; ".join(out)
+        if c and (c["topk"], c["values"], c["every"]) != last:
+            last = (c["topk"], c["values"], c["every"])
+            found.append("%d %s every %d from step %d" % (last + (c["step"],)))
+    return "; ".join(found)
 
-def probe(run):  # the measured rate of each choice, Mbit/s a rank
-    return " ".join("%.1f" % l["link_budget"]["rank_mbit_s"] for l in lines(run) if "link_budget" in l)
+def measured(run):  # Mbit/s a rank at each choice
+    return ", ".join("%.1f" % l["link_budget"]["rank_mbit_s"] for l in lines(run) if "link_budget" in l)
 
-unlimited = mean_step_s(os.path.join(out, "auto", "none"))
-rows = ["| rate | auto chose | measured Mbit/s a rank | s/step | vs unlimited | val loss after 500 | best fixed at this rate (val loss, s/step) | fixed settings: s/step |",
-        "|---|---|---|---|---|---|---|---|"]
-csv = ["rate,run,final_val_loss,s_per_step,ratio_to_unlimited_auto"]
+rows = ["| rate | auto chose | measured Mbit/s a rank (each choice) | s/step: unlimited, at the rate (pairs) | ratio (median of %d pairs) | val loss after 500 |" % rounds,
+        "|---|---|---|---|---|---|"]
+csv = ["rate,run,final_val_loss,s_per_step_unlimited,s_per_step_at_rate,ratio_median"]
 for rate in rates:
-    auto = os.path.join(out, "auto", rate)
-    if not os.path.exists(os.path.join(auto, "summary.json")):
+    auto = os.path.join(out, auto_dir, rate)
+    pairs = [(mean_step_s(os.path.join(out, "time-" + auto_dir, "%d-%s-none" % (r, rate))),
+              mean_step_s(os.path.join(out, "time-" + auto_dir, "%d-%s-%s" % (r, rate, rate))))
+             for r in range(1, rounds + 1)
+             if os.path.exists(os.path.join(out, "time-" + auto_dir, "%d-%s-%s" % (r, rate, rate), "metrics.jsonl"))]
+    if not pairs:
         continue
-    s = mean_step_s(auto)
-    loss = final_loss(auto) if rate != "none" else float("nan")
-    csv.append("%s,auto,%.4f,%.4f,%.3f" % (rate, loss, s, s / unlimited))
-    best, timings = None, []
-    for setting in fixed:
-        timed = os.path.join(out, "fixed", rate, setting)
-        trained = os.path.join(out, "fixed", "none", setting)
-        if not (os.path.exists(os.path.join(timed, "metrics.jsonl")) and os.path.exists(os.path.join(trained, "summary.json"))):
-            continue
-        fs, fl = mean_step_s(timed), final_loss(trained)
-        csv.append("%s,fixed-%s,%.4f,%.4f,%.3f" % (rate, setting, fl, fs, fs / unlimited))
-        timings.append("%s %.2f" % (setting, fs))
-        if fs <= 1.1 * unlimited and (best is None or fl < best[1]):
-            best = (setting, fl, fs)
-    best_text = "%s (%.4f, %.2f)" % best if best else "none within 1.1x"
-    rows.append("| %s | %s | %s | %.3f | %.2fx | %s | %s | %s |" % (
-        rate, choices(auto), probe(auto), s, s / unlimited,
-        "-" if rate == "none" else "%.4f" % loss, best_text, ", ".join(timings)))
-open(os.path.join(out, "link-budget.csv"), "w").write("\n".join(csv) + "\n")
-open(os.path.join(out, "table.md"), "w").write("\n".join(rows) + "\n")
+    # The choices and losses of the 500-step run where one was trained, else the timing runs'.
+    trained = os.path.exists(os.path.join(auto, "summary.json"))
+    chosen = auto if trained else os.path.join(out, "time-" + auto_dir, "1-%s-%s" % (rate, rate))
+    loss = "%.4f" % final_loss(auto) if trained else "not trained"
+    ratio = statistics.median(b / a for a, b in pairs)
+    times = "; ".join("%.2f, %.2f" % p for p in pairs)
+    rows.append("| %s | %s | %s | %s | %.2fx | %s |" % (rate, choices(chosen), measured(chosen), times, ratio, loss))
+    csv.append("%s,auto,%s,%.4f,%.4f,%.3f" % (rate, loss if trained else "", statistics.mean(a for a, _ in pairs),
+                                             statistics.mean(b for _, b in pairs), ratio))
+for setting in fixed:
+    d = os.path.join(out, "fixed", setting)
+    if os.path.exists(os.path.join(d, "summary.json")):
+        rows.append("| any | fixed: top-k %s, %s | | | | %.4f |" % (setting.split("-")[0], setting.split("-")[1], final_loss(d)))
+        csv.append("any,fixed-%s,%.4f,,," % (setting, final_loss(d)))
+open(os.path.join(out, auto_dir + ".csv"), "w").write("\n".join(csv) + "\n")
+open(os.path.join(out, auto_dir + ".md"), "w").write("\n".join(rows) + "\n")
 print("\n".join(rows))
 PY
 fi

@@ -178,7 +178,7 @@ struct OptionSpec {
     "--link-probe-every steps, every choice in metrics.jsonl (demo replicator; off: the fixed "    \
     "--topk, --values, --replicate-every)")                                                        \
   X(link_min_topk, int64_t, 8, Run, at_least(1), "--link-budget auto: the smallest top-k chosen")  \
-  X(link_max_topk, int64_t, 512, Run, at_least(1), "--link-budget auto: the largest top-k chosen") \
+  X(link_max_topk, int64_t, 128, Run, at_least(1), "--link-budget auto: the largest top-k chosen") \
   X(link_values, std::string, "bf16,2bit", Run, anything(),                                        \
     "--link-budget auto: the value encodings it may choose, comma-separated, preferred first")     \
   X(link_max_every, int64_t, 4, Run, at_least(1),                                                  \
