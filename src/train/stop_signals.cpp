@@ -15,13 +15,29 @@ constexpr int kSignals[kStopSignals] = {SIGTERM, SIGINT, SIGUSR1};
 std::atomic<int> g_first{0};
 struct sigaction g_before[kStopSignals];
 
+// The name of a stop signal, for the handler: no allocation.
+const char* stop_signal_name(int signal) {
+  switch (signal) {
+    case SIGTERM:
+      return "SIGTERM";
+    case SIGINT:
+      return "SIGINT";
+    default:
+      return "SIGUSR1";
+  }
+}
+
+void write_stderr(const char* text) {
+  [[maybe_unused]] const ssize_t written = ::write(STDERR_FILENO, text, std::strlen(text));
+}
+
 void on_signal(int signal) {
   int none = 0;
   if (g_first.compare_exchange_strong(none, signal)) return;  // the first: noted only
-  static const char kLine[] =
-      "flexdemo: a second stop signal: stopping at once, without a checkpoint (the newest one "
-      "written is kept)\n";
-  [[maybe_unused]] const ssize_t written = ::write(STDERR_FILENO, kLine, sizeof(kLine) - 1);
+  // Named: two signals pending at once are delivered lowest number first, whatever their order.
+  write_stderr("flexdemo: a second stop signal (");
+  write_stderr(stop_signal_name(signal));
+  write_stderr("): stopping at once, without a checkpoint (the newest one written is kept)\n");
   ::_exit(128 + signal);
 }
 
@@ -50,16 +66,10 @@ int StopSignals::received() {
 }
 
 std::string signal_name(int signal) {
-  switch (signal) {
-    case SIGTERM:
-      return "SIGTERM";
-    case SIGINT:
-      return "SIGINT";
-    case SIGUSR1:
-      return "SIGUSR1";
-    default:
-      return "signal " + std::to_string(signal);
+  for (const int stop : kSignals) {
+    if (signal == stop) return stop_signal_name(signal);
   }
+  return "signal " + std::to_string(signal);
 }
 
 }  // namespace flexdemo::train
