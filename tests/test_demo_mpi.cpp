@@ -209,9 +209,9 @@ TEST(DemoMpi, ExchangeStartedInBucketsEqualsOneBucket) {
 namespace {
 
 // --inner-steps' outer loop in float64, from the gradients every replica sees (a function of the
-// replica and the step only): local sign-SGD steps from the anchor, the replicas' mean
-// pseudo-gradient, Nesterov SGD on the anchor. Returns every parameter after `steps` steps as
-// replica `rank` holds it.
+// replica and the step only): local SGD steps (on the gradient's sign or the gradient) from the
+// anchor, the replicas' mean pseudo-gradient, Nesterov SGD (on its sign or itself) on the anchor.
+// Returns every parameter after `steps` steps as replica `rank` holds it.
 std::vector<at::Tensor> outer_loop_reference(const optim::OptimizerOptions& o, int replicas,
                                              int rank, int steps) {
   std::vector<at::Tensor> anchor, momentum, mine;
@@ -226,15 +226,17 @@ std::vector<at::Tensor> outer_loop_reference(const optim::OptimizerOptions& o, i
       std::vector<at::Tensor> grads = make_params();
       set_gradients(grads, q, step);
       for (size_t i = 0; i < anchor.size(); ++i) {
-        local[q][i] = local[q][i] - o.lr * grads[i].grad().to(at::kDouble).sign();
+        const at::Tensor g = grads[i].grad().to(at::kDouble);
+        local[q][i] = local[q][i] - o.lr * (o.sign ? g.sign() : g);
       }
     }
     if ((step + 1) % o.inner_steps == 0) {
       for (size_t i = 0; i < anchor.size(); ++i) {
         at::Tensor mean = at::zeros_like(anchor[i]);
         for (int q = 0; q < replicas; ++q) mean += (anchor[i] - local[q][i]) / replicas;
-        momentum[i] = o.outer_momentum * momentum[i] + mean;
-        anchor[i] = anchor[i] - o.outer_lr * (mean + o.outer_momentum * momentum[i]);
+        const at::Tensor d = o.outer_sign ? mean.sign() : mean;
+        momentum[i] = o.outer_momentum * momentum[i] + d;
+        anchor[i] = anchor[i] - o.outer_lr * (d + o.outer_momentum * momentum[i]);
         for (int q = 0; q < replicas; ++q) local[q][i] = anchor[i];
       }
     }
@@ -247,15 +249,22 @@ std::vector<at::Tensor> outer_loop_reference(const optim::OptimizerOptions& o, i
 TEST(DemoMpi, InnerStepsEqualFloat64OuterLoop) {
   // --inner-steps 3 over 3 rounds and a step into the fourth: local sign-SGD, the pseudo-gradient
   // averaged by the full replicator (exact) or by DeMo keeping every coefficient in fp32 with
-  // no residual carried (exact up to the transform's rounding), Nesterov on the anchor. One
-  // exchange per round; replicas bit-identical after each; mid-round each holds its own steps.
+  // no residual carried (exact up to the transform's rounding), Nesterov on the anchor; and
+  // local plain SGD with the outer step on the mean's sign (--outer-sign: the gradients are
+  // continuous, so no mean lies near 0 and rounding flips no sign). One exchange per round;
+  // replicas bit-identical after each; mid-round each holds its own steps.
   auto world = test_world();
-  for (auto kind : {optim::ReplicatorKind::Full, optim::ReplicatorKind::Demo}) {
+  for (auto [kind, outer_sign] : {std::pair{optim::ReplicatorKind::Full, false},
+                                  {optim::ReplicatorKind::Demo, false},
+                                  {optim::ReplicatorKind::Full, true},
+                                  {optim::ReplicatorKind::Demo, true}}) {
     optim::OptimizerOptions o;
     o.lr = 0.01;
+    o.sign = !outer_sign;
     o.inner_steps = 3;
-    o.outer_lr = 0.7;
-    o.outer_momentum = 0.9;
+    o.outer_lr = outer_sign ? 0.02 : 0.7;
+    o.outer_momentum = outer_sign ? 0.5 : 0.9;
+    o.outer_sign = outer_sign;
     o.replicator = kind;
     o.chunk = 8;
     o.topk = 64;  // every coefficient of an 8 x 8 chunk
@@ -271,7 +280,8 @@ TEST(DemoMpi, InnerStepsEqualFloat64OuterLoop) {
           outer_loop_reference(o, world->size(), world->rank(), step + 1);
       for (size_t i = 0; i < params.size(); ++i) {
         EXPECT_TRUE(at::allclose(params[i].detach().to(at::kDouble), want[i], 1e-5, 1e-6))
-            << name_of(kind) << " parameter " << i << " step " << step + 1;
+            << name_of(kind) << (outer_sign ? " outer sign" : "") << " parameter " << i << " step "
+            << step + 1;
       }
       if ((step + 1) % 3 == 0) {
         for (size_t i = 0; i < params.size(); ++i) {

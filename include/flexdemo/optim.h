@@ -89,6 +89,8 @@ struct OptimizerOptions {
   // trained worse at H = 10 on gpt-micro (README, "Many local steps").
   double outer_lr = 1.0;        // > 0
   double outer_momentum = 0.0;  // Nesterov's, in [0, 1) (0: plain SGD)
+  bool outer_sign = false;      // step by sign(mean) instead of the mean: outer_lr is then the
+                                // step of every parameter (e.g. inner_steps * lr)
 
   void validate() const;  // throws std::invalid_argument naming the bad option
 };

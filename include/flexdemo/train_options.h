@@ -168,6 +168,9 @@ struct OptionSpec {
     "--inner-steps: the outer SGD's rate (1 with momentum 0: the replicas' parameters averaged)")   \
   X(outer_momentum, double, 0.0, State, half_open(0, 1),                                           \
     "--inner-steps: the outer SGD's Nesterov momentum (DiLoCo's 0.9 with --outer-lr 0.7)")         \
+  X(outer_sign, bool, false, State, anything(),                                                    \
+    "--inner-steps: step by the sign of the replicas' mean pseudo-gradient (then --outer-lr is "   \
+    "every parameter's step, e.g. H x --lr)")                                                      \
   X(overlap_step, bool, false, State, anything(),                                                  \
     "run each exchange between nodes through the next step and apply it there (one step "          \
     "stale), hiding it behind that step's forward and backward")                                   \

@@ -69,8 +69,9 @@ struct Optimizer::Impl {
   int64_t steps = 0;
   ExchangeSchedule schedule;  // as set; the replicator reports the top-k and values in use
   ExchangeCounters counters;
-  // inner_steps > 1: `replicator` exchanges pseudo-gradients and `outer` (Nesterov SGD) applies
-  // them to `anchors`, the parameters of the last exchange; `inner` takes the local steps.
+  // inner_steps > 1: `replicator` exchanges pseudo-gradients and `outer` (Nesterov SGD, on them or
+  // on their sign) applies them to `anchors`, the parameters of the last exchange; `inner` takes
+  // the local steps.
   std::vector<at::Tensor> anchors;  // float32 [rows, cols]
   std::unique_ptr<InnerOptimizer> outer;
 
@@ -148,7 +149,7 @@ Optimizer::Optimizer(std::vector<OptimParam> params, OptimizerOptions options,
   }
   OptimizerOptions outer = options;
   outer.inner = InnerKind::Nesterov;
-  outer.sign = false;
+  outer.sign = options.outer_sign;
   outer.lr = options.outer_lr;
   outer.momentum = options.outer_momentum;
   outer.weight_decay = 0.0;  // the local steps decay the weights

@@ -182,6 +182,8 @@ void TrainConfig::validate() const {
                       inner_steps, replicate_every));
     }
     if (overlap_step) fail("--inner-steps and --overlap-step exclude each other");
+  } else if (outer_sign) {
+    fail("--outer-sign needs --inner-steps above 1 (it signs the outer step)");
   }
   if (link_budget == LinkBudgetMode::Auto) {
     if (!demo_replicator) {
@@ -327,6 +329,7 @@ optim::OptimizerOptions optimizer_options(const TrainConfig& c) {
   o.inner_steps = c.inner_steps;
   o.outer_lr = c.outer_lr;
   o.outer_momentum = c.outer_momentum;
+  o.outer_sign = c.outer_sign;
   o.overlap_step = c.overlap_step;
   o.seed = c.seed;
   o.validate();
