@@ -19,8 +19,8 @@ cd "$(dirname "$0")/.."
 phases="${PHASES:-loss time table}"
 rates="${RATES-100mbit 10mbit}"
 all_runs="adamw-hsdp flexdemo flexdemo-2bit diloco-h10 diloco-h10-avg diloco-demo-h10
-  diloco-demo-h10-avg diloco-demo-h10-avg-nodct diloco-demo-h25-avg diloco-demo-h10-sign
-  diloco-demo-h10-sign-half"
+  diloco-demo-h10-avg diloco-demo-h10-avg-nodct diloco-demo-h5-avg diloco-demo-h25-avg
+  diloco-demo-h10-sign diloco-demo-h10-sign-half"
 runs="${RUNS:-$all_runs}"
 time_steps="${TIME_STEPS:-50}"
 hsdp_steps="${HSDP_STEPS:-6}"
@@ -44,6 +44,7 @@ options_of() {
     diloco-demo-h10-avg) echo "--optimizer adamw --replicator demo --inner-steps 10 --topk 320 --values 2bit --outer-lr 1 --outer-momentum 0" ;;
     # The same without the DCT: top-k of the pseudo-gradient's own entries in each chunk.
     diloco-demo-h10-avg-nodct) echo "--optimizer adamw --replicator demo --inner-steps 10 --topk 320 --values 2bit --transform none --outer-lr 1 --outer-momentum 0" ;;
+    diloco-demo-h5-avg) echo "--optimizer adamw --replicator demo --inner-steps 5 --topk 160 --values 2bit --outer-lr 1 --outer-momentum 0" ;;
     diloco-demo-h25-avg) echo "--optimizer adamw --replicator demo --inner-steps 25 --topk 800 --values 2bit --outer-lr 1 --outer-momentum 0" ;;
     # The outer step on the mean's sign, every parameter moved by H x --lr or half of it.
     diloco-demo-h10-sign) echo "--optimizer adamw --replicator demo --inner-steps 10 --topk 320 --values 2bit --outer-sign --outer-lr 1e-2" ;;
