@@ -11,6 +11,7 @@
 #      in pairs run back to back: ROUNDS (3) times, for each rate, auto on the unlimited link
 #      then auto at the rate, TIME_STEPS (30) steps each after its first choice (before step 4).
 #      Per rate: the median of the pairs' ratios (rate / unlimited) and the mean step times.
+#      FIRST_ROUND (1) > 1 adds rounds to those kept.
 #   3. table: per rate the settings auto chose (from metrics.jsonl of the 500-step run), the
 #      rate it measured, its step time ratio, its validation loss, and the fixed settings'.
 #   PHASES (default "loss time table"), RATES (default "1gbit 100mbit 10mbit"), FIXED (default
@@ -22,6 +23,7 @@ phases="${PHASES:-loss time table}"
 rates="${RATES-1gbit 100mbit 10mbit}"
 fixed="${FIXED:-32-bf16 128-bf16}"
 rounds="${ROUNDS:-3}"
+first_round="${FIRST_ROUND:-1}"
 time_steps="${TIME_STEPS:-30}"
 out=docs/results/link-budget
 read -r -a auto_options <<< "${AUTO:-}"
@@ -63,7 +65,7 @@ if [[ " $phases " == *" loss "* ]]; then
 fi
 
 if [[ " $phases " == *" time "* ]]; then
-  for round in $(seq 1 "$rounds"); do
+  for round in $(seq "$first_round" "$rounds"); do
     for rate in $rates; do
       for link in none "$rate"; do
         echo "== time, round $round: $rate pair, link $link =="
