@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # ctest: a link between nodes goes down in the middle of a run, on the emulated cluster
 # (scripts/cluster.sh: 2 nodes x 1 rank, FlexDeMo, --comm-timeout 10).
-#   short: down for 2 s, shorter than --comm-timeout: the run goes on and ends normally (exit 0),
-#          every step once in metrics.jsonl.
+#   short: down for 2 s, shorter than --comm-timeout: the run goes on and ends normally (exit 0,
+#          stopped by --max-time so that it cannot end before the link went down however fast
+#          the steps are), every step once in metrics.jsonl.
 #   long:  down and left down: every rank ends with the documented timeout message within
 #          --comm-timeout + 10 s of the link going down; once the link is back, mpirun (whose
 #          own teardown needs the other node's daemon) ends non-zero; the newest checkpoint is
@@ -54,20 +55,24 @@ fail=0
 
 # ---- short: 2 s down, then up again
 bash "$cluster" up 2 1 none > /dev/null
-train "$work/short" 600 > "$work/log" 2>&1 &
+train "$work/short" 100000 --max-time 15 > "$work/log" 2>&1 &
 job=$!
 wait_for_step "$work/short" 100
 bash "$cluster" link 2 down
 sleep 2
 bash "$cluster" link 2 up
+kill -0 "$job" 2>/dev/null || { echo "FAIL: the run ended before the link came back"; exit 1; }
 rc=0
 wait "$job" || rc=$?
 job=""
 longest=$(grep -o '"step_ms":[0-9.]*' "$work/short/metrics.jsonl" | cut -d: -f2 | sort -g | tail -1)
-echo "short (2 s down): exit code $rc, the slowest step took ${longest} ms"
+steps=$(steps_logged "$work/short")
+echo "short (2 s down): exit code $rc after $steps steps, the slowest step took ${longest} ms"
 [ "$rc" -eq 0 ] || { echo "FAIL: the run did not go on"; fail=1; }
-[ "$(grep -o '"step":[0-9]*' "$work/short/metrics.jsonl" | cut -d: -f2)" = "$(seq 1 600)" ] ||
-  { echo "FAIL: metrics.jsonl does not hold steps 1..600 once each"; fail=1; }
+grep -q "^stopping after step $steps of 100000: --max-time 15 s reached" "$work/log" ||
+  { echo "FAIL: the run did not end by --max-time"; fail=1; }
+[ "$(grep -o '"step":[0-9]*' "$work/short/metrics.jsonl" | cut -d: -f2)" = "$(seq 1 "$steps")" ] ||
+  { echo "FAIL: metrics.jsonl does not hold steps 1..$steps once each"; fail=1; }
 awk -v ms="$longest" 'BEGIN { exit !(ms >= 1500) }' ||
   { echo "FAIL: no step waited for the link: was it down?"; fail=1; }
 
