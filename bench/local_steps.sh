@@ -2,9 +2,11 @@
 # Many local steps (--inner-steps, DiLoCo's outer loop) against FlexDeMo and AdamW-HSDP on slow
 # links: gpt-micro, 2 nodes x 2 ranks, 500 steps, validation loss against wall time at 100 Mbit/s
 # and 10 Mbit/s, and the time each run takes to reach AdamW-HSDP's 500-step validation loss.
+# Runs named -x2 train twice the steps (1000, the cosine schedule stretched to them) and are timed
+# as the run without -x2 (a step costs the same).
 #
 # Two measurements, combined:
-#   1. loss: each run's 500 steps on this machine (mpirun, no link limit). The losses do not
+#   1. loss: each run's 500 (or 1000) steps on this machine (mpirun, no link limit). The losses do not
 #      depend on the link: a run is bit-identical at every rate (docs/results/e2e.csv).
 #   2. time: each run on the emulated cluster (scripts/cluster.sh; needs root) at each rate for
 #      TIME_STEPS steps after 2 warm-up steps, no evaluation; its mean step time (whole rounds of
@@ -20,7 +22,7 @@ phases="${PHASES:-loss time table}"
 rates="${RATES-100mbit 10mbit}"
 all_runs="adamw-hsdp flexdemo flexdemo-2bit diloco-h10 diloco-h10-avg diloco-demo-h10
   diloco-demo-h10-avg diloco-demo-h10-avg-nodct diloco-demo-h5-avg diloco-demo-h25-avg
-  diloco-demo-h10-sign diloco-demo-h10-sign-half"
+  diloco-demo-h10-sign diloco-demo-h10-sign-half flexdemo-x2 diloco-demo-h10-avg-x2"
 runs="${RUNS:-$all_runs}"
 time_steps="${TIME_STEPS:-50}"
 hsdp_steps="${HSDP_STEPS:-6}"
@@ -31,6 +33,7 @@ common=(--model gpt-micro --lr 1e-3 --progress lines)
 
 options_of() {
   case "$1" in
+    *-x2) options_of "${1%-x2}" ;;
     adamw-hsdp) echo "--optimizer adamw" ;;
     flexdemo) echo "--optimizer flexdemo" ;;
     flexdemo-2bit) echo "--optimizer flexdemo --values 2bit" ;;
@@ -61,6 +64,8 @@ trained_as() {  # a kept run with the same options
   esac
 }
 loss_dir() { local d; d=$(trained_as "$1"); echo "${d:-$out/loss/$1}"; }
+steps_of() { [[ "$1" == *-x2 ]] && echo 1000 || echo 500; }
+timed_as() { echo "${1%-x2}"; }  # a -x2 run's step costs what its 500-step run's does
 
 field() { grep -o "\"$2\": *[0-9.e+-]*" "$1" | head -1 | sed 's/.*: *//'; }
 
@@ -73,7 +78,8 @@ if [[ " $phases " == *" loss "* ]]; then
     rm -rf "$d"
     # shellcheck disable=SC2046
     mpirun --allow-run-as-root --oversubscribe -np 4 build/flexdemo train "${common[@]}" \
-      --ranks-per-node 2 --steps 500 --eval-every 50 --log-every 100 $(options_of "$run") --out "$d"
+      --ranks-per-node 2 --steps "$(steps_of "$run")" --eval-every 50 --log-every 100 \
+      $(options_of "$run") --out "$d"
   done
 fi
 
@@ -83,6 +89,7 @@ if [[ " $phases " == *" time "* ]]; then
   for rate in $rates; do
     bash "$cluster" up 2 2 "$rate"
     for run in $runs; do
+      [ "$(timed_as "$run")" = "$run" ] || continue
       steps=$time_steps
       [ "$run" = adamw-hsdp ] && steps=$hsdp_steps
       d="$out/time/$rate/$run"
@@ -111,7 +118,7 @@ if [[ " $phases " == *" table "* ]]; then
   seconds_for() { [ "$1" = "-" ] && echo "-" || awk -v s="$1" -v t="$2" 'BEGIN { printf "%.0f", s * t }'; }
   for rate in $rates; do
     for run in $all_runs; do
-      ld=$(loss_dir "$run") td="$out/time/$rate/$run"
+      ld=$(loss_dir "$run") td="$out/time/$rate/$(timed_as "$run")"
       [ -f "$ld/summary.json" ] && [ -f "$td/metrics.jsonl" ] || continue
       # Mean step time over the steps after the 2 warm-up steps.
       s_per_step=$(awk 'match($0, /"step":[0-9]+/) { s = substr($0, RSTART + 7, RLENGTH - 7) }
@@ -129,7 +136,7 @@ if [[ " $phases " == *" table "* ]]; then
     {
       echo "set terminal pngcairo size 900,560 noenhanced"
       echo "set output '$out/loss-vs-time-$rate.png'"
-      echo "set title 'Validation loss against wall time at $rate (gpt-micro, 2 nodes x 2 ranks, 500 steps)'"
+      echo "set title 'Validation loss against wall time at $rate (gpt-micro, 2 nodes x 2 ranks, 500 steps; -x2: 1000)'"
       echo "set xlabel 'seconds (steps x mean step time at $rate)'; set ylabel 'validation loss'"
       echo "set logscale x; set grid; set key top right"
       echo "set arrow from graph 0, first $target to graph 1, first $target nohead dashtype 2"
