@@ -2,8 +2,9 @@
 # Many local steps (--inner-steps, DiLoCo's outer loop) against FlexDeMo and AdamW-HSDP on slow
 # links: gpt-micro, 2 nodes x 2 ranks, 500 steps, validation loss against wall time at 100 Mbit/s
 # and 10 Mbit/s, and the time each run takes to reach AdamW-HSDP's 500-step validation loss.
-# Runs named -x2 train twice the steps (1000, the cosine schedule stretched to them) and are timed
-# as the run without -x2 (a step costs the same).
+# Runs named -x2 train twice the steps (1000, the cosine schedule stretched to them), runs named
+# -s2 with another seed (--seed 2: another initialisation, data order and validation sample); both
+# are timed as the run without the suffix (a step costs the same).
 #
 # Two measurements, combined:
 #   1. loss: each run's 500 (or 1000) steps on this machine (mpirun, no link limit). The losses do not
@@ -22,7 +23,8 @@ phases="${PHASES:-loss time table}"
 rates="${RATES-100mbit 10mbit}"
 all_runs="adamw-hsdp flexdemo flexdemo-2bit diloco-h10 diloco-h10-avg diloco-demo-h10
   diloco-demo-h10-avg diloco-demo-h10-avg-nodct diloco-demo-h5-avg diloco-demo-h25-avg
-  diloco-demo-h10-sign diloco-demo-h10-sign-half flexdemo-x2 diloco-demo-h10-avg-x2"
+  diloco-demo-h10-sign diloco-demo-h10-sign-half flexdemo-x2 diloco-demo-h10-avg-x2
+  adamw-hsdp-s2 flexdemo-s2 diloco-demo-h10-avg-s2 flexdemo-x2-s2 diloco-demo-h10-avg-x2-s2"
 runs="${RUNS:-$all_runs}"
 time_steps="${TIME_STEPS:-50}"
 hsdp_steps="${HSDP_STEPS:-6}"
@@ -34,6 +36,7 @@ common=(--model gpt-micro --lr 1e-3 --progress lines)
 options_of() {
   case "$1" in
     *-x2) options_of "${1%-x2}" ;;
+    *-s2) echo "$(options_of "${1%-s2}") --seed 2" ;;
     adamw-hsdp) echo "--optimizer adamw" ;;
     flexdemo) echo "--optimizer flexdemo" ;;
     flexdemo-2bit) echo "--optimizer flexdemo --values 2bit" ;;
@@ -64,8 +67,8 @@ trained_as() {  # a kept run with the same options
   esac
 }
 loss_dir() { local d; d=$(trained_as "$1"); echo "${d:-$out/loss/$1}"; }
-steps_of() { [[ "$1" == *-x2 ]] && echo 1000 || echo 500; }
-timed_as() { echo "${1%-x2}"; }  # a -x2 run's step costs what its 500-step run's does
+steps_of() { [[ "${1%-s2}" == *-x2 ]] && echo 1000 || echo 500; }
+timed_as() { local r=${1%-s2}; echo "${r%-x2}"; }  # a step costs what the plain run's does
 
 field() { grep -o "\"$2\": *[0-9.e+-]*" "$1" | head -1 | sed 's/.*: *//'; }
 
@@ -104,8 +107,15 @@ if [[ " $phases " == *" time "* ]]; then
 fi
 
 if [[ " $phases " == *" table "* ]]; then
-  target=$(field "$(loss_dir adamw-hsdp)/summary.json" final_val_loss)
-  flexdemo_target=$(field "$(loss_dir flexdemo)/summary.json" final_val_loss)
+  # RUN REFERENCE: REFERENCE's final validation loss, at RUN's seed (-s2 runs are held to the -s2
+  # references: another seed evaluates on another validation sample).
+  target_of() {
+    local ref=$2
+    [[ "$1" == *-s2 ]] && ref="$ref-s2"
+    field "$(loss_dir "$ref")/summary.json" final_val_loss
+  }
+  target=$(target_of adamw-hsdp adamw-hsdp)
+  flexdemo_target=$(target_of flexdemo flexdemo)
   csv="$out/local-steps.csv"
   echo "rate,run,final_val_loss,s_per_step,inter_bytes_per_step,s_to_adamw_hsdp_loss,step_reached,s_to_flexdemo_loss,step_reached_flexdemo" > "$csv"
   # RUN_DIR TARGET: the first step whose validation loss is at most TARGET, or -.
@@ -122,10 +132,10 @@ if [[ " $phases " == *" table "* ]]; then
       [ -f "$ld/summary.json" ] && [ -f "$td/metrics.jsonl" ] || continue
       # Mean step time over the steps after the 2 warm-up steps.
       s_per_step=$(awk 'match($0, /"step":[0-9]+/) { s = substr($0, RSTART + 7, RLENGTH - 7) }
-        match($0, /"step_ms":[0-9.e+-]+/) { if (s > 2) { t += substr($0, RSTART + 10, RLENGTH - 10); n++ } }
+        match($0, /"step_ms":[0-9.e+-]+/) { if (s + 0 > 2) { t += substr($0, RSTART + 10, RLENGTH - 10); n++ } }
         END { printf "%.4f", t / n / 1000 }' "$td/metrics.jsonl")
-      reached=$(first_step_at "$ld" "$target")
-      reached_flexdemo=$(first_step_at "$ld" "$flexdemo_target")
+      reached=$(first_step_at "$ld" "$(target_of "$run" adamw-hsdp)")
+      reached_flexdemo=$(first_step_at "$ld" "$(target_of "$run" flexdemo)")
       echo "$rate,$run,$(field "$ld/summary.json" final_val_loss),$s_per_step,$(field "$ld/summary.json" inter_bytes_per_step),$(seconds_for "$reached" "$s_per_step"),$reached,$(seconds_for "$reached_flexdemo" "$s_per_step"),$reached_flexdemo" >> "$csv"
       # Validation loss against the wall time at this rate, for the plot.
       awk -v t="$s_per_step" 'match($0, /"step":[0-9]+/) { s = substr($0, RSTART + 7, RLENGTH - 7) }
