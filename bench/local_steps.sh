@@ -7,8 +7,8 @@
 # are timed as the run without the suffix (a step costs the same).
 #
 # Two measurements, combined:
-#   1. loss: each run's 500 (or 1000) steps on this machine (mpirun, no link limit). The losses do not
-#      depend on the link: a run is bit-identical at every rate (docs/results/e2e.csv).
+#   1. loss: each run's 500 (or 1000) steps on this machine (mpirun, no link limit). The losses
+#      do not depend on the link: a run is bit-identical at every rate (docs/results/e2e.csv).
 #   2. time: each run on the emulated cluster (scripts/cluster.sh; needs root) at each rate for
 #      TIME_STEPS steps after 2 warm-up steps, no evaluation; its mean step time (whole rounds of
 #      every --inner-steps H: 50 steps by default) is its seconds per step at that rate.
