@@ -15,6 +15,9 @@
 #      AdamW-HSDP sends 34 MB a step (30 s at 10 Mbit/s): it is timed over HSDP_STEPS (6) steps.
 # Wall time at a rate = steps x that rate's mean step time (evaluations not counted).
 #   PHASES (default "loss time table"), RATES (default "100mbit 10mbit"), RUNS (default all).
+#   The README's tables add 2mbit, timed for the compressed runs only (RATES=2mbit PHASES=time
+#   RUNS="flexdemo flexdemo-2bit diloco-demo-..."; the dense exchanges of diloco-h10* and
+#   adamw-hsdp outlast --comm-timeout there), then RATES="100mbit 10mbit 2mbit" PHASES=table.
 # Runs the tuning sweep or the wire-format run already trained with the same options are reused
 # (flexdemo, adamw-hsdp, flexdemo-2bit). Everything lands in docs/results/local-steps/.
 set -euo pipefail
@@ -23,7 +26,7 @@ phases="${PHASES:-loss time table}"
 rates="${RATES-100mbit 10mbit}"
 all_runs="adamw-hsdp flexdemo flexdemo-2bit diloco-h10 diloco-h10-avg diloco-demo-h10
   diloco-demo-h10-avg diloco-demo-h10-avg-nodct diloco-demo-h5-avg diloco-demo-h25-avg
-  diloco-demo-h10-sign diloco-demo-h10-sign-half flexdemo-x2 diloco-demo-h10-avg-x2
+  diloco-demo-h10-sign diloco-demo-h10-sign-half flexdemo-x2 flexdemo-2bit-x2 diloco-demo-h10-avg-x2
   adamw-hsdp-s2 flexdemo-s2 diloco-demo-h10-avg-s2 flexdemo-x2-s2 diloco-demo-h10-avg-x2-s2"
 runs="${RUNS:-$all_runs}"
 time_steps="${TIME_STEPS:-50}"
