@@ -10,8 +10,8 @@
 #   1. loss: each run's 500 (or 1000) steps on this machine (mpirun, no link limit). The losses
 #      do not depend on the link: a run is bit-identical at every rate (docs/results/e2e.csv).
 #   2. time: each run on the emulated cluster (scripts/cluster.sh; needs root) at each rate for
-#      TIME_STEPS steps after 2 warm-up steps, no evaluation; its mean step time (whole rounds of
-#      every --inner-steps H: 50 steps by default) is its seconds per step at that rate.
+#      TIME_STEPS steps after 2 warm-up steps, no evaluation; its mean step time on rank 0's clock
+#      (whole rounds of every --inner-steps H: 50 steps by default) is its seconds per step there.
 #      AdamW-HSDP sends 34 MB a step (30 s at 10 Mbit/s): it is timed over HSDP_STEPS (6) steps.
 # Wall time at a rate = steps x that rate's mean step time (evaluations not counted).
 #   PHASES (default "loss time table"), RATES (default "100mbit 10mbit"), RUNS (default all).
@@ -133,10 +133,15 @@ if [[ " $phases " == *" table "* ]]; then
     for run in $all_runs; do
       ld=$(loss_dir "$run") td="$out/time/$rate/$(timed_as "$run")"
       [ -f "$ld/summary.json" ] && [ -f "$td/metrics.jsonl" ] || continue
-      # Mean step time over the steps after the 2 warm-up steps.
-      s_per_step=$(awk 'match($0, /"step":[0-9]+/) { s = substr($0, RSTART + 7, RLENGTH - 7) }
-        match($0, /"step_ms":[0-9.e+-]+/) { if (s + 0 > 2) { t += substr($0, RSTART + 10, RLENGTH - 10); n++ } }
-        END { printf "%.4f", t / n / 1000 }' "$td/metrics.jsonl")
+      # Mean wall time of a step after the 2 warm-up steps, from rank 0's clock (elapsed_s), not
+      # step_ms: a rank's step ends when its sends are in its socket buffers, and on a slow link
+      # the bytes still queued there delay the next collective (at 2 Mbit/s 0.85 s a step for
+      # FlexDeMo against 0.69 s of step_ms).
+      s_per_step=$(awk 'match($0, /"step":[0-9]+/) { s = substr($0, RSTART + 7, RLENGTH - 7) + 0 }
+        match($0, /"elapsed_s":[0-9.e+-]+/) {
+          t = substr($0, RSTART + 12, RLENGTH - 12) + 0
+          if (s == 2) { t2 = t } else if (s > 2) { last = t; n = s - 2 } }
+        END { printf "%.4f", (last - t2) / n }' "$td/metrics.jsonl")
       reached=$(first_step_at "$ld" "$(target_of "$run" adamw-hsdp)")
       reached_flexdemo=$(first_step_at "$ld" "$(target_of "$run" flexdemo)")
       echo "$rate,$run,$(field "$ld/summary.json" final_val_loss),$s_per_step,$(field "$ld/summary.json" inter_bytes_per_step),$(seconds_for "$reached" "$s_per_step"),$reached,$(seconds_for "$reached_flexdemo" "$s_per_step"),$reached_flexdemo" >> "$csv"
