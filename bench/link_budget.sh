@@ -87,9 +87,13 @@ def lines(run):
     with open(os.path.join(run, "metrics.jsonl")) as f:
         return [json.loads(l) for l in f if l.strip()]
 
-def mean_step_s(run):  # the steps after the first choice (before step 4)
-    t = [l["step_ms"] for l in lines(run) if l["step"] > 4]
-    return sum(t) / len(t) / 1e3
+def mean_step_s(run):
+    # The mean wall time of the steps after the first choice (before step 4), on rank 0's clock
+    # (elapsed_s), not step_ms: a step ends with its sends still queued in the socket buffers on
+    # a slow link, and they delay the next collective, which step_ms does not count.
+    steps = {l["step"]: l["elapsed_s"] for l in lines(run)}
+    last = max(steps)
+    return (steps[last] - steps[4]) / (last - 4)
 
 def final_loss(run):
     return json.load(open(os.path.join(run, "summary.json")))["final_val_loss"]
