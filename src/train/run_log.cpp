@@ -50,27 +50,27 @@ bool live_line(const TrainConfig& cfg) {
 
 }  // namespace
 
-StepMetrics reduce_step_metrics(comm::Communicator& world, int64_t step, double loss, double step_s,
-                                const comm::StepTraffic& traffic) {
-  at::Tensor sums = at::tensor({double(traffic.intra_sent), double(traffic.intra_received),
-                                double(traffic.inter_sent), double(traffic.inter_received)},
-                               at::kDouble);
-  world.all_reduce(sums, comm::ReduceOp::Sum);
-  at::Tensor means = at::tensor({loss, step_s, traffic.intra_seconds + traffic.inter_seconds,
-                                 double(traffic.inter_collectives)},
-                                at::kDouble);
-  world.all_reduce(means, comm::ReduceOp::Avg);
-  StepMetrics m;
-  m.step = step;
-  m.intra_sent = sums[0].item<double>();
-  m.intra_recv = sums[1].item<double>();
-  m.inter_sent = sums[2].item<double>();
-  m.inter_recv = sums[3].item<double>();
-  m.loss = means[0].item<double>();
-  m.step_s = means[1].item<double>();
-  m.comm_s = means[2].item<double>();
-  m.inter_collectives = means[3].item<double>();
-  return m;
+void pack_step_metrics(double loss, double step_s, const comm::StepTraffic& traffic, double* out) {
+  const double values[kReducedMetrics] = {double(traffic.intra_sent),
+                                          double(traffic.intra_received),
+                                          double(traffic.inter_sent),
+                                          double(traffic.inter_received),
+                                          loss,
+                                          step_s,
+                                          traffic.intra_seconds + traffic.inter_seconds,
+                                          double(traffic.inter_collectives)};
+  std::copy(values, values + kReducedMetrics, out);
+}
+
+void unpack_step_metrics(const double* sums, int ranks, StepMetrics& m) {
+  m.intra_sent = sums[0];
+  m.intra_recv = sums[1];
+  m.inter_sent = sums[2];
+  m.inter_recv = sums[3];
+  m.loss = sums[4] / ranks;
+  m.step_s = sums[5] / ranks;
+  m.comm_s = sums[6] / ranks;
+  m.inter_collectives = sums[7] / ranks;
 }
 
 RunLog::RunLog(const Session& s, int64_t start_step)
@@ -130,15 +130,13 @@ void RunLog::record(const StepMetrics& m) {
   j["inter_bytes_recv"] = int64_t(m.inter_recv);
   j["inter_collectives"] = m.inter_collectives;
   j["skipped_steps"] = m.skipped_steps;
-  const double elapsed =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count();
+  const double elapsed = m.elapsed_s;
   j["elapsed_s"] = elapsed;
   if (m.val_loss) j["val_loss"] = *m.val_loss;
-  if (cfg.link_budget == LinkBudgetMode::Auto) {  // the schedule this step's exchange followed
-    const optim::ExchangeSchedule schedule = s_.optimizer->schedule_in_flight();
-    j["topk"] = schedule.topk;
-    j["values"] = name_of(schedule.values);
-    j["every"] = schedule.every;
+  if (m.schedule) {
+    j["topk"] = m.schedule->topk;
+    j["values"] = name_of(m.schedule->values);
+    j["every"] = m.schedule->every;
   }
   if (m.link_choice) j["link_budget"] = *m.link_choice;
   metrics_ << j.dump() << "\n" << std::flush;
@@ -157,6 +155,10 @@ void RunLog::record(const StepMetrics& m) {
     fmt::print("{}\n", line);
   }
   std::fflush(stdout);
+}
+
+double RunLog::elapsed_s() const {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count();
 }
 
 void RunLog::finish(int64_t steps_done) {

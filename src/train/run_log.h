@@ -5,6 +5,7 @@
 
 #include "session.h"
 
+#include "flexdemo/optim.h"
 #include "flexdemo/topology.h"
 
 #include <nlohmann/json.hpp>
@@ -24,15 +25,20 @@ struct StepMetrics {
   double step_s = 0.0, comm_s = 0.0;  // mean over ranks; comm_s: waiting for collectives
   double inter_collectives = 0.0;     // mean per rank
   double intra_sent = 0.0, intra_recv = 0.0, inter_sent = 0.0, inter_recv = 0.0;  // bytes, sum
+  double elapsed_s = 0.0;  // when the step ended, on rank 0's clock, since the run log began
   int64_t skipped_steps = 0;                                                      // so far
   std::optional<double> val_loss;                     // when evaluated at this step
   std::optional<nlohmann::ordered_json> link_choice;  // --link-budget auto chose before this step
+  std::optional<optim::ExchangeSchedule> schedule;    // --link-budget auto: what its exchange sent
 };
 
-// Collective over world: this rank's loss, step time and traffic reduced over all ranks (bytes
-// summed; loss, times and collectives averaged).
-StepMetrics reduce_step_metrics(comm::Communicator& world, int64_t step, double loss, double step_s,
-                                const comm::StepTraffic& traffic);
+// A step's metrics are reduced over the ranks in a collective the trainer shares with other
+// values (run_training's one collective over the world a step): this rank's are packed into
+// kReducedMetrics doubles, the ranks' sums unpacked (bytes summed; loss, times and collectives
+// averaged over the world's `ranks`).
+inline constexpr int64_t kReducedMetrics = 8;
+void pack_step_metrics(double loss, double step_s, const comm::StepTraffic& traffic, double* out);
+void unpack_step_metrics(const double* sums, int ranks, StepMetrics& m);
 
 class RunLog {
  public:
@@ -40,6 +46,7 @@ class RunLog {
   // its checkpoint holds and drops later ones, so each step appears once) and prints the header.
   RunLog(const Session& s, int64_t start_step);
   void record(const StepMetrics& m);  // the metrics line and the progress line
+  double elapsed_s() const;           // since the log began
   // Collective: every rank's peak memory; rank 0 writes summary.json and prints the last line.
   void finish(int64_t steps_done);
 

@@ -21,6 +21,7 @@
 #include <fmt/core.h>
 #include <zlib.h>
 
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -40,8 +41,8 @@ double seconds_since(Clock::time_point t) {
 }
 
 // Testing aids: FLEXDEMO_INJECT_NONFINITE="STEP:RANK" makes that rank's loss NaN at that step;
-// FLEXDEMO_INJECT_SIGNAL="STEP:RANK" sends that rank a SIGTERM at the end of that step (a
-// preemption at a known step).
+// FLEXDEMO_INJECT_SIGNAL="STEP:RANK" sends that rank a SIGTERM in that step, before the ranks
+// vote whether to stop after it (a preemption at a known step).
 struct Injection {
   int64_t step = -1, rank = -1;
 
@@ -85,43 +86,6 @@ double forward_backward(Session& s, int64_t step, const Injection& inject) {
   return loss_sum;
 }
 
-// Collective: true when the loss or a gradient is not finite on any rank, so that every rank
-// skips the step alike; throws instead under --on-nonfinite stop.
-bool any_nonfinite(Session& s, int64_t step, double loss) {
-  const bool finite = std::isfinite(loss) && optim::all_finite(s.params);
-  at::Tensor nonfinite_ranks = at::full({1}, int64_t(finite ? 0 : 1), at::kLong);
-  s.topo.world->all_reduce(nonfinite_ranks, comm::ReduceOp::Sum);
-  const int64_t ranks = nonfinite_ranks.item<int64_t>();
-  if (ranks > 0 && s.cfg.on_nonfinite == NonFinitePolicy::Stop) {
-    throw std::runtime_error(fmt::format(
-        "non-finite loss or gradient at step {} on {} rank(s); stopping (--on-nonfinite skip "
-        "would skip such steps)",
-        step + 1, ranks));
-  }
-  return ranks > 0;
-}
-
-struct StepOutcome {
-  double loss = 0.0;  // this rank's
-  bool skipped = false;
-  double compute_s = 0.0;  // before the optimizer step: what an exchange in flight can hide behind
-};
-
-StepOutcome train_step(Session& s, int64_t step, const Injection& inject) {
-  const Clock::time_point t0 = Clock::now();
-  s.optimizer->set_lr(scheduled_lr(s.cfg, step));
-  s.optimizer->zero_grad();
-  const double loss = forward_backward(s, step, inject);
-  if (any_nonfinite(s, step, loss)) {
-    s.optimizer->zero_grad();  // nothing reaches the residuals or the parameters
-    return {loss, true, seconds_since(t0)};
-  }
-  if (s.cfg.clip > 0) optim::clip_grad_norm(s.params, s.cfg.clip, *s.topo.shard_group);
-  const double compute_s = seconds_since(t0);
-  s.optimizer->step();
-  return {loss, false, compute_s};
-}
-
 // Why the ranks stop after this step, the same on every rank.
 struct StopVote {
   int signal = 0;     // a stop signal caught on some rank (the first in SIGTERM, SIGINT, SIGUSR1)
@@ -130,25 +94,63 @@ struct StopVote {
   bool stop() const { return signalled > 0 || out_of_time; }
 };
 
-// Collective: a stop signal caught by any rank, or --max-time run out on rank 0's clock.
-StopVote agree_to_stop(const Session& s, Clock::time_point started) {
+// A step that has ended, its metrics not yet reduced over the ranks.
+struct PendingStep {
+  StepMetrics metrics;                          // all but the reduced values
+  std::array<double, kReducedMetrics> local{};  // this rank's (pack_step_metrics)
+};
+
+// What the ranks agree on in a step.
+struct StepAgreement {
+  int64_t nonfinite_ranks = 0;  // ranks whose loss or a gradient is not finite: skip the step
+  StopVote vote;                // stop after this step
+};
+
+// A step's one collective over the world (besides the optimizer's exchange), after the forward
+// and backward and before the optimizer step: whether every rank's loss and gradients are
+// finite, the stop vote (a stop signal caught by any rank, or --max-time run out on rank 0's
+// clock), and the metrics of the step before, `pending`, which it reduces over the ranks. So
+// the exchange that the optimizer step starts is alone on the link between nodes until the next
+// step's agreement: under --overlap-step it travels behind that step's forward and backward
+// (a collective after it would wait in the link's queue behind its bytes). A few dozen bytes,
+// whatever the world's size.
+StepAgreement agree(const Session& s, bool finite, Clock::time_point started,
+                    std::optional<PendingStep>& pending) {
   const auto& world = s.topo.world;
   const int mine = StopSignals::received();
   const bool root_out_of_time =
       world->rank() == 0 && s.cfg.max_time > 0 && seconds_since(started) >= s.cfg.max_time;
-  // Ranks that caught each stop signal, then max-time: a few bytes, whatever the world's size.
-  at::Tensor votes = at::zeros({kStopSignals + 1}, at::kLong);
-  auto v = votes.accessor<int64_t, 1>();
-  for (int i = 0; i < kStopSignals; ++i) v[i] = mine == stop_signal(i) ? 1 : 0;
-  v[kStopSignals] = root_out_of_time ? 1 : 0;
-  world->all_reduce(votes, comm::ReduceOp::Sum);
-  StopVote vote;
+  // [non-finite, ranks that caught each stop signal, max-time, the pending metrics]
+  constexpr int64_t kFirstMetric = 2 + kStopSignals;
+  at::Tensor sums = at::zeros({kFirstMetric + kReducedMetrics}, at::kDouble);
+  double* v = sums.data_ptr<double>();
+  v[0] = finite ? 0 : 1;
+  for (int i = 0; i < kStopSignals; ++i) v[1 + i] = mine == stop_signal(i) ? 1 : 0;
+  v[1 + kStopSignals] = root_out_of_time ? 1 : 0;
+  if (pending) std::copy(pending->local.begin(), pending->local.end(), v + kFirstMetric);
+  world->all_reduce(sums, comm::ReduceOp::Sum);
+  StepAgreement a;
+  a.nonfinite_ranks = int64_t(v[0]);
   for (int i = 0; i < kStopSignals; ++i) {
-    if (v[i] > 0 && vote.signal == 0) vote.signal = stop_signal(i);
-    vote.signalled += int(v[i]);
+    if (v[1 + i] > 0 && a.vote.signal == 0) a.vote.signal = stop_signal(i);
+    a.vote.signalled += int(v[1 + i]);
   }
-  vote.out_of_time = v[kStopSignals] > 0;
-  return vote;
+  a.vote.out_of_time = v[1 + kStopSignals] > 0;
+  if (pending) unpack_step_metrics(v + kFirstMetric, world->size(), pending->metrics);
+  return a;
+}
+
+// Collective: reduces the pending step's metrics over the ranks and records them, when no
+// agreement is to carry them: before a checkpoint is written (a resumed run keeps the metrics
+// of the steps its checkpoint holds), which the last step of a run always writes.
+void reduce_pending(const Session& s, std::optional<PendingStep>& pending, RunLog& log) {
+  if (!pending) return;
+  at::Tensor sums = at::empty({kReducedMetrics}, at::kDouble);
+  std::copy(pending->local.begin(), pending->local.end(), sums.data_ptr<double>());
+  s.topo.world->all_reduce(sums, comm::ReduceOp::Sum);
+  unpack_step_metrics(sums.data_ptr<double>(), s.topo.world->size(), pending->metrics);
+  log.record(pending->metrics);
+  pending.reset();
 }
 
 }  // namespace
@@ -176,30 +178,57 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
   int64_t skipped_steps = 0;
   const Clock::time_point started = Clock::now();
   StopVote vote;
-  std::string checkpoint;  // the newest written
+  std::optional<PendingStep> pending;  // the step before, until this step's agreement
+  std::string checkpoint;              // the newest written
   while (step < cfg.steps && !vote.stop()) {
     const Clock::time_point t0 = Clock::now();
     std::optional<nlohmann::ordered_json> link_choice = link.before_step(step);
-    const StepOutcome outcome = train_step(s, step, inject);
-    link.add_compute(outcome.compute_s);
-    skipped_steps += outcome.skipped ? 1 : 0;
+    const Clock::time_point computing = Clock::now();
+    s.optimizer->set_lr(scheduled_lr(cfg, step));
+    s.optimizer->zero_grad();
+    const double loss = forward_backward(s, step, inject);
+    link.add_compute(seconds_since(computing));
+    if (inject_signal.at(step + 1, world->rank())) std::raise(SIGTERM);
+    const StepAgreement agreed =
+        agree(s, std::isfinite(loss) && optim::all_finite(s.params), started, pending);
+    vote = agreed.vote;
+    if (pending) {
+      log.record(pending->metrics);
+      pending.reset();
+    }
+    if (agreed.nonfinite_ranks > 0) {
+      if (cfg.on_nonfinite == NonFinitePolicy::Stop) {
+        throw std::runtime_error(fmt::format(
+            "non-finite loss or gradient at step {} on {} rank(s); stopping (--on-nonfinite "
+            "skip would skip such steps)",
+            step + 1, agreed.nonfinite_ranks));
+      }
+      s.optimizer->zero_grad();  // nothing reaches the residuals or the parameters
+      ++skipped_steps;
+    } else {
+      if (cfg.clip > 0) optim::clip_grad_norm(s.params, cfg.clip, *s.topo.shard_group);
+      s.optimizer->step();
+    }
     ++step;
     if (cfg.check_replicas > 0 && step % cfg.check_replicas == 0) {
       check_replicas(s.optimizer->replicated_params(), s.topo.replica_group, world, step);
     }
-    const comm::StepTraffic traffic = meter.lap();
-    StepMetrics m = reduce_step_metrics(*world, step, outcome.loss, seconds_since(t0), traffic);
+    pending.emplace();
+    StepMetrics& m = pending->metrics;
+    pack_step_metrics(loss, seconds_since(t0), meter.lap(), pending->local.data());
+    m.step = step;
+    m.elapsed_s = log.elapsed_s();
     m.lr = scheduled_lr(cfg, step - 1);
     m.skipped_steps = skipped_steps;
     m.link_choice = std::move(link_choice);
-    if (inject_signal.at(step, world->rank())) std::raise(SIGTERM);
-    vote = agree_to_stop(s, started);
+    if (link.active()) m.schedule = s.optimizer->schedule_in_flight();
     const bool last = step == cfg.steps || vote.stop();
     // Stopped by a signal, the time left is the scheduler's grace period: checkpoint, no eval.
     const bool final_eval = step == cfg.steps || (vote.out_of_time && vote.signalled == 0);
     if ((cfg.eval_every > 0 && step % cfg.eval_every == 0) || final_eval) m.val_loss = evaluate(s);
-    log.record(m);
+    // The last step always writes one, so no step's metrics are left pending after the loop.
     if ((cfg.checkpoint_every > 0 && step % cfg.checkpoint_every == 0) || last) {
+      reduce_pending(s, pending, log);  // metrics.jsonl holds every step a checkpoint has
       checkpoint = save_checkpoint(s, step).string();
     }
   }
