@@ -4,8 +4,8 @@
 //
 // The choice, made alike on every rank from measurements shared by all of them:
 //   latency  = a tiny all-gather over the replica group       (the slowest rank's)
-//   probe    = an all-gather of kProbeBytes per rank over it   (the slowest rank's; every replica
-//              group at once, as the exchanges run)
+//   probe    = an all-gather of kProbeBytes per rank over it   (the slowest rank's, the slower
+//              of two back to back; every replica group at once, as the exchanges run)
 //   compute  = a step's forward and backward, mean since the last choice (the slowest rank's)
 //   exchange(schedule) = latency + (probe - latency) * wire bytes(schedule) / kProbeBytes
 //                        (the wire bytes of the rank that sends most)
