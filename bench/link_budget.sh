@@ -15,13 +15,13 @@
 #   3. table: per rate the settings auto chose (from metrics.jsonl of the 500-step run), the
 #      rate it measured, its step time ratio, its validation loss, and the fixed settings'.
 #   PHASES (default "loss time table"), RATES (default "1gbit 100mbit 10mbit"), FIXED (default
-#   "32-bf16 128-bf16"), AUTO (extra options of the auto runs, e.g. "--link-max-topk 512"; its
+#   "32-bf16 128-bf16 128-2bit"), AUTO (extra options of the auto runs, e.g. "--link-max-topk 512"; its
 #   runs then go to auto-OPTIONS/). Results in docs/results/link-budget/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 phases="${PHASES:-loss time table}"
 rates="${RATES-1gbit 100mbit 10mbit}"
-fixed="${FIXED:-32-bf16 128-bf16}"
+fixed="${FIXED:-32-bf16 128-bf16 128-2bit}"
 rounds="${ROUNDS:-3}"
 first_round="${FIRST_ROUND:-1}"
 time_steps="${TIME_STEPS:-30}"

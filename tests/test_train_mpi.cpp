@@ -418,6 +418,28 @@ TEST(Checkpoint, OverlapStepResumesExactly) {
   expect_same_weights(dir / "whole/checkpoints/step-20", dir / "halves/checkpoints/step-20");
 }
 
+TEST(Trainer, OneCollectiveOverTheWorldAStep) {
+  // A step's non-finite check, stop vote and the step before's metrics travel in one collective
+  // over the world, before its optimizer step, so that under --overlap-step nothing follows the
+  // exchange onto the link between nodes until the next step's forward and backward are done.
+  // Evaluation and checkpoint at the end only: 8 steps take exactly 4 more than 4 steps.
+  auto world = test_world();
+  const fs::path dir = fs::temp_directory_path() / "flexdemo-world-collectives-test";
+  train::TrainConfig c = tiny_run(dir);
+  c.overlap_step = true;
+  const auto world_collectives = [&](int64_t steps) {
+    c.steps = steps;
+    c.out = (dir / std::to_string(steps)).string();
+    const uint64_t before = world->stats().collectives;
+    EXPECT_EQ(train::run_training(c, world), 0);
+    return int64_t(world->stats().collectives - before);
+  };
+  const int64_t four = world_collectives(4);
+  EXPECT_EQ(world_collectives(8) - four, 4);
+  world->barrier();
+  EXPECT_EQ(step_losses(dir / "8").size(), 8u);  // every step's metrics written, the last too
+}
+
 TEST(Trainer, ExchangeInBackwardEqualsExchangeAfterIt) {
   // --exchange-in-backward starts each unit's all-gather between nodes in the backward (its
   // bucket: one collective per unit) instead of one after it: on 2 nodes, GPT (the embeddings

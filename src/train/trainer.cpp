@@ -240,6 +240,11 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
     }
     return 0;
   }
+  // The ranks that caught a stop signal by now: a signal forwarded to every rank (mpirun does)
+  // can reach some after they voted, while others waited in the vote.
+  at::Tensor caught = at::full({1}, int64_t(StopSignals::received() != 0 ? 1 : 0), at::kLong);
+  world->all_reduce(caught, comm::ReduceOp::Sum);
+  vote.signalled = int(caught.item<int64_t>());
   if (world->rank() == 0) {
     std::fflush(stdout);  // the summary line first, this one last
     std::fprintf(stderr,
