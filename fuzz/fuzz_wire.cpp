@@ -30,7 +30,9 @@ const Shape kShapes[] = {
     {128, 32, 16, dct::ChunkMode::Divisor}, {3, 1000, 64, dct::ChunkMode::Padded},
     {1, 5, 64, dct::ChunkMode::Divisor},    {20, 20, 1, dct::ChunkMode::Divisor}};
 constexpr int kNumShapes = sizeof(kShapes) / sizeof(kShapes[0]);
-constexpr int kNumEncodings = 5;  // fp32, bf16, int8, 1bit, 2bit
+const std::vector<compress::ValueEncoding> kEncodings = values_of<compress::ValueEncoding>();
+const int kNumEncodings = int(kEncodings.size());  // at most 8: bits 0-2 of byte 1
+constexpr size_t kHeaderBytes = 36;
 constexpr uint8_t kRepairCrc = 8;
 
 struct Receiver {
@@ -44,15 +46,15 @@ Receiver receiver_for(uint8_t b0, uint8_t b1) {
   Receiver r;
   r.plan = dct::make_chunk_plan({s.rows, s.cols}, s.chunk, s.mode);
   r.k = compress::clamp_topk(1 + (b0 / kNumShapes) % 33, r.plan);
-  r.encoding = compress::ValueEncoding((b1 & 7) % kNumEncodings);
+  r.encoding = kEncodings[(b1 & 7) % kNumEncodings];
   return r;
 }
 
 void repair_crc(std::vector<uint8_t>& payload) {
-  if (payload.size() < compress::kWireHeaderBytes) return;
-  const uint8_t* body = payload.data() + compress::kWireHeaderBytes;
+  if (payload.size() < kHeaderBytes) return;
+  const uint8_t* body = payload.data() + kHeaderBytes;
   const uint32_t crc =
-      uint32_t(crc32_z(crc32_z(0L, Z_NULL, 0), body, payload.size() - compress::kWireHeaderBytes));
+      uint32_t(crc32_z(crc32_z(0L, Z_NULL, 0), body, payload.size() - kHeaderBytes));
   for (int b = 0; b < 4; ++b) payload[32 + b] = uint8_t(crc >> (8 * b));
 }
 

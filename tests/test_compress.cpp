@@ -1,9 +1,9 @@
 // Top-k against a sort-based reference, the wire format's round trip and closed-form size,
 // rejection of malformed payloads, and decode-aggregate against a naive mean.
+#include "demo/codec.h"
 #include "flexdemo/compress.h"
 #include "flexdemo/kernels.h"
 #include "isa.h"
-#include "kernels/chunk_math.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
@@ -22,9 +22,8 @@ using compress::ValueEncoding;
 
 namespace {
 
-const ValueEncoding kAllEncodings[] = {ValueEncoding::Fp32, ValueEncoding::Bf16,
-                                       ValueEncoding::Int8, ValueEncoding::Sign,
-                                       ValueEncoding::TwoBit};
+namespace codec = demo::codec;
+const std::vector<ValueEncoding> kAllEncodings = values_of<ValueEncoding>();
 
 // Sort-based reference: per chunk, positions by descending magnitude (ties: lower position).
 std::vector<std::vector<int64_t>> reference_topk(const at::Tensor& coeffs, const dct::ChunkPlan& p,
@@ -60,9 +59,8 @@ void put_u32(uint8_t* p, uint32_t v) {
 }
 
 void refresh_checksum(std::vector<uint8_t>& bytes) {
-  const uint8_t* body = bytes.data() + compress::kWireHeaderBytes;
-  put_u32(bytes.data() + 32,
-          uint32_t(crc32(0L, body, uInt(bytes.size() - compress::kWireHeaderBytes))));
+  const uint8_t* body = bytes.data() + codec::kHeaderBytes;
+  put_u32(bytes.data() + 32, uint32_t(crc32(0L, body, uInt(bytes.size() - codec::kHeaderBytes))));
 }
 
 }  // namespace
@@ -134,10 +132,10 @@ TEST(TopK, ClampsKAndBreaksTiesByLowerIndex) {
 }
 
 TEST(WireFormat, IndexWidthIsNarrowestLossless) {
-  EXPECT_EQ(compress::index_bytes_for(256), 1);
-  EXPECT_EQ(compress::index_bytes_for(257), 2);
-  EXPECT_EQ(compress::index_bytes_for(65536), 2);
-  EXPECT_EQ(compress::index_bytes_for(65537), 4);
+  EXPECT_EQ(codec::index_bytes_for(256), 1);
+  EXPECT_EQ(codec::index_bytes_for(257), 2);
+  EXPECT_EQ(codec::index_bytes_for(65536), 2);
+  EXPECT_EQ(codec::index_bytes_for(65537), 4);
 }
 
 TEST(WireFormat, PayloadSizeIsClosedForm) {
@@ -254,7 +252,7 @@ TEST(WireFormat, RejectsMalformedPayloads) {
   dct::ChunkPlan wide = dct::make_chunk_plan({32, 32}, 32, dct::ChunkMode::Divisor);
   compress::TopK tw = kernels::select_topk(at::randn({32, 32}), wide, 4);
   std::vector<uint8_t> bad_index = encode(wide, tw, ValueEncoding::Fp32);
-  put_u32(bad_index.data() + compress::kWireHeaderBytes, 1024);  // 2-byte index 1024 >= 1024
+  put_u32(bad_index.data() + codec::kHeaderBytes, 1024);  // 2-byte index 1024 >= 1024
   refresh_checksum(bad_index);
   try {
     compress::validate_payload(bad_index.data(), bad_index.size(), wide, 4, ValueEncoding::Fp32);
@@ -301,12 +299,13 @@ TEST(WireFormat, RejectsMalformedPackedIndices) {
   const dct::ChunkPlan plan = dct::make_chunk_plan({8, 8}, 8, dct::ChunkMode::Divisor);
   compress::TopK t = kernels::select_topk(at::randn({8, 8}), plan, 5);  // low 3, 12 bitmap bits
   const std::vector<uint8_t> good = encode(plan, t, ValueEncoding::TwoBit);
-  const compress::PayloadLayout l = compress::payload_layout(plan, 5, ValueEncoding::TwoBit);
-  ASSERT_EQ(l.record_bytes, 4u);  // 15 + 12 = 27 bits: 5 of padding
+  const codec::Layout l =
+      codec::layout(plan.num_chunks(), plan.chunk_numel(), 5, ValueEncoding::TwoBit);
+  ASSERT_EQ(l.record_bytes, 4);  // 15 + 12 = 27 bits: 5 of padding
   int refused = 0, changes = 0;
-  for (size_t bit = 0; bit < 8 * l.record_bytes; ++bit) {
+  for (size_t bit = 0; bit < 8 * size_t(l.record_bytes); ++bit) {
     std::vector<uint8_t> bytes = good;
-    bytes[compress::kWireHeaderBytes + bit / 8] ^= uint8_t(1u << (bit % 8));
+    bytes[codec::kHeaderBytes + bit / 8] ^= uint8_t(1u << (bit % 8));
     refresh_checksum(bytes);
     ++changes;
     try {
@@ -362,7 +361,7 @@ TEST(DecodeMean, AveragesOverReplicasThatSelectedEachCoefficient) {
   EXPECT_EQ(at::count_nonzero(out).item<int64_t>(), int64_t(selected.size()));
 }
 
-// The bfloat16 rounding the CPU and GPU encoders share (chunk_math.h) is LibTorch's own, on every
+// The bfloat16 rounding the CPU and GPU encoders share (demo/codec.h) is LibTorch's own, on every
 // bit pattern class: random floats, ties, the largest finite values, infinities, NaN, zeros.
 TEST(ChunkMath, Bf16RoundingIsLibTorchs) {
   std::vector<float> values = {0.0f,
@@ -385,11 +384,11 @@ TEST(ChunkMath, Bf16RoundingIsLibTorchs) {
   for (int64_t i = 0; i < random.numel(); ++i) values.push_back(random[i].item<float>());
   for (float x : values) {
     const c10::BFloat16 reference(x);
-    const uint16_t bits = kernels::chunk_math::bf16_bits(x);
+    const uint16_t bits = codec::bf16_bits(x);
     ASSERT_EQ(bits, reference.x) << x;
-    const float back = kernels::chunk_math::bf16_value(bits);
+    const float back = codec::bf16_value(bits);
     const float expected = float(reference);
     ASSERT_EQ(std::memcmp(&back, &expected, 4), 0) << x;
   }
-  EXPECT_TRUE(std::isnan(kernels::chunk_math::bf16_value(kernels::chunk_math::bf16_bits(NAN))));
+  EXPECT_TRUE(std::isnan(codec::bf16_value(codec::bf16_bits(NAN))));
 }

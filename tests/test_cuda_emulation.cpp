@@ -103,7 +103,7 @@ class EmulatedBucket {
     b.chunk_tensor = layout_.chunk_tensor.data();
     b.num_chunks = int64_t(layout_.chunk_tensor.size());
     b.max_chunk_numel = layout_.max_chunk_numel;
-    b.encoding = int(encoding_);
+    b.encoding = encoding_;
     return b;
   }
 
@@ -123,10 +123,7 @@ TEST_P(EmulatedKernels, EncodeDecodeAndStepEqualTheCpuBitForBit) {
   bucket_check::expect_bucket_equals_cpu(bucket, plans, 6, GetParam(), at::kCPU, true);
 }
 
-INSTANTIATE_TEST_SUITE_P(Encodings, EmulatedKernels,
-                         testing::Values(ValueEncoding::Fp32, ValueEncoding::Bf16,
-                                         ValueEncoding::Int8, ValueEncoding::Sign,
-                                         ValueEncoding::TwoBit),
+INSTANTIATE_TEST_SUITE_P(Encodings, EmulatedKernels, testing::ValuesIn(values_of<ValueEncoding>()),
                          [](const auto& info) { return std::string(name_of(info.param)); });
 
 // The launch's own block size (256 threads, more than a small chunk's coefficients, so most

@@ -50,9 +50,7 @@ optim::OptimizerOptions bf16_options() {
 
 TEST(DemoMpi, ReplicasStayBitIdenticalAndBytesMatchClosedForm) {
   auto world = test_world();
-  for (auto values :
-       {compress::ValueEncoding::Fp32, compress::ValueEncoding::Bf16, compress::ValueEncoding::Int8,
-        compress::ValueEncoding::Sign, compress::ValueEncoding::TwoBit}) {
+  for (auto values : values_of<compress::ValueEncoding>()) {
     optim::OptimizerOptions o;
     o.lr = 0.01;
     o.topk = 8;

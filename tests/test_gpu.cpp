@@ -32,10 +32,7 @@ TEST_P(GpuKernels, EncodeDecodeAndStepEqualTheCpuBitForBit) {
   bucket_check::expect_bucket_equals_cpu(bucket, plans, 6, GetParam(), gpu);
 }
 
-INSTANTIATE_TEST_SUITE_P(Encodings, GpuKernels,
-                         testing::Values(ValueEncoding::Fp32, ValueEncoding::Bf16,
-                                         ValueEncoding::Int8, ValueEncoding::Sign,
-                                         ValueEncoding::TwoBit),
+INSTANTIATE_TEST_SUITE_P(Encodings, GpuKernels, testing::ValuesIn(values_of<ValueEncoding>()),
                          [](const auto& info) { return std::string(name_of(info.param)); });
 
 // The optimizer end to end on a GPU (DemoReplicator through the CUDA kernels, one replica) against

@@ -5,7 +5,7 @@
 
 #include "flexdemo/dct.h"
 
-#include "flexdemo/names.h"
+#include "flexdemo/value_encoding.h"
 
 #include <ATen/core/Tensor.h>
 
@@ -21,20 +21,6 @@ class WireFormatError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
-
-enum class ValueEncoding : uint8_t {
-  Fp32 = 0,  // 4 bytes per value, exact
-  Bf16 = 1,  // 2 bytes per value, round to nearest even
-  Int8 = 2,  // 1 byte per value + one fp32 scale per chunk (max |v| / 127)
-  Sign = 3,  // 1 bit per value + one fp32 scale per chunk (mean |v|): decodes to +-scale
-  // 2 bits per value (sign, size) + two fp32 levels per chunk (chunk_math::two_bit_level), and
-  // the indices packed (chunk_math's Elias-Fano records): 1.5 bytes per value at top-k 32 of 4,096.
-  TwoBit = 4,
-};
-// Whether an encoding's indices are packed records rather than whole bytes each.
-constexpr bool packed_indices(ValueEncoding e) {
-  return e == ValueEncoding::TwoBit;
-}
 
 // ====== Top-k ======
 // The k coefficients of largest magnitude in every chunk, indices ascending within a chunk.
@@ -55,35 +41,21 @@ void add_selected(const at::Tensor& coeffs, const dct::ChunkPlan& plan, const To
 // One payload per tensor: a 36-byte little-endian header, then the body:
 //   u32 magic "FDMO" | u8 version | u8 value encoding | u8 index bytes (0: packed) | u8 0
 //   u32 rows | u32 cols | u32 chunk_rows | u32 chunk_cols | u32 k | u32 body bytes | u32 crc32
-//   body: indices [num_chunks * k] (1 byte if chunk_numel <= 256, 2 if <= 65536, else 4; 2bit:
-//         one packed record per chunk, chunk_math::packed_record_bytes each), per-chunk fp32
-//         scales (int8 and 1bit: one; 2bit: two, small then large), values (4, 2, 1 bytes, or
-//         1 bit, or 2 bits each: bit 2e the sign, bit 2e + 1 large).
+//   body: positions, per-chunk fp32 scales, values, laid out per value encoding by the codec
+//         (src/demo/codec.h; docs/wire-format.md): positions are 1 byte if chunk_numel <= 256,
+//         2 if <= 65536, else 4, or one packed Elias-Fano record per chunk (index bytes 0).
 // Version 2 added the 2bit encoding and packed indices (index bytes 0).
 constexpr uint32_t kWireMagic = 0x4F4D4446;  // "FDMO" read as little-endian bytes
 constexpr uint8_t kWireVersion = 2;
-constexpr size_t kWireHeaderBytes = 36;
 
-int index_bytes_for(int64_t chunk_numel);
 // Exact payload size (header + body) for one tensor; k is clamped as select_topk does.
 size_t wire_payload_bytes(const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding);
-
-// Where each part of a payload's body lies (offsets inside the body, after the header).
-struct PayloadLayout {
-  int64_t chunks = 0, k = 0, entries = 0;  // entries = chunks * k (k clamped)
-  int index_bytes = 0;                     // 0: packed, one record of record_bytes per chunk
-  size_t record_bytes = 0;                 // packed indices only
-  size_t scales_at = 0;                    // per-chunk fp32 scales (int8, 1bit, 2bit)
-  size_t values_at = 0;
-  size_t body_bytes = 0;
-};
-PayloadLayout payload_layout(const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding);
 
 // Writes the payload (wire_payload_bytes bytes) to dst and replaces topk.values by what a
 // receiver decodes, so that error feedback removes exactly what was sent.
 void encode_payload(const dct::ChunkPlan& plan, TopK& topk, ValueEncoding encoding, uint8_t* dst);
 // Writes the header (and the body's checksum) of a payload whose body is already at
-// dst + kWireHeaderBytes: encode_payload's last step, and the GPU encoder's (kernels.h).
+// dst + 36: encode_payload's last step, and the GPU encoder's (kernels.h).
 void seal_payload(const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding, uint8_t* dst);
 
 // Throws WireFormatError unless `data` (size bytes) is a complete, intact payload for this
@@ -110,16 +82,3 @@ SparseChunks decode_mean_sparse(const std::vector<const uint8_t*>& payloads, siz
                                 const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding);
 
 }  // namespace flexdemo::compress
-
-namespace flexdemo {
-template <>
-struct NameTable<compress::ValueEncoding> {
-  static constexpr const char* what = "value encoding";
-  static constexpr std::pair<compress::ValueEncoding, const char*> entries[] = {
-      {compress::ValueEncoding::Fp32, "fp32"},
-      {compress::ValueEncoding::Bf16, "bf16"},
-      {compress::ValueEncoding::Int8, "int8"},
-      {compress::ValueEncoding::Sign, "1bit"},
-      {compress::ValueEncoding::TwoBit, "2bit"}};
-};
-}  // namespace flexdemo

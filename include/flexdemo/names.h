@@ -26,6 +26,14 @@ std::vector<std::string> names_of() {
   return names;
 }
 
+// Every value, in table order (tests run each of them).
+template <class E>
+std::vector<E> values_of() {
+  std::vector<E> values;
+  for (const auto& entry : NameTable<E>::entries) values.push_back(entry.first);
+  return values;
+}
+
 template <class E>
 std::string name_of(E value) {
   for (const auto& entry : NameTable<E>::entries) {

@@ -3,6 +3,7 @@
 // (error feedback).
 #include "flexdemo/compress.h"
 
+#include "demo/codec.h"
 #include "kernels/chunk_math.h"
 
 #include <ATen/ATen.h>
@@ -17,7 +18,7 @@
 namespace flexdemo::compress {
 
 int64_t clamp_topk(int64_t k, const dct::ChunkPlan& plan) {
-  return std::max<int64_t>(1, std::min<int64_t>(k, plan.chunk_numel()));
+  return demo::codec::clamp_k(k, plan.chunk_numel());
 }
 
 namespace {

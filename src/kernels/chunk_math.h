@@ -1,8 +1,9 @@
 // The per-element arithmetic of a DeMo step, shared by the CPU and the GPU: the selection order of
-// top-k, the dense chunk transforms, the residual update, the values' wire encodings, the decoded
-// mean and the inner optimizers' steps. Compiled by the host compiler (portable_kernels.cpp,
-// wire_format.cpp, topk.cpp, the tests) and by nvcc (cuda_kernels.cu) from this one text: every
-// multiply-add is an explicit fmaf in a fixed order, so host and device get the same bits.
+// top-k, the dense chunk transforms, the residual update, the decoded mean and the inner
+// optimizers' steps (the payload's bits are the codec's: src/demo/codec.h). Compiled by the host
+// compiler (portable_kernels.cpp, topk.cpp, the tests) and by nvcc (cuda_kernels.cu) from this one
+// text: every multiply-add is an explicit fmaf in a fixed order, so host and device get the same
+// bits.
 // No ATen and nothing from the standard library that a device cannot call.
 #pragma once
 
@@ -92,87 +93,7 @@ FLEXDEMO_HD float accumulate(float beta, float residual, float alpha, float coef
   return beta == 0.0f ? alpha * coeff : fma32(beta, residual, alpha * coeff);
 }
 
-// ====== Values on the wire ======
-// bfloat16 by round to nearest even; NaN stays a (quiet) NaN. c10::BFloat16's rule.
-FLEXDEMO_HD uint16_t bf16_bits(float x) {
-  if (x != x) return 0x7fc0;
-  const uint32_t u = float_bits(x);
-  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-FLEXDEMO_HD float bf16_value(uint16_t bits) {
-  return bits_float(uint32_t(bits) << 16);
-}
-// int8: one scale per chunk, max |v| / 127; values rounded to nearest even, within +-127.
-FLEXDEMO_HD float int8_scale(float max_abs) {
-  return max_abs / 127.0f;
-}
-FLEXDEMO_HD int8_t int8_quantize(float value, float scale) {
-  if (!(scale > 0.0f)) return 0;
-#if defined(__CUDA_ARCH__)
-  const float q = rintf(value / scale);
-#else
-  const float q = std::nearbyint(value / scale);
-#endif
-  return int8_t(!(q <= 127.0f) ? 127.0f : (q < -127.0f ? -127.0f : q));  // NaN: 127
-}
-// 1bit: one scale per chunk, the mean |v| (summed in double, in entry order); +-scale.
-FLEXDEMO_HD float sign_scale(double sum_abs, int64_t k) {
-  return float(sum_abs / double(k));
-}
-
-// 2bit: sign and size; one pair of fp32 levels per chunk. An entry is large when |v| exceeds the
-// chunk's mean |v|; each group decodes to its own mean |v| (sums in double, in entry order; an
-// empty group's level is the overall mean). One step of 1-D k-means seeded by the 1bit scale.
-FLEXDEMO_HD bool two_bit_large(float value, float mean_abs) {
-  return bits_float(magnitude_bits(value)) > mean_abs;
-}
-FLEXDEMO_HD float two_bit_level(double sum_abs, int64_t count, float mean_abs) {
-  return count > 0 ? float(sum_abs / double(count)) : mean_abs;
-}
-
-// ====== Packed indices (Elias-Fano) ======
-// A chunk's k strictly ascending positions in [0, n) as one fixed-size record: the low `low` bits
-// of every position (k * low bits, position j's at bit j * low), then the high parts as a bitmap
-// in which position j sets bit (pos_j >> low) + j. low = floor(log2(n / k)): about
-// 2 + log2(n / k) bits a position (9 for 32 of 4,096), whatever the positions. Bits LSB first.
-FLEXDEMO_HD int packed_low_bits(int64_t n, int64_t k) {
-  int low = 0;
-  while ((k << (low + 1)) <= n) ++low;
-  return low;
-}
-FLEXDEMO_HD int64_t packed_high_bits(int64_t n, int64_t k) {
-  return ((n - 1) >> packed_low_bits(n, k)) + k;
-}
-FLEXDEMO_HD int64_t packed_record_bytes(int64_t n, int64_t k) {
-  return (k * packed_low_bits(n, k) + packed_high_bits(n, k) + 7) / 8;
-}
-FLEXDEMO_HD bool get_bit(const uint8_t* p, int64_t bit) {
-  return (p[bit / 8] >> (bit % 8)) & 1;
-}
-// `width` (< 32) bits from bit `bit` on, LSB first, a byte's share at a time.
-FLEXDEMO_HD int64_t get_bits(const uint8_t* p, int64_t bit, int width) {
-  int64_t v = 0;
-  for (int done = 0; done < width;) {
-    const int64_t at = bit + done;
-    const int shift = int(at % 8), room = 8 - shift,
-              take = room < width - done ? room : width - done;
-    v |= int64_t((p[at / 8] >> shift) & ((1u << take) - 1)) << done;
-    done += take;
-  }
-  return v;
-}
-// Position j of a record: its low bits and, for its high part, the place of the bitmap's j-th set
-// bit minus j. For one entry at a time (the GPU's decode); a valid record holds k set bits.
-FLEXDEMO_HD int64_t packed_position(const uint8_t* record, int64_t n, int64_t k, int64_t j) {
-  const int low = packed_low_bits(n, k);
-  const int64_t high_at = k * low, high_bits = packed_high_bits(n, k);
-  int64_t ones = 0, b = 0;
-  for (; b < high_bits; ++b) {
-    if (get_bit(record, high_at + b) && ones++ == j) break;
-  }
-  return (b - j) << low | get_bits(record, j * low, low);
-}
-
+// ====== Decode ======
 // A coefficient's value after the all-gather: the sum of the replicas that sent it (added in
 // rank order, starting from 0) over their count.
 FLEXDEMO_HD float mean_of(float sum, uint32_t count) {

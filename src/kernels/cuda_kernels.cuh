@@ -19,9 +19,9 @@ namespace flexdemo::kernels::cuda {
 namespace {
 
 namespace cm = chunk_math;
+namespace codec = demo::codec;
 
 constexpr int kThreads = 256;
-constexpr int kFp32 = 0, kBf16 = 1, kInt8 = 2, kSign = 3, kTwoBit = 4;  // compress::ValueEncoding
 
 // Where chunk `c` of tensor t lies: its rows and columns inside the tensor (the rest is padding).
 struct Place {
@@ -60,26 +60,6 @@ __device__ int exclusive_scan(int v, int* scan, int* total) {
   return exclusive;
 }
 
-__device__ void put_bytes(uint8_t* p, uint32_t v, int width) {
-  for (int b = 0; b < width; ++b) p[b] = uint8_t(v >> (8 * b));
-}
-__device__ uint32_t get_bytes(const uint8_t* p, int width) {
-  uint32_t v = 0;
-  for (int b = 0; b < width; ++b) v |= uint32_t(p[b]) << (8 * b);
-  return v;
-}
-__device__ float get_f32(const uint8_t* p) {
-  return cm::bits_float(get_bytes(p, 4));
-}
-
-// Sets bit `bit` of the byte array at p (any alignment), atomically: neighbouring entries and
-// chunks share bytes of the 1bit and 2bit value arrays and of packed index records.
-__device__ void set_bit(uint8_t* p, int64_t bit) {
-  const uintptr_t address = reinterpret_cast<uintptr_t>(p + bit / 8);
-  unsigned int* word = reinterpret_cast<unsigned int*>(address & ~uintptr_t(3));
-  atomicOr(word, 1u << ((address & 3) * 8 + bit % 8));
-}
-
 // ====== Encode ======
 // The k-th largest magnitude of x[0, n) by radix selection (8 bits a pass, from the top), and how
 // many entries equal to it belong to the top-k (those of lowest position).
@@ -114,12 +94,11 @@ __global__ void encode_kernel(Bucket bucket, float beta, float alpha, uint8_t* p
   FLEXDEMO_DYNAMIC_SHARED(float, shared);
   __shared__ uint32_t hist[256];
   __shared__ int scan[kThreads];
-  __shared__ uint32_t max_bits;
-  __shared__ float levels[3];  // 1bit and 2bit: mean |v|; 2bit: the small and the large level
+  __shared__ codec::ChunkScales scales;
   const int64_t chunk = blockIdx.x;
   const TensorDesc& t = bucket.tensors[bucket.chunk_tensor[chunk]];
   const int64_t c = chunk - t.first_chunk;
-  const int h = t.chunk_h, w = t.chunk_w, n = h * w, k = int(t.k);
+  const int h = t.chunk_h, w = t.chunk_w, n = h * w, k = int(t.body.k);
   const Place place = place_of(t, c);
   float* x = shared;                                  // the chunk, then its new residual
   float* y = shared + n;                              // the transform along the columns
@@ -176,111 +155,27 @@ __global__ void encode_kernel(Bucket bucket, float beta, float alpha, uint8_t* p
     const uint32_t m = cm::magnitude_bits(x[e]);
     if (m > threshold || (m == threshold && equal_before++ < take_equal)) selected[slot++] = e;
   }
-  if (threadIdx.x == 0) max_bits = 0;
   __syncthreads();
 
   // 3. The payload's entries; what a receiver decodes leaves the residual (error feedback).
-  uint8_t* body = payloads + t.payload_offset + 36;
-  const int64_t first = c * k;  // this chunk's first entry in the tensor's payload
-  const int encoding = bucket.encoding;
-  float scale = 0.0f;
-  if (encoding == kInt8) {
-    for (int j = threadIdx.x; j < k; j += blockDim.x) {
-      const uint32_t m = cm::magnitude_bits(x[selected[j]]);
-      if (m <= 0x7f800000u) atomicMax(&max_bits, m);  // NaN ignored, as std::max does
-    }
-    __syncthreads();
-    scale = cm::int8_scale(cm::bits_float(max_bits));
-  } else if (encoding == kSign || encoding == kTwoBit) {
-    if (threadIdx.x == 0) {  // summed in double, in entry order (wire_format.cpp's sums)
-      double sum_abs = 0.0, sum_large = 0.0, sum_small = 0.0;
-      for (int j = 0; j < k; ++j) sum_abs += fabs(double(x[selected[j]]));
-      levels[0] = cm::sign_scale(sum_abs, k);
-      int large = 0;
-      for (int j = 0; j < k; ++j) {
-        const float v = x[selected[j]];
-        if (cm::two_bit_large(v, levels[0])) sum_large += fabs(double(v)), ++large;
-      }
-      for (int j = 0; j < k; ++j) {
-        const float v = x[selected[j]];
-        if (!cm::two_bit_large(v, levels[0])) sum_small += fabs(double(v));
-      }
-      levels[1] = cm::two_bit_level(sum_small, k - large, levels[0]);
-      levels[2] = cm::two_bit_level(sum_large, large, levels[0]);
-    }
-    __syncthreads();
-    scale = levels[0];
-    if (encoding == kTwoBit && threadIdx.x == 0) {
-      put_bytes(body + t.scales_at + 8 * c, cm::float_bits(levels[1]), 4);
-      put_bytes(body + t.scales_at + 8 * c + 4, cm::float_bits(levels[2]), 4);
-    }
+  uint8_t* body = payloads + t.payload_offset + codec::kHeaderBytes;
+  const compress::ValueEncoding encoding = bucket.encoding;
+  if (threadIdx.x == 0) {
+    scales = codec::chunk_scales(encoding, x, selected, k);
+    codec::put_scales(body, t.body, encoding, c, scales);
   }
-  if ((encoding == kInt8 || encoding == kSign) && threadIdx.x == 0) {
-    put_bytes(body + t.scales_at + 4 * c, cm::float_bits(scale), 4);
-  }
-  uint8_t* values = body + t.values_at;
+  __syncthreads();
   for (int j = threadIdx.x; j < k; j += blockDim.x) {
     const int pos = selected[j];
-    const int64_t entry = first + j;
-    if (t.index_bytes > 0) {
-      put_bytes(body + entry * t.index_bytes, uint32_t(pos), t.index_bytes);
-    } else {  // chunk_math's packed record: the low bits, then the high part's bit
-      uint8_t* record = body + c * t.record_bytes;
-      const int low = cm::packed_low_bits(n, k);
-      for (int b = 0; b < low; ++b) {
-        if ((pos >> b) & 1) set_bit(record, int64_t(j) * low + b);
-      }
-      set_bit(record, int64_t(k) * low + (pos >> low) + j);
-    }
-    const float v = x[pos];
-    float sent = v;
-    if (encoding == kFp32) {
-      put_bytes(values + 4 * entry, cm::float_bits(v), 4);
-    } else if (encoding == kBf16) {
-      const uint16_t bits = cm::bf16_bits(v);
-      put_bytes(values + 2 * entry, bits, 2);
-      sent = cm::bf16_value(bits);
-    } else if (encoding == kInt8) {
-      const int8_t q = cm::int8_quantize(v, scale);
-      values[entry] = uint8_t(q);
-      sent = float(q) * scale;
-    } else if (encoding == kSign) {
-      const bool negative = signbit(v);
-      if (negative) set_bit(values, entry);
-      sent = negative ? -scale : scale;
-    } else {
-      const bool negative = signbit(v), large = cm::two_bit_large(v, scale);
-      if (negative) set_bit(values, 2 * entry);
-      if (large) set_bit(values, 2 * entry + 1);
-      sent = negative ? -levels[1 + large] : levels[1 + large];
-    }
+    codec::put_position<codec::AtomicBytes>(body, t.body, c, j, pos);
+    const float sent =
+        codec::put_value<codec::AtomicBytes>(body, t.body, encoding, c * k + j, x[pos], scales);
     float& r = residual[(pos / w) * t.padded_cols + pos % w];
     r = r + -1.0f * sent;  // compress::add_selected with alpha -1
   }
 }
 
 // ====== Decode and step ======
-__device__ float read_value(const uint8_t* body, const TensorDesc& t, int encoding, int64_t entry) {
-  const uint8_t* values = body + t.values_at;
-  switch (encoding) {
-    case kFp32:
-      return get_f32(values + 4 * entry);
-    case kBf16:
-      return cm::bf16_value(uint16_t(get_bytes(values + 2 * entry, 2)));
-    case kInt8:
-      return float(int8_t(values[entry])) * get_f32(body + t.scales_at + 4 * (entry / t.k));
-    case kSign: {
-      const float scale = get_f32(body + t.scales_at + 4 * (entry / t.k));
-      return (values[entry / 8] >> (entry % 8)) & 1 ? -scale : scale;
-    }
-    default: {
-      const bool large = cm::get_bit(values, 2 * entry + 1);
-      const float level = get_f32(body + t.scales_at + 8 * (entry / t.k) + (large ? 4 : 0));
-      return cm::get_bit(values, 2 * entry) ? -level : level;
-    }
-  }
-}
-
 __global__ void decode_step_kernel(Bucket bucket, const uint8_t* gathered, int64_t bucket_bytes,
                                    int replicas, float lr, float keep, cm::AdamWConstants adamw,
                                    bool use_adamw) {
@@ -288,7 +183,7 @@ __global__ void decode_step_kernel(Bucket bucket, const uint8_t* gathered, int64
   const int64_t chunk = blockIdx.x;
   const TensorDesc& t = bucket.tensors[bucket.chunk_tensor[chunk]];
   const int64_t c = chunk - t.first_chunk;
-  const int h = t.chunk_h, w = t.chunk_w, n = h * w, k = int(t.k);
+  const int h = t.chunk_h, w = t.chunk_w, n = h * w, k = int(t.body.k);
   const Place place = place_of(t, c);
   float* X = shared;                                          // sums, then the mean coefficients
   uint32_t* count = reinterpret_cast<uint32_t*>(shared + n);  // then the inverse along the rows
@@ -298,13 +193,10 @@ __global__ void decode_step_kernel(Bucket bucket, const uint8_t* gathered, int64
   for (int e = threadIdx.x; e < n; e += blockDim.x) X[e] = 0.0f, count[e] = 0;
   __syncthreads();
   for (int r = 0; r < replicas; ++r) {  // positions are distinct within one replica's chunk
-    const uint8_t* body = gathered + r * bucket_bytes + t.payload_offset + 36;
+    const uint8_t* body = gathered + r * bucket_bytes + t.payload_offset + codec::kHeaderBytes;
     for (int j = threadIdx.x; j < k; j += blockDim.x) {
-      const int64_t entry = c * k + j;
-      const int pos = t.index_bytes > 0
-                          ? int(get_bytes(body + entry * t.index_bytes, t.index_bytes))
-                          : int(cm::packed_position(body + c * t.record_bytes, n, k, j));
-      X[pos] += read_value(body, t, bucket.encoding, entry);
+      const int pos = int(codec::get_position(body, t.body, c, j));
+      X[pos] += codec::get_value(body, t.body, bucket.encoding, c * k + j);
       count[pos] += 1;
     }
     __syncthreads();

@@ -2,10 +2,11 @@
 // chunked DCT fused with the residual update, per-chunk top-k, error feedback and the payload
 // bodies in the wire format; (2) decode — the mean over replicas, the inverse DCT and the inner
 // optimizer's step, fused. Every element is computed with chunk_math.h, as the portable CPU
-// kernels compute it. Plain pointers only (no ATen): cuda_bucket.cpp prepares the arguments.
+// kernels compute it. Plain pointers only (no ATen): gpu_bucket.cpp prepares the arguments.
 #pragma once
 
 #include "chunk_math.h"
+#include "demo/codec.h"
 
 #include <cstdint>
 
@@ -28,11 +29,7 @@ struct TensorDesc {
   int64_t col_chunks = 1;
   int64_t first_chunk = 0;     // the bucket-wide number of its chunk 0
   int64_t payload_offset = 0;  // bytes from the start of a replica's bucket to its payload
-  int64_t k = 1;               // top-k per chunk
-  int index_bytes = 2;         // compress::index_bytes_for(chunk_h * chunk_w); 0: packed
-  int64_t record_bytes = 0;    // packed indices: one record (chunk_math) per chunk
-  int64_t scales_at = 0;       // offsets inside the payload's body (after the 36-byte header)
-  int64_t values_at = 0;
+  demo::codec::Layout body;    // the payload's body (k: top-k per chunk), after the header
 };
 
 // The whole bucket: tensors and chunk_tensor (per bucket chunk: its tensor) in device memory.
@@ -41,12 +38,12 @@ struct Bucket {
   const int32_t* chunk_tensor = nullptr;
   int64_t num_chunks = 0;
   int max_chunk_numel = 1;  // sizes the kernels' shared memory
-  int encoding = 0;         // compress::ValueEncoding
+  compress::ValueEncoding encoding = compress::ValueEncoding::Fp32;
 };
 
 // Encode: residual = beta * residual + alpha * DCT(grad), its top-k, residual -= what a receiver
-// decodes, and each payload's body written at payloads + payload_offset + 36 (the header and its
-// checksum are the host's: compress::seal_payload). payloads holds bucket_bytes, zeroed first.
+// decodes, and each payload's body written after its header's room (the header and its checksum
+// are the host's: compress::seal_payload). payloads holds bucket_bytes, zeroed first.
 void encode(const Bucket& bucket, float beta, float alpha, uint8_t* payloads, int64_t bucket_bytes,
             cudaStream_t stream);
 

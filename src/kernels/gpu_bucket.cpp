@@ -40,12 +40,7 @@ cuda::BucketLayout cuda::bucket_layout(const std::vector<dct::ChunkPlan>& plans,
     d.col_chunks = plan.col_chunks();
     d.first_chunk = int64_t(layout.chunk_tensor.size());
     d.payload_offset = int64_t(layout.bytes);
-    d.k = compress::clamp_topk(k, plan);
-    const compress::PayloadLayout body = compress::payload_layout(plan, k, encoding);
-    d.index_bytes = body.index_bytes;
-    d.record_bytes = int64_t(body.record_bytes);
-    d.scales_at = int64_t(body.scales_at);
-    d.values_at = int64_t(body.values_at);
+    d.body = demo::codec::layout(plan.num_chunks(), plan.chunk_numel(), k, encoding);
     layout.tensors.push_back(d);
     layout.chunk_tensor.insert(layout.chunk_tensor.end(), size_t(plan.num_chunks()), int32_t(i));
     layout.payload_bytes.push_back(compress::wire_payload_bytes(plan, k, encoding));
@@ -128,7 +123,7 @@ GpuBucket::GpuBucket(const std::vector<dct::ChunkPlan>& plans, int64_t k,
                                 at::dtype(at::kByte).device(device));
   m.bucket.chunk_tensor = m.chunk_tensor.data_ptr<int32_t>();
   m.bucket.num_chunks = int64_t(layout.chunk_tensor.size());
-  m.bucket.encoding = int(encoding);
+  m.bucket.encoding = encoding;
 }
 
 GpuBucket::~GpuBucket() = default;

@@ -1,0 +1,363 @@
+// The body of a DeMo payload, one text for the CPU and the GPU: where each part lies (Layout), each
+// value encoding's per-chunk scales, a value's bits and what a receiver decodes from them, and a
+// chunk's positions (whole bytes each, or one packed Elias-Fano record a chunk). Compiled by the
+// host compiler (wire_format.cpp, the tests) and by nvcc (the CUDA kernels), so both write and read
+// the same bits. The header, its checksum and validation are wire_format.cpp's.
+// Adding a value encoding touches this file, its name (flexdemo/value_encoding.h) and its tests.
+#pragma once
+
+#include "flexdemo/value_encoding.h"
+#include "kernels/chunk_math.h"
+
+#include <cstdint>
+
+namespace flexdemo::demo::codec {
+
+namespace cm = kernels::chunk_math;
+using compress::ValueEncoding;
+
+constexpr int64_t kHeaderBytes = 36;  // the header's fields: flexdemo/compress.h
+
+// ====== What each encoding sends ======
+FLEXDEMO_HD bool packed_indices(ValueEncoding e) {
+  return e == ValueEncoding::TwoBit;
+}
+// fp32 scales (or levels) per chunk.
+FLEXDEMO_HD int scales_per_chunk(ValueEncoding e) {
+  switch (e) {
+    case ValueEncoding::Int8:
+    case ValueEncoding::Sign:
+      return 1;
+    case ValueEncoding::TwoBit:
+      return 2;
+    default:
+      return 0;
+  }
+}
+FLEXDEMO_HD int64_t value_bytes(ValueEncoding e, int64_t entries) {
+  switch (e) {
+    case ValueEncoding::Fp32:
+      return 4 * entries;
+    case ValueEncoding::Bf16:
+      return 2 * entries;
+    case ValueEncoding::Int8:
+      return entries;
+    case ValueEncoding::Sign:
+      return (entries + 7) / 8;
+    case ValueEncoding::TwoBit:
+      return (entries + 3) / 4;
+  }
+  return 0;
+}
+
+// ====== Packed indices (Elias-Fano) ======
+// A chunk's k strictly ascending positions in [0, n) as one fixed-size record: the low `low` bits
+// of every position (k * low bits, position j's at bit j * low), then the high parts as a bitmap
+// in which position j sets bit (pos_j >> low) + j. low = floor(log2(n / k)): about
+// 2 + log2(n / k) bits a position (9 for 32 of 4,096), whatever the positions. Bits LSB first.
+FLEXDEMO_HD int packed_low_bits(int64_t n, int64_t k) {
+  int low = 0;
+  while ((k << (low + 1)) <= n) ++low;
+  return low;
+}
+FLEXDEMO_HD int64_t packed_high_bits(int64_t n, int64_t k) {
+  return ((n - 1) >> packed_low_bits(n, k)) + k;
+}
+FLEXDEMO_HD int64_t packed_record_bytes(int64_t n, int64_t k) {
+  return (k * packed_low_bits(n, k) + packed_high_bits(n, k) + 7) / 8;
+}
+
+// ====== Layout ======
+FLEXDEMO_HD int64_t clamp_k(int64_t k, int64_t chunk_numel) {  // into [1, chunk_numel]
+  return k < 1 ? 1 : (k > chunk_numel ? chunk_numel : k);
+}
+// Bytes a position: 1 if a chunk has at most 256 coefficients, 2 if 65,536, else 4.
+FLEXDEMO_HD int index_bytes_for(int64_t chunk_numel) {
+  return chunk_numel <= 256 ? 1 : (chunk_numel <= 65536 ? 2 : 4);
+}
+
+// Where each part of one tensor's payload body lies: the positions, the per-chunk fp32 scales,
+// the values (offsets inside the body, which follows the header).
+struct Layout {
+  int64_t chunks = 0, chunk_numel = 1;
+  int64_t k = 1;        // per chunk, clamped
+  int64_t entries = 0;  // chunks * k
+  int index_bytes = 0;  // per position; 0: packed, one record of record_bytes a chunk
+  int64_t record_bytes = 0;
+  int64_t scales_at = 0;
+  int64_t values_at = 0;
+  int64_t body_bytes = 0;
+};
+FLEXDEMO_HD Layout layout(int64_t chunks, int64_t chunk_numel, int64_t k, ValueEncoding e) {
+  Layout l;
+  l.chunks = chunks;
+  l.chunk_numel = chunk_numel;
+  l.k = clamp_k(k, chunk_numel);
+  l.entries = chunks * l.k;
+  if (packed_indices(e)) {
+    l.index_bytes = 0;
+    l.record_bytes = packed_record_bytes(chunk_numel, l.k);
+    l.scales_at = chunks * l.record_bytes;
+  } else {
+    l.index_bytes = index_bytes_for(chunk_numel);
+    l.scales_at = l.entries * l.index_bytes;
+  }
+  l.values_at = l.scales_at + chunks * 4 * scales_per_chunk(e);
+  l.body_bytes = l.values_at + value_bytes(e, l.entries);
+  return l;
+}
+
+// ====== Bytes and bits (little-endian, any alignment) ======
+FLEXDEMO_HD void put_u32(uint8_t* p, uint32_t v) {
+  for (int b = 0; b < 4; ++b) p[b] = uint8_t(v >> (8 * b));
+}
+FLEXDEMO_HD uint32_t get_u32(const uint8_t* p) {
+  return uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24;
+}
+FLEXDEMO_HD void put_f32(uint8_t* p, float v) {
+  put_u32(p, cm::float_bits(v));
+}
+FLEXDEMO_HD float get_f32(const uint8_t* p) {
+  return cm::bits_float(get_u32(p));
+}
+FLEXDEMO_HD bool get_bit(const uint8_t* p, int64_t bit) {
+  return (p[bit / 8] >> (bit % 8)) & 1;
+}
+// `width` (< 32) bits from bit `bit` on, LSB first, a byte's share at a time.
+FLEXDEMO_HD int64_t get_bits(const uint8_t* p, int64_t bit, int width) {
+  int64_t v = 0;
+  for (int done = 0; done < width;) {
+    const int64_t at = bit + done;
+    const int shift = int(at % 8), room = 8 - shift,
+              take = room < width - done ? room : width - done;
+    v |= int64_t((p[at / 8] >> shift) & ((1u << take) - 1)) << done;
+    done += take;
+  }
+  return v;
+}
+
+// Fields narrower than a byte (1bit and 2bit values, packed records) share bytes with their
+// neighbours, in a chunk and across chunks. They are ORed into zeroed bytes through Bytes::or_byte:
+// PlainBytes where one thread writes a payload, AtomicBytes where many do (the GPU's).
+struct PlainBytes {
+  static FLEXDEMO_HD void or_byte(uint8_t* p, uint8_t mask) { *p |= mask; }
+};
+struct AtomicBytes {
+  static FLEXDEMO_HD void or_byte(uint8_t* p, uint8_t mask) {
+#if defined(__CUDA_ARCH__)
+    const uintptr_t at = reinterpret_cast<uintptr_t>(p);
+    atomicOr(reinterpret_cast<unsigned int*>(at & ~uintptr_t(3)), unsigned(mask) << (8 * (at & 3)));
+#else
+    __atomic_fetch_or(p, mask, __ATOMIC_RELAXED);
+#endif
+  }
+};
+template <class Bytes>
+FLEXDEMO_HD void set_bit(uint8_t* p, int64_t bit) {
+  Bytes::or_byte(p + bit / 8, uint8_t(1u << (bit % 8)));
+}
+// ORs the low `width` (< 32) bits of v in from bit `bit` on, a byte's share at a time.
+template <class Bytes>
+FLEXDEMO_HD void put_bits(uint8_t* p, int64_t bit, int64_t v, int width) {
+  for (int done = 0; done < width;) {
+    const int64_t at = bit + done;
+    const int shift = int(at % 8), room = 8 - shift,
+              take = room < width - done ? room : width - done;
+    const uint8_t mask = uint8_t(((v >> done) & ((1 << take) - 1)) << shift);
+    if (mask != 0) Bytes::or_byte(p + at / 8, mask);
+    done += take;
+  }
+}
+
+// ====== Positions ======
+// Position j of chunk c (ascending within the chunk) into a zeroed body.
+template <class Bytes>
+FLEXDEMO_HD void put_position(uint8_t* body, const Layout& l, int64_t c, int64_t j, int64_t pos) {
+  if (l.index_bytes > 0) {
+    uint8_t* p = body + (c * l.k + j) * l.index_bytes;
+    for (int b = 0; b < l.index_bytes; ++b) p[b] = uint8_t(pos >> (8 * b));
+    return;
+  }
+  uint8_t* record = body + c * l.record_bytes;
+  const int low = packed_low_bits(l.chunk_numel, l.k);
+  put_bits<Bytes>(record, j * low, pos, low);
+  set_bit<Bytes>(record, l.k * low + (pos >> low) + j);
+}
+// Position j of chunk c, on its own (a GPU thread's share): for a packed record, the place of the
+// bitmap's j-th set bit minus j, then its low bits. A valid record holds k set bits.
+FLEXDEMO_HD int64_t get_position(const uint8_t* body, const Layout& l, int64_t c, int64_t j) {
+  if (l.index_bytes > 0) {
+    const uint8_t* p = body + (c * l.k + j) * l.index_bytes;
+    int64_t v = 0;
+    for (int b = 0; b < l.index_bytes; ++b) v |= int64_t(p[b]) << (8 * b);
+    return v;
+  }
+  const uint8_t* record = body + c * l.record_bytes;
+  const int low = packed_low_bits(l.chunk_numel, l.k);
+  const int64_t high_at = l.k * low, high_bits = packed_high_bits(l.chunk_numel, l.k);
+  int64_t ones = 0, b = 0;
+  for (; b < high_bits; ++b) {
+    if (get_bit(record, high_at + b) && ones++ == j) break;
+  }
+  return (b - j) << low | get_bits(record, j * low, low);
+}
+// Chunk c's positions, in the order sent, into out[0, k). Returns how many the chunk holds: k, or
+// for a damaged packed record another count (out then holds the first min(count, k)), or -1 for
+// a record with a padding bit set (not one this codec writes).
+FLEXDEMO_HD int64_t get_positions(const uint8_t* body, const Layout& l, int64_t c, int64_t* out) {
+  if (l.index_bytes > 0) {
+    for (int64_t j = 0; j < l.k; ++j) out[j] = get_position(body, l, c, j);
+    return l.k;
+  }
+  const uint8_t* record = body + c * l.record_bytes;
+  const int low = packed_low_bits(l.chunk_numel, l.k);
+  const int64_t high_at = l.k * low, high_bits = packed_high_bits(l.chunk_numel, l.k);
+  int64_t found = 0;
+  for (int64_t b = 0; b < high_bits; ++b) {
+    if (!get_bit(record, high_at + b)) continue;
+    if (found < l.k) out[found] = (b - found) << low | get_bits(record, found * low, low);
+    ++found;
+  }
+  for (int64_t b = high_at + high_bits; b < l.record_bytes * 8; ++b) {
+    if (get_bit(record, b)) return -1;
+  }
+  return found;
+}
+
+// ====== Value arithmetic ======
+// bfloat16 by round to nearest even; NaN stays a (quiet) NaN. c10::BFloat16's rule.
+FLEXDEMO_HD uint16_t bf16_bits(float x) {
+  if (x != x) return 0x7fc0;
+  const uint32_t u = cm::float_bits(x);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+FLEXDEMO_HD float bf16_value(uint16_t bits) {
+  return cm::bits_float(uint32_t(bits) << 16);
+}
+// Round to nearest even, as both sides' default rounding mode does.
+FLEXDEMO_HD float round_even(float x) {
+#if defined(__CUDA_ARCH__)
+  return rintf(x);
+#else
+  return std::nearbyint(x);
+#endif
+}
+// int8: value / scale rounded to nearest even, within +-127 (NaN: 127).
+FLEXDEMO_HD int8_t int8_quantize(float value, float scale) {
+  if (!(scale > 0.0f)) return 0;
+  const float q = round_even(value / scale);
+  return int8_t(!(q <= 127.0f) ? 127.0f : (q < -127.0f ? -127.0f : q));
+}
+FLEXDEMO_HD double abs64(float x) {  // |x| in double, as std::fabs gives it
+  return double(cm::bits_float(cm::magnitude_bits(x)));
+}
+FLEXDEMO_HD bool negative(float x) {  // the sign bit, as std::signbit reads it
+  return cm::float_bits(x) >> 31;
+}
+// 2bit: an entry is large when |v| exceeds the chunk's mean |v|.
+FLEXDEMO_HD bool two_bit_large(float value, float mean_abs) {
+  return cm::bits_float(cm::magnitude_bits(value)) > mean_abs;
+}
+
+// ====== Per-chunk scales ======
+// A chunk's scales, from its k values in entry order: values[order[j]] (order null: values[j]).
+//   int8: scale = max |v| / 127 (NaN ignored)
+//   1bit: scale = mean |v|: values decode to +-scale
+//   2bit: scale = mean |v|; level[0], level[1] the mean |v| of the entries at most / above it (an
+//         empty group's: scale). One step of 1-D k-means seeded by the 1bit scale.
+// Sums in double, in entry order. Trivial (no initialisers), so that a GPU block can share one.
+struct ChunkScales {
+  float scale;
+  float level[2];
+};
+FLEXDEMO_HD ChunkScales chunk_scales(ValueEncoding e, const float* values, const int32_t* order,
+                                     int64_t k) {
+  ChunkScales s = {0.0f, {0.0f, 0.0f}};
+  if (e == ValueEncoding::Int8) {
+    uint32_t max_bits = 0;
+    for (int64_t j = 0; j < k; ++j) {
+      const uint32_t m = cm::magnitude_bits(values[order != nullptr ? order[j] : j]);
+      if (m <= 0x7f800000u && m > max_bits) max_bits = m;
+    }
+    s.scale = cm::bits_float(max_bits) / 127.0f;
+  } else if (e == ValueEncoding::Sign || e == ValueEncoding::TwoBit) {
+    double sum_abs = 0.0, sum_group[2] = {0.0, 0.0};
+    for (int64_t j = 0; j < k; ++j) sum_abs += abs64(values[order != nullptr ? order[j] : j]);
+    s.scale = float(sum_abs / double(k));
+    int64_t large = 0;
+    for (int g = 1; g >= 0; --g) {  // the large group summed first, then the small, as before
+      for (int64_t j = 0; j < k; ++j) {
+        const float v = values[order != nullptr ? order[j] : j];
+        if (two_bit_large(v, s.scale) == (g == 1)) sum_group[g] += abs64(v), large += g;
+      }
+    }
+    const int64_t count[2] = {k - large, large};
+    for (int g = 0; g < 2; ++g) {
+      s.level[g] = count[g] > 0 ? float(sum_group[g] / double(count[g])) : s.scale;
+    }
+  }
+  return s;
+}
+FLEXDEMO_HD void put_scales(uint8_t* body, const Layout& l, ValueEncoding e, int64_t c,
+                            const ChunkScales& s) {
+  uint8_t* at = body + l.scales_at + 4 * scales_per_chunk(e) * c;
+  if (e == ValueEncoding::Int8 || e == ValueEncoding::Sign) put_f32(at, s.scale);
+  if (e == ValueEncoding::TwoBit) put_f32(at, s.level[0]), put_f32(at + 4, s.level[1]);
+}
+
+// ====== Values ======
+// Writes entry `entry`'s value v (the payload's entry number, c * k + j) into a zeroed body and
+// returns what a receiver decodes from it: error feedback takes exactly that from the residual.
+template <class Bytes>
+FLEXDEMO_HD float put_value(uint8_t* body, const Layout& l, ValueEncoding e, int64_t entry, float v,
+                            const ChunkScales& s) {
+  uint8_t* values = body + l.values_at;
+  switch (e) {
+    case ValueEncoding::Fp32:
+      put_f32(values + 4 * entry, v);
+      return v;
+    case ValueEncoding::Bf16: {
+      const uint16_t bits = bf16_bits(v);
+      values[2 * entry] = uint8_t(bits);
+      values[2 * entry + 1] = uint8_t(bits >> 8);
+      return bf16_value(bits);
+    }
+    case ValueEncoding::Int8: {
+      const int8_t q = int8_quantize(v, s.scale);
+      values[entry] = uint8_t(q);
+      return float(q) * s.scale;
+    }
+    case ValueEncoding::Sign:
+      if (negative(v)) set_bit<Bytes>(values, entry);
+      return negative(v) ? -s.scale : s.scale;
+    case ValueEncoding::TwoBit: {
+      const bool large = two_bit_large(v, s.scale);
+      if (negative(v)) set_bit<Bytes>(values, 2 * entry);
+      if (large) set_bit<Bytes>(values, 2 * entry + 1);
+      return negative(v) ? -s.level[large] : s.level[large];
+    }
+  }
+  return 0.0f;
+}
+// What a receiver decodes for entry `entry` of a validated body.
+FLEXDEMO_HD float get_value(const uint8_t* body, const Layout& l, ValueEncoding e, int64_t entry) {
+  const uint8_t* values = body + l.values_at;
+  const uint8_t* scales = body + l.scales_at + 4 * scales_per_chunk(e) * (entry / l.k);
+  switch (e) {
+    case ValueEncoding::Fp32:
+      return get_f32(values + 4 * entry);
+    case ValueEncoding::Bf16:
+      return bf16_value(uint16_t(values[2 * entry] | values[2 * entry + 1] << 8));
+    case ValueEncoding::Int8:
+      return float(int8_t(values[entry])) * get_f32(scales);
+    case ValueEncoding::Sign:
+      return get_bit(values, entry) ? -get_f32(scales) : get_f32(scales);
+    case ValueEncoding::TwoBit: {
+      const float level = get_f32(scales + (get_bit(values, 2 * entry + 1) ? 4 : 0));
+      return get_bit(values, 2 * entry) ? -level : level;
+    }
+  }
+  return 0.0f;
+}
+
+}  // namespace flexdemo::demo::codec
