@@ -39,6 +39,13 @@ inline uint64_t closed_form_payload_bytes(const std::vector<flexdemo::dct::Chunk
         value_bytes = (2 * entries + 7) / 8 + 8 * plan.num_chunks();
         break;
       }
+      case ValueEncoding::Fp8: {  // the same packed records, a byte a value, a scale a chunk
+        uint64_t low = 0;
+        while (k << (low + 1) <= n) ++low;
+        index_bytes = plan.num_chunks() * ((k * low + ((n - 1) >> low) + k + 7) / 8);
+        value_bytes = entries + 4 * plan.num_chunks();
+        break;
+      }
     }
     total += 36 + index_bytes + value_bytes;
   }

@@ -54,6 +54,27 @@ std::vector<uint8_t> encode(const dct::ChunkPlan& plan, compress::TopK& topk, Va
   return bytes;
 }
 
+// fp8 e4m3 (OCP E4M3FN) by search: |x| saturated to 448, then the nearest of the finite codes'
+// values (in double), ties to the even code; NaN for NaN.
+float reference_fp8(float x) {
+  if (std::isnan(x)) return x;
+  const double target = std::max(-448.0, std::min(448.0, double(x)));
+  double best = 0.0, best_err = INFINITY;
+  int best_code = 0;
+  for (int code = 0; code < 256; ++code) {
+    const int e = (code >> 3) & 15, m = code & 7;
+    if (e == 15 && m == 7) continue;  // NaN
+    const double magnitude =
+        e == 0 ? m * std::ldexp(1.0, -9) : (1.0 + m / 8.0) * std::ldexp(1.0, e - 7);
+    const double value = code & 0x80 ? -magnitude : magnitude;
+    const double err = std::fabs(target - value);
+    if (err < best_err || (err == best_err && (code & 1) == 0 && (best_code & 1) == 1)) {
+      best = value, best_err = err, best_code = code;
+    }
+  }
+  return float(best);
+}
+
 void put_u32(uint8_t* p, uint32_t v) {
   for (int b = 0; b < 4; ++b) p[b] = uint8_t(v >> (8 * b));
 }
@@ -149,6 +170,8 @@ TEST(WireFormat, PayloadSizeIsClosedForm) {
   // levels, and 32 values of 2 bits: 1.5 bytes per kept coefficient before the header.
   EXPECT_EQ(compress::wire_payload_bytes(plan, 32, ValueEncoding::TwoBit),
             36u + 4 * 36 + 4 * 8 + 4 * 8);
+  // fp8: the same records, one fp32 scale a chunk, a byte a value: 2.25 bytes per coefficient.
+  EXPECT_EQ(compress::wire_payload_bytes(plan, 32, ValueEncoding::Fp8), 36u + 4 * 36 + 4 * 4 + 128);
   // A vector of 192 in chunks of 64: 3 chunks, 1-byte indices.
   dct::ChunkPlan vec = dct::make_chunk_plan({192}, 64, dct::ChunkMode::Divisor);
   EXPECT_EQ(compress::wire_payload_bytes(vec, 32, ValueEncoding::Bf16), 36u + 96 + 192);
@@ -207,9 +230,45 @@ TEST(WireFormat, RoundTripEveryEncoding) {
         EXPECT_TRUE(at::all(err <= a.to(at::kFloat)).item<bool>());
         break;
       }
+      case ValueEncoding::Fp8: {  // per chunk: the nearest e4m3 code of v / (max |v| / 448)
+        const at::Tensor scale = std::get<0>(original.abs().max(1, true)) / 448.0f;
+        for (int64_t c = 0; c < original.size(0); ++c) {
+          const float s = scale[c][0].item<float>();
+          for (int64_t j = 0; j < original.size(1); ++j) {
+            const float want = reference_fp8(original[c][j].item<float>() / s) * s;
+            ASSERT_EQ(t.values[c][j].item<float>(), want) << "chunk " << c << " entry " << j;
+          }
+        }
+        break;
+      }
     }
   }
   EXPECT_THROW(parse_name<compress::ValueEncoding>("fp16"), std::invalid_argument);
+}
+
+// fp8's rounding against the search above: every code's value and the midpoints between
+// neighbours (the ties), their neighbouring floats, and floats spread over every exponent.
+TEST(WireFormat, Fp8RoundsToNearestEvenAndSaturates) {
+  std::vector<float> xs = {0.0f, -0.0f, 448.0f, 464.0f, 479.0f, 1e6f, INFINITY, -INFINITY, 1e-30f};
+  for (int code = 0; code < 0x7e; ++code) {  // 0x7e: 448, the largest; 0x7f: NaN
+    const float v = codec::fp8_value(uint8_t(code)), next = codec::fp8_value(uint8_t(code + 1));
+    const float mid = float((double(v) + double(next)) / 2);
+    for (float x : {v, mid, std::nextafter(mid, 0.0f), std::nextafter(mid, INFINITY)}) {
+      xs.push_back(x);
+      xs.push_back(-x);
+    }
+  }
+  for (uint32_t bits = 0; bits < 0x7f800000u; bits += 0x1000u + 7u) {
+    float x;
+    std::memcpy(&x, &bits, 4);
+    xs.push_back(x);
+  }
+  for (float x : xs) {
+    const float got = codec::fp8_value(codec::fp8_bits(x));
+    ASSERT_EQ(got, reference_fp8(x)) << x;
+    ASSERT_EQ(std::signbit(got), std::signbit(x)) << x;
+  }
+  EXPECT_TRUE(std::isnan(codec::fp8_value(codec::fp8_bits(NAN))));
 }
 
 TEST(WireFormat, RejectsMalformedPayloads) {

@@ -17,6 +17,9 @@ enum class ValueEncoding : uint8_t {
   // 2 bits per value (sign, size) + two fp32 levels per chunk, the indices packed (Elias-Fano):
   // 1.5 bytes per value at top-k 32 of 4,096.
   TwoBit = 4,
+  // fp8 e4m3 (OCP E4M3FN: max 448, no infinities) of value / scale, one fp32 scale per chunk
+  // (max |v| / 448), the indices packed: 2.25 bytes per value at top-k 32 of 4,096.
+  Fp8 = 5,
 };
 
 }  // namespace flexdemo::compress
@@ -26,10 +29,8 @@ template <>
 struct NameTable<compress::ValueEncoding> {
   static constexpr const char* what = "value encoding";
   static constexpr std::pair<compress::ValueEncoding, const char*> entries[] = {
-      {compress::ValueEncoding::Fp32, "fp32"},
-      {compress::ValueEncoding::Bf16, "bf16"},
-      {compress::ValueEncoding::Int8, "int8"},
-      {compress::ValueEncoding::Sign, "1bit"},
-      {compress::ValueEncoding::TwoBit, "2bit"}};
+      {compress::ValueEncoding::Fp32, "fp32"},   {compress::ValueEncoding::Bf16, "bf16"},
+      {compress::ValueEncoding::Int8, "int8"},   {compress::ValueEncoding::Sign, "1bit"},
+      {compress::ValueEncoding::TwoBit, "2bit"}, {compress::ValueEncoding::Fp8, "fp8"}};
 };
 }  // namespace flexdemo

@@ -20,13 +20,14 @@ constexpr int64_t kHeaderBytes = 36;  // the header's fields: flexdemo/compress.
 
 // ====== What each encoding sends ======
 FLEXDEMO_HD bool packed_indices(ValueEncoding e) {
-  return e == ValueEncoding::TwoBit;
+  return e == ValueEncoding::TwoBit || e == ValueEncoding::Fp8;
 }
 // fp32 scales (or levels) per chunk.
 FLEXDEMO_HD int scales_per_chunk(ValueEncoding e) {
   switch (e) {
     case ValueEncoding::Int8:
     case ValueEncoding::Sign:
+    case ValueEncoding::Fp8:
       return 1;
     case ValueEncoding::TwoBit:
       return 2;
@@ -41,6 +42,7 @@ FLEXDEMO_HD int64_t value_bytes(ValueEncoding e, int64_t entries) {
     case ValueEncoding::Bf16:
       return 2 * entries;
     case ValueEncoding::Int8:
+    case ValueEncoding::Fp8:
       return entries;
     case ValueEncoding::Sign:
       return (entries + 7) / 8;
@@ -248,6 +250,27 @@ FLEXDEMO_HD int8_t int8_quantize(float value, float scale) {
   const float q = round_even(value / scale);
   return int8_t(!(q <= 127.0f) ? 127.0f : (q < -127.0f ? -127.0f : q));
 }
+// fp8 e4m3 (OCP E4M3FN: bias 7, no infinities, S.1111.111 NaN, largest 448) by round to nearest
+// even, saturating to +-448; NaN stays NaN. Integer arithmetic on the float's bits, so that both
+// sides round alike.
+FLEXDEMO_HD uint8_t fp8_bits(float x) {
+  const uint32_t u = cm::float_bits(x), a = u & 0x7fffffffu;
+  const uint8_t sign = uint8_t((u >> 24) & 0x80u);
+  if (a > 0x7f800000u) return sign | 0x7f;   // NaN
+  if (a >= 0x43e00000u) return sign | 0x7e;  // 448 and above, infinity too: the largest
+  if (a < 0x3c800000u) {                     // below 2^-6: subnormal, in steps of 2^-9 (exact)
+    return sign | uint8_t(round_even(cm::bits_float(a) * 512.0f));
+  }
+  const uint32_t r = (a + 0x7ffffu + ((a >> 20) & 1u)) >> 20;  // exponent and 3 mantissa bits
+  return sign | uint8_t(r - ((127 - 7) << 3));
+}
+FLEXDEMO_HD float fp8_value(uint8_t bits) {
+  const uint32_t e = (bits >> 3) & 15u, m = bits & 7u;
+  const float v = e == 15 && m == 7 ? cm::bits_float(0x7fc00000u)
+                  : e == 0          ? float(m) * 0.001953125f  // m * 2^-9
+                                    : cm::bits_float((e + 127 - 7) << 23 | m << 20);
+  return bits & 0x80u ? -v : v;
+}
 FLEXDEMO_HD double abs64(float x) {  // |x| in double, as std::fabs gives it
   return double(cm::bits_float(cm::magnitude_bits(x)));
 }
@@ -261,7 +284,7 @@ FLEXDEMO_HD bool two_bit_large(float value, float mean_abs) {
 
 // ====== Per-chunk scales ======
 // A chunk's scales, from its k values in entry order: values[order[j]] (order null: values[j]).
-//   int8: scale = max |v| / 127 (NaN ignored)
+//   int8: scale = max |v| / 127 (NaN ignored); fp8: max |v| / 448
 //   1bit: scale = mean |v|: values decode to +-scale
 //   2bit: scale = mean |v|; level[0], level[1] the mean |v| of the entries at most / above it (an
 //         empty group's: scale). One step of 1-D k-means seeded by the 1bit scale.
@@ -273,13 +296,13 @@ struct ChunkScales {
 FLEXDEMO_HD ChunkScales chunk_scales(ValueEncoding e, const float* values, const int32_t* order,
                                      int64_t k) {
   ChunkScales s = {0.0f, {0.0f, 0.0f}};
-  if (e == ValueEncoding::Int8) {
+  if (e == ValueEncoding::Int8 || e == ValueEncoding::Fp8) {
     uint32_t max_bits = 0;
     for (int64_t j = 0; j < k; ++j) {
       const uint32_t m = cm::magnitude_bits(values[order != nullptr ? order[j] : j]);
       if (m <= 0x7f800000u && m > max_bits) max_bits = m;
     }
-    s.scale = cm::bits_float(max_bits) / 127.0f;
+    s.scale = cm::bits_float(max_bits) / (e == ValueEncoding::Int8 ? 127.0f : 448.0f);
   } else if (e == ValueEncoding::Sign || e == ValueEncoding::TwoBit) {
     double sum_abs = 0.0, sum_group[2] = {0.0, 0.0};
     for (int64_t j = 0; j < k; ++j) sum_abs += abs64(values[order != nullptr ? order[j] : j]);
@@ -301,7 +324,7 @@ FLEXDEMO_HD ChunkScales chunk_scales(ValueEncoding e, const float* values, const
 FLEXDEMO_HD void put_scales(uint8_t* body, const Layout& l, ValueEncoding e, int64_t c,
                             const ChunkScales& s) {
   uint8_t* at = body + l.scales_at + 4 * scales_per_chunk(e) * c;
-  if (e == ValueEncoding::Int8 || e == ValueEncoding::Sign) put_f32(at, s.scale);
+  if (scales_per_chunk(e) == 1) put_f32(at, s.scale);
   if (e == ValueEncoding::TwoBit) put_f32(at, s.level[0]), put_f32(at + 4, s.level[1]);
 }
 
@@ -336,6 +359,11 @@ FLEXDEMO_HD float put_value(uint8_t* body, const Layout& l, ValueEncoding e, int
       if (large) set_bit<Bytes>(values, 2 * entry + 1);
       return negative(v) ? -s.level[large] : s.level[large];
     }
+    case ValueEncoding::Fp8: {
+      const uint8_t q = s.scale > 0.0f ? fp8_bits(v / s.scale) : 0;
+      values[entry] = q;
+      return fp8_value(q) * s.scale;
+    }
   }
   return 0.0f;
 }
@@ -356,6 +384,8 @@ FLEXDEMO_HD float get_value(const uint8_t* body, const Layout& l, ValueEncoding 
       const float level = get_f32(scales + (get_bit(values, 2 * entry + 1) ? 4 : 0));
       return get_bit(values, 2 * entry) ? -level : level;
     }
+    case ValueEncoding::Fp8:
+      return fp8_value(values[entry]) * get_f32(scales);
   }
   return 0.0f;
 }
