@@ -1,7 +1,7 @@
 // `flexdemo report`: compares run folders in a Markdown table and PNG plots.
 #include "subcommand.h"
 
-#include "flexdemo/report.h"
+#include "report.h"
 
 #include <cstdio>
 
@@ -23,7 +23,7 @@ Subcommand add_report(CLI::App& app) {
       ->check(CLI::ExistingDirectory);
   c.cli->add_option("--out", args->out, "where report.md and the plots go")->capture_default_str();
   c.run = [args](std::shared_ptr<comm::Communicator>) {
-    std::printf("%s", train::write_report(args->runs, args->out).c_str());
+    std::printf("%s", write_report(args->runs, args->out).c_str());
     std::printf("report and plots in %s\n", args->out.c_str());
     return 0;
   };

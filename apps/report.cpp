@@ -1,5 +1,6 @@
-// `flexdemo report`: a Markdown table and gnuplot PNGs comparing run folders.
-#include "flexdemo/report.h"
+// `flexdemo report`: a Markdown table, the runs' validation steps and gnuplot PNGs comparing run
+// folders.
+#include "report.h"
 
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
@@ -10,13 +11,14 @@
 #include <sstream>
 #include <stdexcept>
 
-namespace flexdemo::train {
+namespace flexdemo::app {
 namespace {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 struct Run {
+  std::string dir;   // the folder as given
   std::string name;  // the folder's name
   json config, summary;
   std::vector<json> steps;
@@ -30,6 +32,7 @@ json read_json(const fs::path& path) {
 
 Run read_run(const std::string& dir) {
   Run r;
+  r.dir = dir;
   r.name = fs::path(dir).lexically_normal().filename().string();
   if (r.name.empty()) r.name = fs::path(dir).lexically_normal().parent_path().filename().string();
   r.config = read_json(fs::path(dir) / "config.json");
@@ -89,6 +92,18 @@ std::string write_report(const std::vector<std::string>& run_dirs, const std::st
                       r.summary.value("tokens_per_s", 0.0), mb(bytes), compression);
   }
   std::ofstream(fs::path(out) / "report.md") << md.str();
+  {
+    std::ofstream csv(fs::path(out) / "evals.csv");
+    csv << "run,step,elapsed_s,val_loss,loss,inter_bytes_sent\n";
+    for (const auto& r : runs) {
+      for (const auto& s : r.steps) {
+        if (!s.contains("val_loss")) continue;
+        csv << fmt::format("{},{},{:.3f},{:.6f},{:.6f},{}\n", r.dir, s.value("step", 0),
+                           s.value("elapsed_s", 0.0), s["val_loss"].get<double>(),
+                           s.value("loss", 0.0), s.value("inter_bytes_sent", int64_t(0)));
+      }
+    }
+  }
 
   // Data files for gnuplot: one per run.
   for (size_t i = 0; i < runs.size(); ++i) {
@@ -150,4 +165,4 @@ std::string write_report(const std::vector<std::string>& run_dirs, const std::st
   return md.str();
 }
 
-}  // namespace flexdemo::train
+}  // namespace flexdemo::app
