@@ -5,6 +5,7 @@
 #include "flexdemo/train.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <fstream>
 #include <iterator>
 #include <optional>
@@ -105,6 +106,13 @@ Subcommand add_train(CLI::App& app) {
   c.cli->add_option("--config",
                     "read options from a TOML file (key = value, the option names "
                     "without --); the command line wins");
+  c.cli->add_flag_callback(
+      "--help-markdown",
+      [] {
+        std::printf("%s", train::options_markdown().c_str());
+        throw CLI::Success();
+      },
+      "print the option reference as Markdown (docs/options.md) and exit");
   train::for_each_option(*config, [cmd = c.cli](auto& field, const train::OptionSpec& spec) {
     add_option(*cmd, field, spec);
   });

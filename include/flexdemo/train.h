@@ -28,6 +28,11 @@ inline constexpr int kExitStopped = 75;
 // stopped by --max-time), kExitStopped when a signal stopped it.
 int run_training(const TrainConfig& cfg, std::shared_ptr<comm::Communicator> world);
 
+// The option reference as Markdown (docs/options.md is this text, checked by a test): per
+// option its flag, default, what a resume keeps, what it accepts and its help, in declaration
+// order. `flexdemo train --help-markdown` prints it.
+std::string options_markdown();
+
 // Collective over world: every rank's CRC-32 of its shards is compared with those of its
 // replica group; on any mismatch anywhere every rank throws std::runtime_error naming the step
 // and the replicas that differ (replica drift: the replicas must be bit-identical).
