@@ -8,9 +8,9 @@
 # flexdemo-backward is FlexDeMo with --exchange-in-backward (each unit's exchange started in the
 # backward) and flexdemo-noclip the same run without it (both need --clip 0 --on-nonfinite stop,
 # so they compare with each other: the same losses, only the step time differs). Keeps every
-# run in docs/results/e2e/<rate>/<run>, writes docs/results/e2e.csv and, per rate, a
+# run in runs/studies/e2e/<rate>/<run>, writes runs/studies/e2e.csv and, per rate, a
 # `flexdemo report` (validation loss against wall time, bytes between nodes per step), plus
-# docs/results/e2e-step-time.png (median step time against rate).
+# runs/studies/e2e-step-time.png (median step time against rate).
 #   STEPS (default 200), RATES (default "none 1gbit 100mbit 10mbit"), RUNS (default all eight).
 #   RATES="" trains nothing and only rebuilds the table and reports from the runs kept.
 set -euo pipefail
@@ -22,7 +22,7 @@ rates="${RATES-none 1gbit 100mbit 10mbit}"
 all_runs="flexdemo flexdemo-adamw demo-s1 adamw-hsdp flexdemo-3x flexdemo-overlap flexdemo-noclip
   flexdemo-backward"
 runs="${RUNS:-$all_runs}"
-out=docs/results/e2e
+out=runs/studies/e2e
 cluster=scripts/cluster.sh
 trap 'bash "$cluster" down >/dev/null 2>&1 || true' EXIT
 mkdir -p "$out"
@@ -62,7 +62,7 @@ done
 
 # The table and reports cover every run kept so far, so rates can be measured one at a time.
 all_rates="none 1gbit 100mbit 10mbit"
-csv=docs/results/e2e.csv
+csv=runs/studies/e2e.csv
 echo "rate,run,final_val_loss,median_step_ms,wall_s,tokens_per_s,inter_bytes_per_step,s_to_adamw_hsdp_loss" > "$csv"
 # Seconds until a run's validation loss first reaches AdamW-HSDP's final one at the same rate.
 seconds_to() {
@@ -90,15 +90,15 @@ for rate in $all_rates; do
     kept="$kept $d"
   done
   # shellcheck disable=SC2086
-  [ -z "$kept" ] || build/flexdemo report $kept --out "docs/results/e2e-report-$rate" > /dev/null
+  [ -z "$kept" ] || build/flexdemo report $kept --out "runs/studies/e2e-report-$rate" > /dev/null
 done
 column -s, -t < "$csv"
 
 # Median step time against link rate, one line per run.
-gp=docs/results/e2e-step-time.gp
+gp=runs/studies/e2e-step-time.gp
 {
   echo "set terminal pngcairo size 900,560 noenhanced"
-  echo "set output 'docs/results/e2e-step-time.png'"
+  echo "set output 'runs/studies/e2e-step-time.png'"
   echo "set title 'Median step time against link rate (2 nodes x 2 ranks, gpt-micro)'"
   echo "set ylabel 'ms'; set logscale y; set grid; set key outside bottom center"
   echo "set datafile separator ','"
@@ -112,4 +112,4 @@ gp=docs/results/e2e-step-time.gp
   echo
 } > "$gp"
 gnuplot "$gp"
-echo "results: $csv, docs/results/e2e-report-<rate>/, docs/results/e2e-step-time.png"
+echo "results: $csv, runs/studies/e2e-report-<rate>/, runs/studies/e2e-step-time.png"

@@ -6,15 +6,15 @@
 #   leg 2, 1 node x 2 ranks (one replica): resumed, stopped after step STOP2 (default 300) by
 #          FLEXDEMO_INJECT_SIGNAL;
 #   leg 3, 2 x 2 again: resumed to step 500.
-# Writes docs/results/elastic/ (the run, each leg's log, losses.csv: step, uninterrupted and
+# Writes runs/studies/elastic/ (the run, each leg's log, losses.csv: step, uninterrupted and
 # elastic training loss, validation losses; table.md). The reference is trained first if
-# docs/results/tune/gpt-micro-500/flexdemo-lr1e-3 is missing.
+# runs/studies/tune/gpt-micro-500/flexdemo-lr1e-3 is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stop1="${STOP1:-150}"
 stop2="${STOP2:-300}"
-out=docs/results/elastic
-reference=docs/results/tune/gpt-micro-500/flexdemo-lr1e-3
+out=runs/studies/elastic
+reference=runs/studies/tune/gpt-micro-500/flexdemo-lr1e-3
 source tests/lib.sh  # rank_pid, steps_logged, seconds_since, newest_checkpoint
 bash scripts/install-deps.sh >/dev/null
 bash scripts/build.sh flexdemo_cli flexdemo_tokenize >/dev/null

@@ -16,7 +16,7 @@
 #      rate it measured, its step time ratio, its validation loss, and the fixed settings'.
 #   PHASES (default "loss time table"), RATES (default "1gbit 100mbit 10mbit"), FIXED (default
 #   "32-bf16 128-bf16 128-2bit"), AUTO (extra options of the auto runs, e.g. "--link-max-topk 512"; its
-#   runs then go to auto-OPTIONS/). Results in docs/results/link-budget/.
+#   runs then go to auto-OPTIONS/). Results in runs/studies/link-budget/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 phases="${PHASES:-loss time table}"
@@ -25,7 +25,7 @@ fixed="${FIXED:-32-bf16 128-bf16 128-2bit}"
 rounds="${ROUNDS:-3}"
 first_round="${FIRST_ROUND:-1}"
 time_steps="${TIME_STEPS:-30}"
-out=docs/results/link-budget
+out=runs/studies/link-budget
 read -r -a auto_options <<< "${AUTO:-}"
 auto_dir=auto
 [ ${#auto_options[@]} -eq 0 ] || auto_dir="auto$(printf '%s' "${auto_options[*]}" | tr -c 'a-z0-9' '-')"

@@ -8,18 +8,18 @@
 #
 # Two measurements, combined:
 #   1. loss: each run's 500 (or 1000) steps on this machine (mpirun, no link limit). The losses
-#      do not depend on the link: a run is bit-identical at every rate (docs/results/e2e.csv).
+#      do not depend on the link: a run is bit-identical at every rate (runs/studies/e2e.csv).
 #   2. time: each run on the emulated cluster (scripts/cluster.sh; needs root) at each rate for
 #      TIME_STEPS steps after 2 warm-up steps, no evaluation; its mean step time on rank 0's clock
 #      (whole rounds of every --inner-steps H: 50 steps by default) is its seconds per step there.
 #      AdamW-HSDP sends 34 MB a step (30 s at 10 Mbit/s): it is timed over HSDP_STEPS (6) steps.
 # Wall time at a rate = steps x that rate's mean step time (evaluations not counted).
 #   PHASES (default "loss time table"), RATES (default "100mbit 10mbit"), RUNS (default all).
-#   The README's tables add 2mbit, timed for the compressed runs only (RATES=2mbit PHASES=time
+#   docs/results/fewer-bits.md's tables add 2mbit, timed for the compressed runs only (RATES=2mbit PHASES=time
 #   RUNS="flexdemo flexdemo-2bit diloco-demo-..."; the dense exchanges of diloco-h10* and
 #   adamw-hsdp outlast --comm-timeout there), then RATES="100mbit 10mbit 2mbit" PHASES=table.
 # Runs the tuning sweep or the wire-format run already trained with the same options are reused
-# (flexdemo, adamw-hsdp, flexdemo-2bit). Everything lands in docs/results/local-steps/.
+# (flexdemo, adamw-hsdp, flexdemo-2bit). Everything lands in runs/studies/local-steps/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 phases="${PHASES:-loss time table}"
@@ -31,7 +31,7 @@ all_runs="adamw-hsdp flexdemo flexdemo-2bit diloco-h10 diloco-h10-avg diloco-dem
 runs="${RUNS:-$all_runs}"
 time_steps="${TIME_STEPS:-50}"
 hsdp_steps="${HSDP_STEPS:-6}"
-out=docs/results/local-steps
+out=runs/studies/local-steps
 mkdir -p "$out"
 export FLEXDEMO_TOKENIZE="$PWD/build/flexdemo-tokenize"
 common=(--model gpt-micro --lr 1e-3 --progress lines)
@@ -63,9 +63,9 @@ options_of() {
 }
 trained_as() {  # a kept run with the same options
   case "$1" in
-    adamw-hsdp) echo docs/results/tune/gpt-micro-500/adamw-lr1e-3 ;;
-    flexdemo) echo docs/results/tune/gpt-micro-500/flexdemo-lr1e-3 ;;
-    flexdemo-2bit) echo docs/results/wire/gpt-micro-500-2bit ;;
+    adamw-hsdp) echo runs/studies/tune/gpt-micro-500/adamw-lr1e-3 ;;
+    flexdemo) echo runs/studies/tune/gpt-micro-500/flexdemo-lr1e-3 ;;
+    flexdemo-2bit) echo runs/studies/wire/gpt-micro-500-2bit ;;
     *) echo "" ;;
   esac
 }

@@ -5,9 +5,9 @@
 # 2 nodes x 2 ranks (scripts/cluster.sh; needs root) at each link rate, with the same data,
 # seed, batch and steps. Each run is then scored on the validation pairs: loss and chrF of its
 # greedy translations (`flexdemo eval --translate`). Keeps every run in
-# docs/results/paper/<model>-<steps>-topk<k>/<rate>/<run>, writes table.md there and, per
+# runs/studies/paper/<model>-<steps>-topk<k>/<rate>/<run>, writes table.md there and, per
 # rate, a `flexdemo report` (validation loss against step and wall time, bytes between nodes).
-#   MODEL (default t5-nano; t5-small is the paper's model: see README), STEPS (default 500),
+#   MODEL (default t5-nano; t5-small is the paper's model: docs/results/equal-steps.md), STEPS (default 500),
 #   RATES (default "none 100mbit"), RUNS (default "flexdemo flexdemo-adamw adamw-hsdp"),
 #   LR_FLEXDEMO, LR_FLEXDEMO_ADAMW, LR_ADAMW (default: the optimizers' tuned defaults),
 #   TRANSLATE (validation pairs translated for chrF, default 200), TOPK (DeMo's coefficients per
@@ -21,7 +21,7 @@ rates="${RATES-none 100mbit}"
 runs="${RUNS:-flexdemo flexdemo-adamw adamw-hsdp}"
 translate="${TRANSLATE:-200}"
 topk="${TOPK:-4}"
-out="docs/results/paper/$model-$steps-topk$topk"
+out="runs/studies/paper/$model-$steps-topk$topk"
 bash scripts/install-deps.sh >/dev/null
 bash scripts/build.sh flexdemo_cli flexdemo_tokenize >/dev/null
 cluster=scripts/cluster.sh

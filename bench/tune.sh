@@ -2,7 +2,7 @@
 # The tuning sweep: each optimizer trained with each of its candidate settings on one fixed step
 # budget (the same model, data, seed, batch and topology: 2 nodes x 2 ranks, like
 # scripts/demo.sh), every run kept, and the best per optimizer chosen on final validation loss.
-# Writes docs/results/tune/<model>-<steps>/<run>/ (one `flexdemo train` output each) and
+# Writes runs/studies/tune/<model>-<steps>/<run>/ (one `flexdemo train` output each) and
 # table.md there (every run; the best of each optimizer in bold, with its loss against the best
 # AdamW-HSDP run). A run whose summary.json exists is not trained again, so a sweep cut short
 # continues where it stopped; delete a run's folder to train it again.
@@ -17,7 +17,7 @@ model="${MODEL:-gpt-micro}"
 steps="${STEPS:-500}"
 np="${NP:-4}"
 ranks_per_node="${RANKS_PER_NODE:-2}"
-out="docs/results/tune/$model-$steps"
+out="runs/studies/tune/$model-$steps"
 bash scripts/install-deps.sh >/dev/null
 bash scripts/build.sh flexdemo_cli flexdemo_tokenize >/dev/null
 export OMP_NUM_THREADS=1

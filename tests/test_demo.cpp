@@ -1,5 +1,4 @@
-// DeMo with one replica against a naive float64 implementation of the algorithm (README: "The
-// algorithm, per step and tensor") written here: residual kept in the sample domain, DCT by the
+// DeMo with one replica against a naive float64 implementation of the algorithm (docs/algorithm.md) written here: residual kept in the sample domain, DCT by the
 // direct formula, top-k by sorting.
 #include "flexdemo/optim.h"
 

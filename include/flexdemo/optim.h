@@ -86,7 +86,7 @@ struct OptimizerOptions {
   // identically on every replica; every replica then continues from them.
   int64_t inner_steps = 1;  // >= 1; > 1 excludes replicate_every > 1 and overlap_step
   // The defaults average the replicas' parameters (lr 1, momentum 0); DiLoCo's 0.7 and 0.9
-  // trained worse at H = 10 on gpt-micro (README, "Many local steps").
+  // trained worse at H = 10 on gpt-micro (docs/results/fewer-bits.md).
   double outer_lr = 1.0;        // > 0
   double outer_momentum = 0.0;  // Nesterov's, in [0, 1) (0: plain SGD)
   bool outer_sign = false;      // step by sign(mean) instead of the mean: outer_lr is then the

@@ -1,5 +1,5 @@
 // flexdemo/safetensors.h — safetensors files: named tensors in the format Python's safetensors
-// reads and writes. Training checkpoints are folders of them (see the README's "Checkpoints").
+// reads and writes. Training checkpoints are folders of them (docs/command.md, "Outputs").
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -130,7 +130,7 @@ struct OptionSpec {
   X(target_seq, int64_t, 0, Model, at_least(0, " (0: --seq)"),                                     \
     "translation pairs: the longest target in tokens (0: --seq)")                                  \
   X(lr, std::optional<double>, std::nullopt, Run, above(0),                                        \
-    "peak learning rate (default: the optimizer's tuned one, see README)")                         \
+    "peak learning rate (default: the optimizer's tuned one, docs/results)")                      \
   X(warmup, int64_t, 20, Run, at_least(0), "linear warmup steps, then cosine decay")               \
   X(min_lr_ratio, double, 0.1, Run, closed(0, 1), "final lr as a fraction of --lr")                \
   X(clip, double, 1.0, Run, at_least(0),                                                           \

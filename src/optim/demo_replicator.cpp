@@ -1,4 +1,4 @@
-// The DeMo replicator (the README's "The algorithm, per step and tensor"): residual momentum kept
+// The DeMo replicator (docs/algorithm.md): residual momentum kept
 // in the DCT domain, per-chunk top-k with error feedback, deterministic decode, inverse DCT. The
 // payloads travel in buckets, one all-gather each: by default one bucket of every tensor per step;
 // tensors whose gradients are final early (start()) go in their own buckets, started at once. With

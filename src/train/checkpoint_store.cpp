@@ -153,7 +153,7 @@ std::vector<std::pair<int64_t, int64_t>> rank_places(const nlohmann::json& manif
   return places;
 }
 
-// The optimizer state of a checkpoint written on another topology, by one rule (README,
+// The optimizer state of a checkpoint written on another topology, by one rule (docs/reliability.md,
 // "Elastic resume"): this rank's replica r takes the state of the checkpoint's replica r mod R
 // (R: the checkpoint's replicas), each tensor's state put together from that replica's shards and
 // cut again for this rank's shard; under --overlap-step the exchange in flight is not applied:

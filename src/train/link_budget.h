@@ -38,10 +38,10 @@ struct LinkBounds {
 // The schedules tried, best first: every top-k from max_topk down by halves to min_topk (the last
 // one min_topk itself), each with the encodings in the order given, all exchanging every step;
 // then min_topk with the last encoding every 2, 4, ... steps up to max_every (max_every itself
-// last). Up to 128 a larger top-k trained better per step (README, tuning table, and under
+// last). Up to 128 a larger top-k trained better per step (docs/results/equal-steps.md, and under
 // --overlap-step 128 against 32), and 2bit costs +0.16% against bf16 at 2.5x fewer bytes, so
 // top-k goes first; beyond 128 it did not help (512: no better than 32), hence the default
-// --link-max-topk 128 (README, "Results: compression that adapts to the link").
+// --link-max-topk 128 (docs/results/link-budget.md).
 std::vector<optim::ExchangeSchedule> link_ladder(const LinkBounds& bounds);
 
 // What a choice goes by (seconds; the slowest rank's).

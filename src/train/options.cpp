@@ -242,7 +242,7 @@ void TrainConfig::resolve() {
   if (!sign) sign = optimizer == OptimizerKind::FlexDemo;
   if (!lr) lr = default_lr(optimizer);
   // AdamW's first moment on top of DeMo's residual (itself a momentum) trains worse: measured
-  // in README, "FlexDeMo against AdamW at equal steps".
+  // in docs/results/equal-steps.md.
   if (!beta1) beta1 = optimizer == OptimizerKind::FlexDemoAdamW ? 0.0 : 0.9;
 }
 
@@ -261,7 +261,7 @@ std::vector<compress::ValueEncoding> link_encodings(const std::string& list) {
 }
 
 double default_lr(OptimizerKind optimizer) {
-  // The best of bench/tune.sh's sweep per optimizer (README, "FlexDeMo against AdamW").
+  // The best of bench/tune.sh's sweep per optimizer (docs/results/equal-steps.md).
   switch (optimizer) {
     case OptimizerKind::FlexDemo:
       return 1e-3;
