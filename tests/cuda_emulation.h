@@ -1,4 +1,4 @@
-// Just enough of CUDA's execution model on a CPU to run src/kernels/cuda_kernels.cuh unchanged:
+// Just enough of CUDA's execution model on a CPU to run src/demo/cuda/cuda_kernels.cuh unchanged:
 // a block's threads are real threads (std::thread, so __syncthreads is a real barrier and every
 // interleaving the barriers allow can happen), blocks run one after another, __shared__ variables
 // are statics (one block at a time shares them), atomics are the compiler's. Not a simulator of

@@ -1,12 +1,12 @@
-// The CUDA DeMo kernels (src/kernels/cuda_kernels.cuh, unchanged) run on the CPU by an emulation of
+// The CUDA DeMo kernels (src/demo/cuda/cuda_kernels.cuh, unchanged) run on the CPU by an emulation of
 // blocks and threads (cuda_emulation.h), checked bit for bit against the CPU's portable kernels by
 // the same check test_gpu runs on a GPU (bucket_check.h). Without a GPU this is what tests the
 // kernels' logic: indexing, padding, radix selection, scans, packing, decode and the steps.
 #include "cuda_emulation.h"  // first: the CUDA words the kernels use
 
-#include "kernels/bucket_layout.h"
-#include "kernels/chunk_kernels.h"
-#include "kernels/cuda_kernels.cuh"
+#include "demo/cuda/bucket_layout.h"
+#include "demo/cpu/chunk_kernels.h"
+#include "demo/cuda/cuda_kernels.cuh"
 
 #include "bucket_check.h"
 

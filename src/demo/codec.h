@@ -1,13 +1,13 @@
 // The body of a DeMo payload, one text for the CPU and the GPU: where each part lies (Layout), each
 // value encoding's per-chunk scales, a value's bits and what a receiver decodes from them, and a
 // chunk's positions (whole bytes each, or one packed Elias-Fano record a chunk). Compiled by the
-// host compiler (wire_format.cpp, the tests) and by nvcc (the CUDA kernels), so both write and read
-// the same bits. The header, its checksum and validation are wire_format.cpp's.
+// host compiler (wire.cpp, the tests) and by nvcc (the CUDA kernels), so both write and read
+// the same bits. The header, its checksum and validation are wire.cpp's.
 // Adding a value encoding touches this file, its name (flexdemo/value_encoding.h) and its tests.
 #pragma once
 
+#include "demo/chunk_math.h"
 #include "flexdemo/value_encoding.h"
-#include "kernels/chunk_math.h"
 
 #include <cstdint>
 

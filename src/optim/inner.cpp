@@ -83,24 +83,19 @@ void InnerOptimizer::apply(size_t i, const at::Tensor& direction) {
   p.addcdiv_(m, denom, -lr_ / bias_correction1);
 }
 
-bool InnerOptimizer::apply_sparse(size_t i, const compress::SparseChunks& coeffs,
-                                  const dct::ChunkPlan& plan) {
-  const at::Tensor& p = params_.at(i);
+std::optional<demo::Update> InnerOptimizer::fused_update(size_t i) const {
   const OptimizerOptions& o = options_;
-  if (p.scalar_type() != at::kFloat || !p.is_cpu() || o.inner == InnerKind::Nesterov) return false;
-  if (o.inner == InnerKind::SignSgd) {
-    if (!o.sign) return false;  // plain SGD on the direction: apply() in one pass
-    kernels::idct_sparse_sign_step(coeffs, plan,
-                                   {p, float(lr_), float(1.0 - lr_ * o.weight_decay)});
-    return true;
+  const bool fusable = (o.inner == InnerKind::SignSgd && o.sign) || o.inner == InnerKind::AdamW;
+  if (!fusable || params_.at(i).scalar_type() != at::kFloat) return std::nullopt;
+  demo::Update u;
+  u.param = params_[i];
+  u.hyper = hyper();
+  if (o.inner == InnerKind::AdamW) {
+    u.rule = demo::Update::Rule::AdamW;
+    u.exp_avg = exp_avg_[i];
+    u.exp_avg_sq = exp_avg_sq_[i];
   }
-  kernels::AdamWStep step;
-  static_cast<kernels::AdamWHyper&>(step) = hyper();
-  step.param = p;
-  step.exp_avg = exp_avg_[i];
-  step.exp_avg_sq = exp_avg_sq_[i];
-  kernels::idct_sparse_adamw_step(coeffs, plan, step);
-  return true;
+  return u;
 }
 
 kernels::AdamWHyper InnerOptimizer::hyper() const {
@@ -113,17 +108,6 @@ kernels::AdamWHyper InnerOptimizer::hyper() const {
   std::tie(h.bias_correction1, h.bias_correction2) = bias_corrections();
   h.sign = options_.sign;
   return h;
-}
-
-void InnerOptimizer::apply_gpu(const kernels::GpuBucket& bucket, const at::Tensor& gathered,
-                               int replicas) {
-  if (options_.inner == InnerKind::SignSgd && !options_.sign) {
-    throw std::invalid_argument("DeMo on a GPU: sign-SGD needs sign on (plain SGD runs on CPUs)");
-  }
-  if (options_.inner == InnerKind::Nesterov) {
-    throw std::invalid_argument("DeMo on a GPU: Nesterov SGD runs on CPUs only");
-  }
-  bucket.decode_step(gathered, replicas, params_, exp_avg_, exp_avg_sq_, hyper());
 }
 
 std::vector<std::pair<std::string, at::Tensor>> InnerOptimizer::state_tensors() const {

@@ -3,11 +3,13 @@
 // torch.optim.SGD(nesterov=True)), with decoupled weight decay.
 #pragma once
 
+#include "demo/backend.h"
 #include "flexdemo/kernels.h"
 #include "flexdemo/optim.h"
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -20,13 +22,9 @@ class InnerOptimizer {
   void begin_step(double lr);  // once per applied step, before the apply() calls
   // Tensor i: p *= 1 - lr*wd, then the update from direction ([rows, cols] float32).
   void apply(size_t i, const at::Tensor& direction);
-  // Tensor i's step straight from the direction's sparse DCT coefficients, fused into their
-  // inverse (kernels.h; the same update as apply()), where the tensor is float32; false (and
-  // nothing done) otherwise.
-  bool apply_sparse(size_t i, const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan);
-  // Every tensor's step on the GPU from a bucket of all of them (kernels::GpuBucket), gathered
-  // from `replicas` replicas on the device: the same update as apply_sparse's.
-  void apply_gpu(const kernels::GpuBucket& bucket, const at::Tensor& gathered, int replicas);
+  // Tensor i's update as a DeMo backend applies it fused into the decode (the same update as
+  // apply()): sign-SGD with sign, or AdamW, on a float32 tensor; none otherwise (then apply()).
+  std::optional<demo::Update> fused_update(size_t i) const;
   // This step's numbers (AdamW's; sign-SGD reads lr and weight_decay).
   kernels::AdamWHyper hyper() const;
   at::Tensor param(size_t i) const { return params_.at(i); }  // [rows, cols] view of tensor i

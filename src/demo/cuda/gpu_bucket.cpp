@@ -3,8 +3,8 @@
 // payloads' headers and checksums on the host. Without FLEXDEMO_CUDA it only says so.
 #include "flexdemo/kernels.h"
 
-#include "bucket_layout.h"
-#include "chunk_kernels.h"
+#include "demo/cuda/bucket_layout.h"
+#include "demo/cpu/chunk_kernels.h"
 
 #include <ATen/ATen.h>
 

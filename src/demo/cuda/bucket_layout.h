@@ -3,7 +3,7 @@
 // payload's offset. Host code; the data and DCT-basis pointers are the caller's to fill in.
 #pragma once
 
-#include "cuda_kernels.h"
+#include "demo/cuda/cuda_kernels.h"
 
 #include "flexdemo/compress.h"
 #include "flexdemo/dct.h"

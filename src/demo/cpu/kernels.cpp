@@ -2,7 +2,7 @@
 // and the loops over chunks (in parallel, one scratch area per task) around the chunk kernels.
 #include "flexdemo/kernels.h"
 
-#include "chunk_kernels.h"
+#include "demo/cpu/chunk_kernels.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -1,8 +1,8 @@
 // The chunk kernels written with chunk_math.h alone: dense transforms, every element computed as
 // the CUDA kernels compute it (cuda_kernels.cu), so FLEXDEMO_ISA=portable gives on a CPU the bits a
 // GPU gives. Slower than the factorised baseline/AVX2 kernels; there to check the GPU against.
-#include "chunk_kernels.h"
-#include "chunk_math.h"
+#include "demo/cpu/chunk_kernels.h"
+#include "demo/chunk_math.h"
 
 #include <algorithm>
 #include <functional>

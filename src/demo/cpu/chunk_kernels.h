@@ -4,7 +4,7 @@
 // copy in its own namespace; kernels.cpp picks the best one this CPU runs (runtime dispatch).
 #pragma once
 
-#include "chunk_math.h"
+#include "demo/chunk_math.h"
 
 #include <cstdint>
 

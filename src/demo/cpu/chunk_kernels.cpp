@@ -7,7 +7,7 @@
 // block (L lanes, a multiple of 8) is a handful of small matrix products over rows, vectorised
 // across the lanes; the 2-D DCT is the column transform, an 8x8-block transpose, the column
 // transform again and a transpose back.
-#include "chunk_kernels.h"
+#include "demo/cpu/chunk_kernels.h"
 
 #include <algorithm>
 #include <cstring>

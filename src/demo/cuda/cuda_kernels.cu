@@ -1,7 +1,7 @@
 // The launches of the DeMo step's CUDA kernels (cuda_kernels.cuh holds the kernels): shared memory,
 // checks, streams. Compiled with --fmad=false: no contraction nvcc would choose and the host
 // compiler would not.
-#include "cuda_kernels.cuh"
+#include "demo/cuda/cuda_kernels.cuh"
 
 #include <cuda_runtime.h>
 

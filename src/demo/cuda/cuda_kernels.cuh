@@ -6,7 +6,7 @@
 // Include once per translation unit.
 #pragma once
 
-#include "cuda_kernels.h"
+#include "demo/cuda/cuda_kernels.h"
 
 #include <cstdint>
 

@@ -2,8 +2,8 @@
 // received payload completely before use, and decode R payloads into their per-coefficient mean.
 #include "flexdemo/compress.h"
 
+#include "demo/chunk_math.h"
 #include "demo/codec.h"
-#include "kernels/chunk_math.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

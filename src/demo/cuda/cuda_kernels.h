@@ -5,7 +5,7 @@
 // kernels compute it. Plain pointers only (no ATen): gpu_bucket.cpp prepares the arguments.
 #pragma once
 
-#include "chunk_math.h"
+#include "demo/chunk_math.h"
 #include "demo/codec.h"
 
 #include <cstdint>

@@ -3,8 +3,8 @@
 // (error feedback).
 #include "flexdemo/compress.h"
 
+#include "demo/chunk_math.h"
 #include "demo/codec.h"
-#include "kernels/chunk_math.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

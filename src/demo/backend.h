@@ -1,0 +1,93 @@
+// The DeMo step on one kind of device, behind one interface: encode a bucket of tensors into
+// payloads, and decode the replicas' payloads of a bucket into each tensor's update. Three
+// implementations, one file each: plain (the reference: whole-tensor matrix-product DCTs, heap
+// top-k, dense decode), cpu (the fused per-chunk kernels of kernels.h, per instruction set) and
+// cuda (kernels::GpuBucket: one launch to encode a bucket, one to decode and update it). The
+// replicator (replicator.cpp) calls only this; it never branches on the device.
+#pragma once
+
+#include "flexdemo/kernels.h"
+#include "flexdemo/optim.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+namespace flexdemo::comm {
+class Work;
+}
+
+namespace flexdemo::demo {
+
+// Some tensors' payloads, all-gathered in one collective; a bucket keeps the top-k and values it
+// was encoded with while it is in flight.
+struct Bucket {
+  std::vector<size_t> tensors;  // the replicator's tensor indices
+  std::vector<size_t> offsets;  // of each tensor's payload in the bucket
+  size_t bytes = 0;             // one replica's payloads
+  int64_t topk = 0;
+  compress::ValueEncoding values = compress::ValueEncoding::Bf16;
+  at::Tensor send;  // uint8 [bytes]: this replica's payloads (the backend's buffer)
+  at::Tensor recv;  // uint8 [replicas * bytes]: every replica's, rank order
+  std::unique_ptr<comm::Work> work;
+};
+
+// The update of one tensor, fused into its decode where the backend can: sign-SGD
+// (param = keep * param - lr * sign(direction), keep = 1 - lr * weight_decay) or AdamW (its
+// formula on sign(direction), or the direction with hyper.sign off), from this step's numbers.
+struct Update {
+  enum class Rule { SignSgd, AdamW } rule = Rule::SignSgd;
+  at::Tensor param;  // float32 [rows, cols], rows contiguous
+  kernels::AdamWHyper hyper;
+  at::Tensor exp_avg, exp_avg_sq;  // AdamW
+};
+// Per tensor (the replicator's index) its fused update, or none: then `apply` (the inner
+// optimizer's dense step) gets the tensor's direction, float32 [rows, cols], valid during the call.
+struct Updates {
+  std::vector<std::optional<Update>> fused;
+  std::function<void(size_t tensor, const at::Tensor& direction)> apply;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  // A bucket's byte buffer of `bytes` where this backend and the replica group want it.
+  virtual at::Tensor buffer(int64_t bytes) const = 0;
+  // Without exchanging: residual = decay * residual + lr * DCT(grad) (grad: plan.numel()
+  // elements, undefined = zero).
+  virtual void accumulate(size_t tensor, const at::Tensor& grad, double lr) = 0;
+  // Each of the bucket's tensors (grads[k] is tensors[k]'s): accumulate, top-k of every chunk,
+  // its payload (header and checksum included) into b.send, and what a receiver decodes from it
+  // taken out of the residual (error feedback).
+  virtual void encode(Bucket& b, const std::vector<at::Tensor>& grads, double lr) = 0;
+  // From `replicas` buckets of payloads in `gathered` (rank order; b's layout): every payload
+  // validated, per coefficient the mean of the replicas that sent it (summed in rank order, so
+  // bit-identical on every replica), the inverse DCT, and each tensor's update.
+  virtual void decode(const Bucket& b, const at::Tensor& gathered, int replicas,
+                      const Updates& updates) = 0;
+};
+
+// The backend for these options and the state's device: cuda for a GPU, cpu for the fast path,
+// plain otherwise (and for transform none). residuals: the replicator's, float32 block layout.
+// replica_device: where the replica group's collectives want their buffers.
+std::unique_ptr<Backend> make_backend(const std::vector<dct::ChunkPlan>& plans,
+                                      const optim::OptimizerOptions& options,
+                                      const std::vector<at::Tensor>& residuals, at::Device device,
+                                      at::Device replica_device);
+
+// The implementations (one file each).
+std::unique_ptr<Backend> make_plain_backend(const std::vector<dct::ChunkPlan>& plans,
+                                            const optim::OptimizerOptions& options,
+                                            const std::vector<at::Tensor>& residuals);
+std::unique_ptr<Backend> make_cpu_backend(const std::vector<dct::ChunkPlan>& plans,
+                                          const optim::OptimizerOptions& options,
+                                          const std::vector<at::Tensor>& residuals);
+std::unique_ptr<Backend> make_cuda_backend(const std::vector<dct::ChunkPlan>& plans,
+                                           const optim::OptimizerOptions& options,
+                                           const std::vector<at::Tensor>& residuals,
+                                           at::Device device, at::Device replica_device);
+
+}  // namespace flexdemo::demo

@@ -1,0 +1,180 @@
+// The DeMo step on a CPU, two ways behind backend.h: "plain", the reference (whole-tensor DCTs
+// as matrix products, top-k by a heap, a dense decode, every update applied by the inner
+// optimizer), and "cpu", the fast path (kernels.h: the DCT fused with the residual update and
+// top-k chunk by chunk, the sparse inverse fused with the sign-SGD or AdamW update). Both write
+// and read payloads through compress.h's wire format, so their bytes are the same.
+#include "backend.h"
+
+#include "flexdemo/compress.h"
+#include "flexdemo/dct.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+
+namespace flexdemo::demo {
+namespace {
+
+// What the two share: the buffers, the residuals, the payloads' encoding and validation.
+class HostBackend : public Backend {
+ public:
+  HostBackend(const std::vector<dct::ChunkPlan>& plans, const optim::OptimizerOptions& options,
+              const std::vector<at::Tensor>& residuals)
+      : plans_(plans), options_(options), residuals_(residuals) {
+    int64_t largest = 1;
+    for (const dct::ChunkPlan& plan : plans) largest = std::max(largest, plan.padded_numel());
+    scratch_ = at::empty({largest}, at::kFloat);
+    samples_ = at::empty({largest}, at::kFloat);
+  }
+
+  at::Tensor buffer(int64_t bytes) const override { return at::empty({bytes}, at::kByte); }
+
+  void encode(Bucket& b, const std::vector<at::Tensor>& grads, double lr) override {
+    for (size_t k = 0; k < b.tensors.size(); ++k) {
+      const size_t i = b.tensors[k];
+      compress::TopK topk = accumulate_topk(i, grads[k], lr, b.topk);
+      compress::encode_payload(plans_[i], topk, b.values,
+                               b.send.data_ptr<uint8_t>() + b.offsets[k]);
+      compress::add_selected(residuals_[i], plans_[i], topk, -1.0f);  // sent leaves the residual
+    }
+  }
+
+  void decode(const Bucket& b, const at::Tensor& gathered, int replicas,
+              const Updates& updates) override {
+    const uint8_t* bytes = gathered.data_ptr<uint8_t>();
+    std::vector<const uint8_t*> payloads(static_cast<size_t>(replicas));
+    for (size_t k = 0; k < b.tensors.size(); ++k) {
+      for (int r = 0; r < replicas; ++r) payloads[r] = bytes + r * b.bytes + b.offsets[k];
+      const size_t i = b.tensors[k];
+      const dct::ChunkPlan& plan = plans_[i];
+      const at::Tensor samples = samples_.narrow(0, 0, plan.padded_numel());
+      const size_t size = compress::wire_payload_bytes(plan, b.topk, b.values);
+      if (!decode_one(i, payloads, size, b, samples, updates.fused.at(i))) continue;
+      at::Tensor d = samples.view({plan.padded_rows, plan.padded_cols});
+      updates.apply(i, plan.is_padded() ? d.narrow(0, 0, plan.rows).narrow(1, 0, plan.cols) : d);
+    }
+  }
+
+ protected:
+  // Tensor i's residual update and its top-k.
+  virtual compress::TopK accumulate_topk(size_t i, const at::Tensor& grad, double lr,
+                                         int64_t topk) = 0;
+  // Tensor i's direction from its payloads: applied as `update` (then false), or written into
+  // samples (block layout) for the inner optimizer (then true).
+  virtual bool decode_one(size_t i, const std::vector<const uint8_t*>& payloads, size_t size,
+                          const Bucket& b, const at::Tensor& samples,
+                          const std::optional<Update>& update) = 0;
+
+  std::vector<dct::ChunkPlan> plans_;
+  optim::OptimizerOptions options_;
+  std::vector<at::Tensor> residuals_;  // handles: the replicator's tensors
+  at::Tensor scratch_, samples_;       // float32, as large as the largest padded tensor
+};
+
+// ====== plain ======
+class PlainBackend final : public HostBackend {
+ public:
+  PlainBackend(const std::vector<dct::ChunkPlan>& plans, const optim::OptimizerOptions& options,
+               const std::vector<at::Tensor>& residuals)
+      : HostBackend(plans, options, residuals), decoded_(at::empty_like(samples_)) {}
+
+  // residual = decay * residual + lr * DCT(grad); transform none: lr * grad, in the block layout
+  // which is the samples' own.
+  void accumulate(size_t i, const at::Tensor& grad, double lr) override {
+    const dct::ChunkPlan& plan = plans_[i];
+    at::Tensor& residual = residuals_[i];
+    if (!grad.defined()) {
+      residual.mul_(options_.decay);
+    } else if (options_.transform == optim::Transform::None) {
+      residual.mul_(options_.decay);
+      residual.narrow(0, 0, plan.rows)
+          .narrow(1, 0, plan.cols)
+          .add_(grad.reshape({plan.rows, plan.cols}).to(at::kFloat), lr);
+    } else {
+      dct::chunked_dct_accumulate(grad, plan, options_.decay, lr, residual, &scratch_);
+    }
+  }
+
+ protected:
+  compress::TopK accumulate_topk(size_t i, const at::Tensor& grad, double lr,
+                                 int64_t topk) override {
+    accumulate(i, grad, lr);
+    return compress::select_topk_plain(residuals_[i], plans_[i], topk);
+  }
+
+  bool decode_one(size_t i, const std::vector<const uint8_t*>& payloads, size_t size,
+                  const Bucket& b, const at::Tensor& samples,
+                  const std::optional<Update>&) override {
+    const dct::ChunkPlan& plan = plans_[i];
+    const at::Tensor decoded = decoded_.narrow(0, 0, plan.padded_numel());
+    compress::decode_mean(payloads, size, plan, b.topk, b.values, decoded);
+    if (options_.transform == optim::Transform::None) {
+      samples.copy_(decoded);
+    } else {
+      dct::chunked_idct_into(decoded, plan, samples, &scratch_);
+    }
+    return true;  // the reference: every update by the inner optimizer
+  }
+
+ private:
+  at::Tensor decoded_;
+};
+
+// ====== cpu: the fused kernels ======
+class CpuBackend final : public HostBackend {
+ public:
+  using HostBackend::HostBackend;
+
+  void accumulate(size_t i, const at::Tensor& grad, double lr) override {
+    kernels::dct_accumulate(grad, plans_[i], options_.decay, lr, residuals_[i]);
+  }
+
+ protected:
+  compress::TopK accumulate_topk(size_t i, const at::Tensor& grad, double lr,
+                                 int64_t topk) override {
+    return kernels::dct_accumulate_topk(grad, plans_[i], options_.decay, lr, residuals_[i], topk);
+  }
+
+  // Per chunk, only the coefficients received; the update fused into their inverse, so the
+  // direction never goes through memory.
+  bool decode_one(size_t i, const std::vector<const uint8_t*>& payloads, size_t size,
+                  const Bucket& b, const at::Tensor& samples,
+                  const std::optional<Update>& update) override {
+    const dct::ChunkPlan& plan = plans_[i];
+    const compress::SparseChunks coeffs =
+        compress::decode_mean_sparse(payloads, size, plan, b.topk, b.values);
+    if (!update) {
+      kernels::idct_sparse(coeffs, plan, samples);
+      return true;
+    }
+    const kernels::AdamWHyper& h = update->hyper;
+    if (update->rule == Update::Rule::SignSgd) {
+      kernels::idct_sparse_sign_step(
+          coeffs, plan, {update->param, float(h.lr), float(1.0 - h.lr * h.weight_decay)});
+    } else {
+      kernels::AdamWStep step;
+      static_cast<kernels::AdamWHyper&>(step) = h;
+      step.param = update->param;
+      step.exp_avg = update->exp_avg;
+      step.exp_avg_sq = update->exp_avg_sq;
+      kernels::idct_sparse_adamw_step(coeffs, plan, step);
+    }
+    return false;
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_plain_backend(const std::vector<dct::ChunkPlan>& plans,
+                                            const optim::OptimizerOptions& options,
+                                            const std::vector<at::Tensor>& residuals) {
+  return std::make_unique<PlainBackend>(plans, options, residuals);
+}
+
+std::unique_ptr<Backend> make_cpu_backend(const std::vector<dct::ChunkPlan>& plans,
+                                          const optim::OptimizerOptions& options,
+                                          const std::vector<at::Tensor>& residuals) {
+  return std::make_unique<CpuBackend>(plans, options, residuals);
+}
+
+}  // namespace flexdemo::demo
