@@ -58,14 +58,8 @@ std::string mb(double bytes) {
   return fmt::format("{:.3f}", bytes / 1e6);
 }
 
-}  // namespace
-
-std::string write_report(const std::vector<std::string>& run_dirs, const std::string& out) {
-  if (run_dirs.empty()) throw std::invalid_argument("report: give at least one run folder");
-  std::vector<Run> runs;
-  for (const auto& d : run_dirs) runs.push_back(read_run(d));
-  fs::create_directories(out);
-
+// The Markdown table, against the AdamW-HSDP run when one is given.
+std::string table(const std::vector<Run>& runs) {
   const Run* baseline = nullptr;
   for (const auto& r : runs) {
     if (is_hsdp_adamw(r)) baseline = &r;
@@ -91,23 +85,28 @@ std::string write_report(const std::vector<std::string>& run_dirs, const std::st
                       r.summary.value("steps", 0), loss, versus,
                       r.summary.value("tokens_per_s", 0.0), mb(bytes), compression);
   }
-  std::ofstream(fs::path(out) / "report.md") << md.str();
-  {
-    std::ofstream csv(fs::path(out) / "evals.csv");
-    csv << "run,step,elapsed_s,val_loss,loss,inter_bytes_sent\n";
-    for (const auto& r : runs) {
-      for (const auto& s : r.steps) {
-        if (!s.contains("val_loss")) continue;
-        csv << fmt::format("{},{},{:.3f},{:.6f},{:.6f},{}\n", r.dir, s.value("step", 0),
-                           s.value("elapsed_s", 0.0), s["val_loss"].get<double>(),
-                           s.value("loss", 0.0), s.value("inter_bytes_sent", int64_t(0)));
-      }
+  return md.str();
+}
+
+// Every run's validation steps, one CSV: the compact data a study keeps.
+void write_evals(const std::vector<Run>& runs, const fs::path& file) {
+  std::ofstream csv(file);
+  csv << "run,step,elapsed_s,val_loss,loss,inter_bytes_sent\n";
+  for (const auto& r : runs) {
+    for (const auto& s : r.steps) {
+      if (!s.contains("val_loss")) continue;
+      csv << fmt::format("{},{},{:.3f},{:.6f},{:.6f},{}\n", r.dir, s.value("step", 0),
+                         s.value("elapsed_s", 0.0), s["val_loss"].get<double>(),
+                         s.value("loss", 0.0), s.value("inter_bytes_sent", int64_t(0)));
     }
   }
+}
 
+// gnuplot's data files (one per run, and the step time split) and its script, run in out.
+void plot(const std::vector<Run>& runs, const fs::path& out) {
   // Data files for gnuplot: one per run.
   for (size_t i = 0; i < runs.size(); ++i) {
-    std::ofstream dat(fs::path(out) / fmt::format("run{}.dat", i));
+    std::ofstream dat(out / fmt::format("run{}.dat", i));
     dat << "# step elapsed_s val_loss inter_bytes_sent compute_ms comm_ms loss\n";
     for (const auto& s : runs[i].steps) {
       dat << s.value("step", 0) << " " << s.value("elapsed_s", 0.0) << " "
@@ -119,7 +118,7 @@ std::string write_report(const std::vector<std::string>& run_dirs, const std::st
   std::ostringstream gp;
   gp << "set terminal pngcairo size 900,560 noenhanced\nset grid\nset key outside bottom center\n"
      << "set datafile missing 'NaN'\n";
-  auto plot = [&](const std::string& file, const std::string& title, const std::string& xlabel,
+  auto curve = [&](const std::string& file, const std::string& title, const std::string& xlabel,
                   const std::string& ylabel, const std::string& using_spec, const std::string& with,
                   bool logy) {
     gp << "set output '" << file << "'\nset title '" << title << "'\nset xlabel '" << xlabel
@@ -131,14 +130,14 @@ std::string write_report(const std::vector<std::string>& run_dirs, const std::st
     }
     gp << "\n";
   };
-  plot("val_loss_vs_step.png", "Validation loss", "step", "loss", "1:3", "linespoints", false);
-  plot("val_loss_vs_time.png", "Validation loss against wall time", "seconds", "loss", "2:3",
+  curve("val_loss_vs_step.png", "Validation loss", "step", "loss", "1:3", "linespoints", false);
+  curve("val_loss_vs_time.png", "Validation loss against wall time", "seconds", "loss", "2:3",
        "linespoints", false);
-  plot("inter_bytes_per_step.png", "Bytes between nodes per step (all ranks)", "step", "bytes",
+  curve("inter_bytes_per_step.png", "Bytes between nodes per step (all ranks)", "step", "bytes",
        "1:4", "lines", true);
   // Mean step time split into compute and communication, one pair of bars per run.
   {
-    std::ofstream split(fs::path(out) / "step_split.dat");
+    std::ofstream split(out / "step_split.dat");
     split << "# run compute_ms comm_ms\n";
     for (size_t i = 0; i < runs.size(); ++i) {
       double compute = 0, comm = 0;
@@ -155,14 +154,26 @@ std::string write_report(const std::vector<std::string>& run_dirs, const std::st
        << "plot 'step_split.dat' using 2:xtic(1) title 'compute', '' using 3 title "
           "'communication'\n";
   }
-  std::ofstream(fs::path(out) / "plots.gp") << gp.str();
+  std::ofstream(out / "plots.gp") << gp.str();
   const std::string cmd =
       "cd '" + fs::absolute(out).string() + "' && gnuplot plots.gp 2> gnuplot.log";
   if (std::system(cmd.c_str()) != 0) {
-    throw std::runtime_error("report: gnuplot failed; see " +
-                             (fs::path(out) / "gnuplot.log").string());
+    throw std::runtime_error("report: gnuplot failed; see " + (out / "gnuplot.log").string());
   }
-  return md.str();
+}
+
+}  // namespace
+
+std::string write_report(const std::vector<std::string>& run_dirs, const std::string& out) {
+  if (run_dirs.empty()) throw std::invalid_argument("report: give at least one run folder");
+  std::vector<Run> runs;
+  for (const auto& d : run_dirs) runs.push_back(read_run(d));
+  fs::create_directories(out);
+  const std::string md = table(runs);
+  std::ofstream(fs::path(out) / "report.md") << md;
+  write_evals(runs, fs::path(out) / "evals.csv");
+  plot(runs, out);
+  return md;
 }
 
 }  // namespace flexdemo::app

@@ -16,17 +16,6 @@ namespace flexdemo::train {
 namespace {
 
 template <class T>
-nlohmann::ordered_json json_of(const T& value) {
-  if constexpr (is_optional<T>::value) {
-    return value ? json_of(*value) : nlohmann::ordered_json(nullptr);
-  } else if constexpr (std::is_enum_v<T>) {
-    return name_of(value);
-  } else {
-    return value;
-  }
-}
-
-template <class T>
 void read_json(T& field, const nlohmann::json& j) {
   if constexpr (is_optional<T>::value) {
     if (j.is_null()) {
@@ -130,11 +119,111 @@ model::LlamaConfig llama_config(const TrainConfig& c, int64_t vocab) {
 }
 
 // ====== Validation ======
+namespace {
+
+[[noreturn]] void fail(const std::string& what) {
+  throw std::invalid_argument(what);
+}
+
+// The rules that tie the exchange between nodes to the other options.
+void check_exchange(const TrainConfig& c) {
+  const bool demo_replicator = uses_demo_replicator(c);
+  if (c.overlap_step && !demo_replicator) {
+    fail("--overlap-step needs the demo replicator (--optimizer flexdemo or flexdemo-adamw)");
+  }
+  if (c.exchange_in_backward) {
+    // A unit's payloads leave during the backward: nothing may change its gradient afterwards.
+    if (!demo_replicator) {
+      fail(
+          "--exchange-in-backward needs the demo replicator (--optimizer flexdemo or "
+          "flexdemo-adamw)");
+    }
+    if (c.overlap_step) fail("--exchange-in-backward and --overlap-step exclude each other");
+    if (c.clip != 0) {
+      fail(
+          fmt::format("--exchange-in-backward needs --clip 0 (clipping scales by the whole "
+                      "gradient's norm, known only after the backward), got --clip {}",
+                      c.clip));
+    }
+    if (c.on_nonfinite != NonFinitePolicy::Stop) {
+      fail(
+          "--exchange-in-backward needs --on-nonfinite stop (a skipped step would already have "
+          "sent its payloads), got --on-nonfinite " +
+          name_of(c.on_nonfinite));
+    }
+  }
+  if (c.inner_steps > 1) {
+    if (c.replicate_every > 1) {
+      fail(
+          fmt::format("--inner-steps {} and --replicate-every {} exclude each other (both set "
+                      "how often replicas exchange)",
+                      c.inner_steps, c.replicate_every));
+    }
+    if (c.overlap_step) fail("--inner-steps and --overlap-step exclude each other");
+  } else if (c.outer_sign) {
+    fail("--outer-sign needs --inner-steps above 1 (it signs the outer step)");
+  }
+  if (c.link_budget == LinkBudgetMode::Auto) {
+    if (!demo_replicator) {
+      fail("--link-budget auto needs the demo replicator (--optimizer flexdemo or flexdemo-adamw)");
+    }
+    if (c.inner_steps > 1) fail("--link-budget auto and --inner-steps exclude each other");
+    if (c.link_min_topk > c.link_max_topk) {
+      fail(fmt::format("--link-min-topk {} exceeds --link-max-topk {}", c.link_min_topk,
+                       c.link_max_topk));
+    }
+    if (c.link_max_topk > c.chunk * c.chunk) {
+      fail(fmt::format("--link-max-topk {} exceeds the {} coefficients of a --chunk {} chunk",
+                       c.link_max_topk, c.chunk * c.chunk, c.chunk));
+    }
+  }
+}
+
+// The rules that tie the model to its data and to the options of one family.
+void check_model(const TrainConfig& c) {
+  if (data::is_pair_source(c.data) && !is_t5(c)) {
+    fail("--data " + c.data +
+         " holds translation pairs, which train an encoder-decoder: --model t5-nano or t5-small, "
+         "got --model " +
+         c.model);
+  }
+  if (!is_llama(c)) {
+    const TrainConfig defaults;
+    if (c.kv_heads != 0) fail(fmt::format("--kv-heads applies to llama-* models, not {}", c.model));
+    if (c.rope_theta != defaults.rope_theta) {
+      fail(fmt::format("--rope-theta applies to llama-* models, not {}", c.model));
+    }
+    if (!c.tied_head)
+      fail(fmt::format("--no-tied-head applies to llama-* models, not {}", c.model));
+    if (c.ff != 0 && !is_t5(c)) {
+      fail(fmt::format("--ff applies to llama-* and t5-* models, not {}", c.model));
+    }
+  }
+  if (is_t5(c)) {
+    t5_config(c, 260).validate();
+  } else if (is_llama(c)) {
+    const model::LlamaConfig lc = llama_config(c, 260);
+    lc.validate();
+    if (c.seq > lc.context) {
+      fail(fmt::format("--seq {} exceeds the model's context {} (set --context)", c.seq,
+                       lc.context));
+    }
+  } else {
+    const model::GptConfig mc = gpt_config(c, 260);
+    mc.validate();
+    if (c.seq > mc.context) {
+      fail(fmt::format("--seq {} exceeds the model's context {} (set --context)", c.seq,
+                       mc.context));
+    }
+  }
+}
+
+}  // namespace
+
 void TrainConfig::validate() const {
   for_each_option(*this,
                   [](const auto& value, const OptionSpec& spec) { check_accepted(value, spec); });
   // The rules that tie options together.
-  auto fail = [](const std::string& what) { throw std::invalid_argument(what); };
   if (tokenizer == TokenizerKind::Bpe && (vocab < 260 || vocab > 65535)) {
     fail(fmt::format("--vocab must be in [260, 65535], got {}", vocab));
   }
@@ -149,89 +238,9 @@ void TrainConfig::validate() const {
     fail(fmt::format("--weight-decay must be >= 0 with --lr x --weight-decay < 1, got {}",
                      weight_decay));
   }
-  const bool demo_replicator = uses_demo_replicator(*this);
-  if (overlap_step && !demo_replicator) {
-    fail("--overlap-step needs the demo replicator (--optimizer flexdemo or flexdemo-adamw)");
-  }
-  if (exchange_in_backward) {
-    // A unit's payloads leave during the backward: nothing may change its gradient afterwards.
-    if (!demo_replicator) {
-      fail(
-          "--exchange-in-backward needs the demo replicator (--optimizer flexdemo or "
-          "flexdemo-adamw)");
-    }
-    if (overlap_step) fail("--exchange-in-backward and --overlap-step exclude each other");
-    if (clip != 0) {
-      fail(
-          fmt::format("--exchange-in-backward needs --clip 0 (clipping scales by the whole "
-                      "gradient's norm, known only after the backward), got --clip {}",
-                      clip));
-    }
-    if (on_nonfinite != NonFinitePolicy::Stop) {
-      fail(
-          "--exchange-in-backward needs --on-nonfinite stop (a skipped step would already have "
-          "sent its payloads), got --on-nonfinite " +
-          name_of(on_nonfinite));
-    }
-  }
-  if (inner_steps > 1) {
-    if (replicate_every > 1) {
-      fail(
-          fmt::format("--inner-steps {} and --replicate-every {} exclude each other (both set "
-                      "how often replicas exchange)",
-                      inner_steps, replicate_every));
-    }
-    if (overlap_step) fail("--inner-steps and --overlap-step exclude each other");
-  } else if (outer_sign) {
-    fail("--outer-sign needs --inner-steps above 1 (it signs the outer step)");
-  }
-  if (link_budget == LinkBudgetMode::Auto) {
-    if (!demo_replicator) {
-      fail("--link-budget auto needs the demo replicator (--optimizer flexdemo or flexdemo-adamw)");
-    }
-    if (inner_steps > 1) fail("--link-budget auto and --inner-steps exclude each other");
-    if (link_min_topk > link_max_topk) {
-      fail(fmt::format("--link-min-topk {} exceeds --link-max-topk {}", link_min_topk,
-                       link_max_topk));
-    }
-    if (link_max_topk > chunk * chunk) {
-      fail(fmt::format("--link-max-topk {} exceeds the {} coefficients of a --chunk {} chunk",
-                       link_max_topk, chunk * chunk, chunk));
-    }
-  }
+  check_exchange(*this);
   link_encodings(link_values);  // throws naming a bad word
-  if (data::is_pair_source(data) && !is_t5(*this)) {
-    fail("--data " + data +
-         " holds translation pairs, which train an encoder-decoder: --model t5-nano or t5-small, "
-         "got --model " +
-         model);
-  }
-  if (!is_llama(*this)) {
-    const TrainConfig defaults;
-    if (kv_heads != 0) fail(fmt::format("--kv-heads applies to llama-* models, not {}", model));
-    if (rope_theta != defaults.rope_theta) {
-      fail(fmt::format("--rope-theta applies to llama-* models, not {}", model));
-    }
-    if (!tied_head) fail(fmt::format("--no-tied-head applies to llama-* models, not {}", model));
-    if (ff != 0 && !is_t5(*this)) {
-      fail(fmt::format("--ff applies to llama-* and t5-* models, not {}", model));
-    }
-  }
-  if (is_t5(*this)) {
-    t5_config(*this, 260).validate();
-  } else if (is_llama(*this)) {
-    const model::LlamaConfig lc = llama_config(*this, 260);
-    lc.validate();
-    if (seq > lc.context) {
-      fail(fmt::format("--seq {} exceeds the model's context {} (set --context)", seq, lc.context));
-    }
-  } else {
-    const model::GptConfig mc = gpt_config(*this, 260);
-    mc.validate();
-    if (seq > mc.context) {
-      fail(fmt::format("--seq {} exceeds the model's context {} (set --context)", seq, mc.context));
-    }
-  }
+  check_model(*this);
   if (out.empty()) fail("--out must not be empty");
 }
 
@@ -273,83 +282,6 @@ double default_lr(OptimizerKind optimizer) {
       return 1e-3;
   }
   return 1e-3;
-}
-
-// ====== The reference ======
-namespace {
-
-template <class T>
-struct unwrapped {
-  using type = T;
-};
-template <class T>
-struct unwrapped<std::optional<T>> {
-  using type = T;
-};
-
-// What an option accepts, in words: "[0, 1)", "> 0", "a, b", and its environment variable.
-template <class T>
-std::string accepted_text(const OptionSpec& spec) {
-  const Accepts& a = spec.accepts;
-  std::string text;
-  using V = typename unwrapped<T>::type;
-  if constexpr (std::is_same_v<V, bool>) {
-    text = "a switch: " + spec.flag() + ", --no-" + spec.flag().substr(2);
-  } else if constexpr (std::is_enum_v<V>) {
-    for (const std::string& w : names_of<V>()) text += (text.empty() ? "" : ", ") + w;
-  } else if (a.words) {
-    for (const std::string& w : a.words()) text += (text.empty() ? "" : ", ") + w;
-  } else if (a.high) {
-    text =
-        fmt::format("{}{}, {}{}", a.low_open ? "(" : "[", *a.low, *a.high, a.high_open ? ")" : "]");
-  } else if (a.low) {
-    text = fmt::format("{} {}{}", a.low_open ? ">" : ">=", *a.low, a.note);
-  }
-  if (a.env) text += fmt::format("{}env {}", text.empty() ? "" : "; ", a.env);
-  return text;
-}
-
-std::string role_text(OptionRole role) {
-  switch (role) {
-    case OptionRole::Model:
-      return "model: kept";
-    case OptionRole::State:
-      return "state: kept";
-    case OptionRole::Run:
-      return "may change";
-    case OptionRole::Unsaved:
-      return "not saved";
-  }
-  return "";
-}
-
-std::string cell(std::string text) {  // a Markdown table cell: | escaped
-  std::string out;
-  for (char ch : text) out += ch == '|' ? std::string("\\|") : std::string(1, ch);
-  return out;
-}
-
-}  // namespace
-
-std::string options_markdown() {
-  std::string md =
-      "# `flexdemo train` options\n\n"
-      "Generated from the options' one declaration (`include/flexdemo/train_options.h`) by\n"
-      "`flexdemo train --help-markdown`; a test fails when this page and the declarations differ.\n"
-      "Every option is also a key of `--config FILE` (TOML, the name without `--`) and of a run's\n"
-      "`config.json`. *On resume*: `model: kept` and `state: kept` options must equal the\n"
-      "checkpoint's (`--resume` refuses otherwise), `may change` ones may differ, `not saved` "
-      "ones\n"
-      "are not written to `config.json`. A default of `null` leaves the choice to "
-      "`--optimizer`.\n\n"
-      "| option | default | on resume | accepts | meaning |\n|---|---|---|---|---|\n";
-  const TrainConfig defaults;
-  for_each_option(defaults, [&md](const auto& value, const OptionSpec& spec) {
-    using T = std::decay_t<decltype(value)>;
-    md += fmt::format("| `{}` | `{}` | {} | {} | {} |\n", spec.flag(), cell(json_of(value).dump()),
-                      role_text(spec.role), cell(accepted_text<T>(spec)), cell(spec.help));
-  });
-  return md;
 }
 
 // ====== config.json ======

@@ -14,6 +14,18 @@
 
 namespace flexdemo::train {
 
+// An option's value as config.json writes it: words for enums, null for an unset optional.
+template <class T>
+nlohmann::ordered_json json_of(const T& value) {
+  if constexpr (is_optional<T>::value) {
+    return value ? json_of(*value) : nlohmann::ordered_json(nullptr);
+  } else if constexpr (std::is_enum_v<T>) {
+    return name_of(value);
+  } else {
+    return value;
+  }
+}
+
 // Every saved option (all but OptionRole::Unsaved), in declaration order.
 nlohmann::ordered_json to_json(const TrainConfig& config);
 // A config holding the OptionRole::Model options of a saved config (a checkpoint's model and

@@ -153,19 +153,40 @@ void reduce_pending(const Session& s, std::optional<PendingStep>& pending, RunLo
   pending.reset();
 }
 
+// The checkpoint a --resume names, checked against this run's options before any work; empty
+// for a fresh run.
+std::filesystem::path checked_resume(const TrainConfig& config, const comm::Communicator& world) {
+  if (config.resume.empty()) return {};
+  const std::filesystem::path from = find_checkpoint(config.resume, world.rank() == 0);
+  TrainConfig resolved = config;
+  apply_init_from(resolved);
+  resolved.resolve();
+  check_resumable(read_manifest(from).at("config"), resolved, from.string());
+  return from;
+}
+
+// Collective: the line of a run stopped by a signal. It counts the ranks that caught one by now:
+// a signal forwarded to every rank (mpirun does) can reach some after they voted, while others
+// waited in the vote.
+void report_stop(comm::Communicator& world, StopVote vote, int64_t step, const TrainConfig& cfg,
+                 const std::string& checkpoint) {
+  at::Tensor caught = at::full({1}, int64_t(StopSignals::received() != 0 ? 1 : 0), at::kLong);
+  world.all_reduce(caught, comm::ReduceOp::Sum);
+  vote.signalled = int(caught.item<int64_t>());
+  if (world.rank() != 0) return;
+  std::fflush(stdout);  // the summary line first, this one last
+  std::fprintf(stderr,
+               "flexdemo: stopped by %s (caught on %d rank%s) after step %ld of %ld: checkpoint %s "
+               "written; continue with --resume %s\n",
+               signal_name(vote.signal).c_str(), vote.signalled, vote.signalled == 1 ? "" : "s",
+               long(step), long(cfg.steps), checkpoint.c_str(), cfg.out.c_str());
+}
+
 }  // namespace
 
 int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> world) {
   const StopSignals signals;  // from here on, a stop signal is noted; the run stops at a step's end
-  // A resumed run is checked against its checkpoint before any work.
-  std::filesystem::path resume_from;
-  if (!config.resume.empty()) {
-    resume_from = find_checkpoint(config.resume, world->rank() == 0);
-    TrainConfig resolved = config;
-    apply_init_from(resolved);
-    resolved.resolve();
-    check_resumable(read_manifest(resume_from).at("config"), resolved, resume_from.string());
-  }
+  const std::filesystem::path resume_from = checked_resume(config, *world);
   const std::unique_ptr<Session> session = open_session(config, world);
   Session& s = *session;
   const TrainConfig& cfg = s.cfg;
@@ -240,19 +261,7 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
     }
     return 0;
   }
-  // The ranks that caught a stop signal by now: a signal forwarded to every rank (mpirun does)
-  // can reach some after they voted, while others waited in the vote.
-  at::Tensor caught = at::full({1}, int64_t(StopSignals::received() != 0 ? 1 : 0), at::kLong);
-  world->all_reduce(caught, comm::ReduceOp::Sum);
-  vote.signalled = int(caught.item<int64_t>());
-  if (world->rank() == 0) {
-    std::fflush(stdout);  // the summary line first, this one last
-    std::fprintf(stderr,
-                 "flexdemo: stopped by %s (caught on %d rank%s) after step %ld of %ld: checkpoint "
-                 "%s written; continue with --resume %s\n",
-                 signal_name(vote.signal).c_str(), vote.signalled, vote.signalled == 1 ? "" : "s",
-                 long(step), long(cfg.steps), checkpoint.c_str(), cfg.out.c_str());
-  }
+  report_stop(*world, vote, step, cfg, checkpoint);
   return kExitStopped;
 }
 

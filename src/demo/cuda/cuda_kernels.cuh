@@ -90,6 +90,33 @@ __device__ void kth_magnitude(const float* x, int n, int k, uint32_t* hist, uint
   *take_equal = remaining;
 }
 
+// The chunk's top-k positions into selected[0, k), ascending: the entries above the k-th
+// magnitude and, of those equal to it, the lowest positions. Ends with a barrier.
+__device__ void chunk_topk(const float* x, int n, int k, uint32_t* hist, int* scan,
+                            int32_t* selected) {
+  uint32_t threshold;
+  int take_equal;
+  kth_magnitude(x, n, k, hist, &threshold, &take_equal);
+  int begin, end;
+  my_range(n, begin, end);
+  int equal = 0;
+  for (int e = begin; e < end; ++e) equal += cm::magnitude_bits(x[e]) == threshold;
+  int total;
+  int equal_before = exclusive_scan(equal, scan, &total);
+  int mine = 0;
+  for (int e = begin; e < end; ++e) {
+    const uint32_t m = cm::magnitude_bits(x[e]);
+    mine += m > threshold || (m == threshold && equal_before++ < take_equal);
+  }
+  int slot = exclusive_scan(mine, scan, &total);
+  equal_before = exclusive_scan(equal, scan, &total);
+  for (int e = begin; e < end; ++e) {
+    const uint32_t m = cm::magnitude_bits(x[e]);
+    if (m > threshold || (m == threshold && equal_before++ < take_equal)) selected[slot++] = e;
+  }
+  __syncthreads();
+}
+
 __global__ void encode_kernel(Bucket bucket, float beta, float alpha, uint8_t* payloads) {
   FLEXDEMO_DYNAMIC_SHARED(float, shared);
   __shared__ uint32_t hist[256];
@@ -135,27 +162,7 @@ __global__ void encode_kernel(Bucket bucket, float beta, float alpha, uint8_t* p
   __syncthreads();
 
   // 2. Top-k: entries above the k-th magnitude, and of those equal to it the lowest positions.
-  uint32_t threshold;
-  int take_equal;
-  kth_magnitude(x, n, k, hist, &threshold, &take_equal);
-  int begin, end;
-  my_range(n, begin, end);
-  int equal = 0;
-  for (int e = begin; e < end; ++e) equal += cm::magnitude_bits(x[e]) == threshold;
-  int total;
-  int equal_before = exclusive_scan(equal, scan, &total);
-  int mine = 0;
-  for (int e = begin; e < end; ++e) {
-    const uint32_t m = cm::magnitude_bits(x[e]);
-    mine += m > threshold || (m == threshold && equal_before++ < take_equal);
-  }
-  int slot = exclusive_scan(mine, scan, &total);
-  equal_before = exclusive_scan(equal, scan, &total);
-  for (int e = begin; e < end; ++e) {
-    const uint32_t m = cm::magnitude_bits(x[e]);
-    if (m > threshold || (m == threshold && equal_before++ < take_equal)) selected[slot++] = e;
-  }
-  __syncthreads();
+  chunk_topk(x, n, k, hist, scan, selected);
 
   // 3. The payload's entries; what a receiver decodes leaves the residual (error feedback).
   uint8_t* body = payloads + t.payload_offset + codec::kHeaderBytes;
