@@ -206,7 +206,7 @@ TEST(Demo, FastPathEqualsPlainPath) {
         }
       }
     }
-    for (auto [inner, sign] : {std::pair{optim::InnerKind::SignSgd, true},
+    for (auto [inner, sign] : {std::pair{optim::InnerKind::Sgd, true},
                                {optim::InnerKind::AdamW, true},
                                {optim::InnerKind::AdamW, false}}) {
       optim::OptimizerOptions fast = test_options(c.mode, sign), plain = fast;

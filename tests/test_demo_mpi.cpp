@@ -161,7 +161,7 @@ TEST(DemoMpi, ExchangeStartedInBucketsEqualsOneBucket) {
   // step, for sign-SGD and AdamW, exchanging every step or every second one, across the real
   // ranks and for one replica; one all-gather per bucket, none between exchanges.
   auto world = test_world();
-  for (auto inner : {optim::InnerKind::SignSgd, optim::InnerKind::AdamW}) {
+  for (auto inner : {optim::InnerKind::Sgd, optim::InnerKind::AdamW}) {
     for (int64_t every : {1, 2}) {
       for (bool replicated : {true, false}) {
         optim::OptimizerOptions o;
@@ -299,11 +299,11 @@ TEST(DemoMpi, InnerStepsResumeExactlyFromTheirState) {
   // (mid-round) and continued by a fresh optimizer from the state it named equals the run
   // that never stopped, bit for bit, for local sign-SGD and local AdamW.
   auto world = test_world();
-  for (auto inner : {optim::InnerKind::SignSgd, optim::InnerKind::AdamW}) {
+  for (auto inner : {optim::InnerKind::Sgd, optim::InnerKind::AdamW}) {
     optim::OptimizerOptions o;
     o.lr = 0.01;
     o.inner = inner;
-    o.sign = inner == optim::InnerKind::SignSgd;
+    o.sign = inner == optim::InnerKind::Sgd;
     o.inner_steps = 4;
     o.chunk = 16;
     o.topk = 8;
@@ -354,11 +354,11 @@ TEST(DemoMpi, ScheduleChangesEqualFreshOptimizersWithTheirOptions) {
   const std::vector<Segment> segments = {{3, {8, compress::ValueEncoding::Bf16, 1}},
                                          {4, {4, compress::ValueEncoding::TwoBit, 2}},
                                          {3, {12, compress::ValueEncoding::Fp32, 1}}};
-  for (auto inner : {optim::InnerKind::SignSgd, optim::InnerKind::AdamW}) {
+  for (auto inner : {optim::InnerKind::Sgd, optim::InnerKind::AdamW}) {
     optim::OptimizerOptions o;
     o.lr = 0.01;
     o.inner = inner;
-    o.sign = inner == optim::InnerKind::SignSgd;
+    o.sign = inner == optim::InnerKind::Sgd;
     o.chunk = 16;
     o.topk = segments[0].schedule.topk;
     o.values = segments[0].schedule.values;

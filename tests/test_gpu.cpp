@@ -43,7 +43,7 @@ TEST(GpuKernels, OptimizerStepsEqualTheCpusPortablePath) {
   const at::Device gpu(at::kCUDA, 0);
   const isa_testing::ScopedIsa portable(kernels::Isa::Portable);
   const std::vector<std::vector<int64_t>> shapes = {{128, 96}, {70, 30}, {500}};
-  for (auto [inner, sign] : {std::pair{optim::InnerKind::SignSgd, true},
+  for (auto [inner, sign] : {std::pair{optim::InnerKind::Sgd, true},
                              {optim::InnerKind::AdamW, true},
                              {optim::InnerKind::AdamW, false}}) {
     optim::OptimizerOptions options;

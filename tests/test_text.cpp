@@ -71,6 +71,29 @@ TEST(Text, BpeTokenizerRoundTripAndCache) {
   EXPECT_THROW(load_or_train_bpe(docs, 10, scratch("tiny.model").string()), std::invalid_argument);
 }
 
+// One rule for every cache: $FLEXDEMO_CACHE, else $XDG_CACHE_HOME/flexdemo, else
+// ~/.cache/flexdemo; never beside the corpus, even where that folder is writable.
+TEST(Text, TokenCacheIsUnderTheCacheFolderNeverBesideTheData) {
+  const fs::path corpus = fs::temp_directory_path() / "flexdemo-cache-rule" / "corpus.txt";
+  auto under = [](const std::string& dir, const fs::path& root) {
+    return fs::path(dir).parent_path() == root;
+  };
+  ::setenv("FLEXDEMO_CACHE", "/tmp/own-cache", 1);
+  EXPECT_TRUE(under(token_cache_dir(corpus.string(), "bpe", 4096), "/tmp/own-cache"));
+  ::unsetenv("FLEXDEMO_CACHE");
+  ::setenv("XDG_CACHE_HOME", "/tmp/xdg", 1);
+  EXPECT_TRUE(under(token_cache_dir(corpus.string(), "bpe", 4096), "/tmp/xdg/flexdemo"));
+  const std::string a = token_cache_dir(corpus.string(), "bpe", 4096);
+  EXPECT_NE(a, token_cache_dir(corpus.string(), "bpe", 8192));          // the vocabulary
+  EXPECT_NE(a, token_cache_dir(corpus.string(), "bytes", 4096));        // the tokenizer
+  EXPECT_NE(a, token_cache_dir("/elsewhere/corpus.txt", "bpe", 4096));  // the path
+  ::unsetenv("XDG_CACHE_HOME");
+  const char* home = std::getenv("HOME");
+  ASSERT_NE(home, nullptr);
+  EXPECT_TRUE(
+      under(token_cache_dir(corpus.string(), "bpe", 4096), fs::path(home) / ".cache" / "flexdemo"));
+}
+
 TEST(Text, LlmcShardRoundTripAndRejection) {
   const fs::path path = scratch("tokens.bin");
   const std::vector<int32_t> tokens = {0, 1, 65535, 42, 7};

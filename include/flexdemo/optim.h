@@ -40,7 +40,7 @@ enum class Transform {
 };
 
 enum class InnerKind {
-  SignSgd,   // p -= lr * sign(direction)   (DeMo's)
+  Sgd,       // p -= lr * sign(direction) (DeMo's), or lr * direction with sign off
   AdamW,     // AdamW fed with sign(direction) or the direction (FlexDeMo's AdamW variant)
   Nesterov,  // SGD with Nesterov momentum, torch.optim.SGD(nesterov=True)'s formula, on
              // sign(direction) or the direction (CPUs only): the outer optimizer's
@@ -51,7 +51,7 @@ struct OptimizerOptions {
   double lr = 1e-3;           // learning rate (> 0); DeMo also folds it into the residual
   double weight_decay = 0.0;  // decoupled, >= 0 and lr * weight_decay < 1
   bool sign = true;           // apply sign(direction) instead of the direction
-  InnerKind inner = InnerKind::SignSgd;
+  InnerKind inner = InnerKind::Sgd;
   double beta1 = 0.9;     // AdamW, in [0, 1)
   double beta2 = 0.999;   // AdamW, in [0, 1)
   double eps = 1e-8;      // AdamW, > 0
@@ -235,7 +235,7 @@ template <>
 struct NameTable<optim::InnerKind> {
   static constexpr const char* what = "inner optimizer";
   static constexpr std::pair<optim::InnerKind, const char*> entries[] = {
-      {optim::InnerKind::SignSgd, "sgd"},
+      {optim::InnerKind::Sgd, "sgd"},
       {optim::InnerKind::AdamW, "adamw"},
       {optim::InnerKind::Nesterov, "nesterov"}};
 };

@@ -31,8 +31,11 @@ std::unique_ptr<Tokenizer> make_byte_tokenizer();
 // cache_path if present, else trained on the documents and saved there (atomically).
 std::unique_ptr<Tokenizer> load_or_train_bpe(const std::vector<std::string>& documents,
                                              int32_t vocab_size, const std::string& cache_path);
-// Where a corpus's tokens (and BPE model) are cached: beside the corpus when that folder is
-// writable, else under $XDG_CACHE_HOME (or ~/.cache)/flexdemo.
+// flexdemo's cache folder, for every cache (never next to the data): $FLEXDEMO_CACHE when set,
+// else $XDG_CACHE_HOME/flexdemo, else ~/.cache/flexdemo.
+std::string cache_dir();
+// Where a corpus's tokens (and BPE model) are cached: a folder of cache_dir() named by the
+// corpus's name, a hash of its absolute path, the tokenizer and the vocabulary.
 std::string token_cache_dir(const std::string& corpus_path, const std::string& tokenizer,
                             int32_t vocab_size);
 

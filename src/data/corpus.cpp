@@ -2,7 +2,6 @@
 // No LibTorch here: the flexdemo-tokenize helper links this file too.
 #include "flexdemo/text.h"
 
-#include <unistd.h>
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
@@ -52,23 +51,27 @@ void split_documents(const std::string& text, std::vector<std::string>& out) {
 
 }  // namespace
 
+std::string cache_dir() {
+  namespace fs = std::filesystem;
+  if (const char* own = std::getenv("FLEXDEMO_CACHE"); own != nullptr && *own != '\0') return own;
+  const char* xdg = std::getenv("XDG_CACHE_HOME");
+  const char* home = std::getenv("HOME");
+  const fs::path cache = xdg != nullptr && *xdg != '\0'
+                             ? fs::path(xdg)
+                             : fs::path(home != nullptr ? home : "/tmp") / ".cache";
+  return (cache / "flexdemo").string();
+}
+
 std::string token_cache_dir(const std::string& corpus_path, const std::string& tokenizer,
                             int32_t vocab_size) {
   namespace fs = std::filesystem;
   const fs::path corpus = fs::absolute(corpus_path).lexically_normal();
   const std::string suffix =
       ".flexdemo-" + (tokenizer == "bpe" ? "bpe-" + std::to_string(vocab_size) : tokenizer);
-  const fs::path beside = fs::is_directory(corpus) ? corpus : corpus.parent_path();
-  if (access(beside.c_str(), W_OK) == 0) {
-    return (fs::is_directory(corpus) ? beside / suffix
-                                     : beside / (corpus.filename().string() + suffix))
-        .string();
-  }
-  const char* xdg = std::getenv("XDG_CACHE_HOME");
-  const char* home = std::getenv("HOME");
-  const fs::path cache = xdg ? fs::path(xdg) : fs::path(home ? home : "/tmp") / ".cache";
   const std::string key = std::to_string(std::hash<std::string>{}(corpus.string()));
-  return (cache / "flexdemo" / (corpus.filename().string() + "-" + key + suffix)).string();
+  std::string name = corpus.filename().string();
+  if (name.empty()) name = corpus.parent_path().filename().string();  // "folder/"
+  return (fs::path(cache_dir()) / (name + "-" + key + suffix)).string();
 }
 
 std::vector<std::string> read_text_documents(const std::string& path) {

@@ -45,14 +45,10 @@ std::string gettext_cache_dir(const std::string& data, const std::string& tokeni
     key += file + ":" + std::to_string(fs::file_size(file)) + ":" +
            std::to_string(fs::last_write_time(file).time_since_epoch().count()) + ";";
   }
-  const char* xdg = std::getenv("XDG_CACHE_HOME");
-  const char* home = std::getenv("HOME");
-  const fs::path cache = xdg ? fs::path(xdg) : fs::path(home ? home : "/tmp") / ".cache";
   const std::string suffix =
       ".flexdemo-" + (tokenizer == "bpe" ? "bpe-" + std::to_string(vocab) : tokenizer);
-  return (cache / "flexdemo" /
-          ("gettext-" + data.substr(8) + "-" + std::to_string(std::hash<std::string>{}(key)) +
-           suffix))
+  return (fs::path(cache_dir()) / ("gettext-" + data.substr(8) + "-" +
+                                   std::to_string(std::hash<std::string>{}(key)) + suffix))
       .string();
 }
 

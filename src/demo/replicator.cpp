@@ -7,8 +7,8 @@
 // may change between steps (set_layout); an exchange in flight completes as it was sent.
 #include "backend.h"
 
-#include "optim/inner.h"
 #include "optim/replicator.h"
+#include "optim/step_rule.h"
 
 #include "flexdemo/comm.h"
 
@@ -19,8 +19,8 @@
 namespace flexdemo::demo {
 namespace {
 
-using optim::InnerOptimizer;
 using optim::NamedTensors;
+using optim::StepRule;
 
 class DemoReplicator final : public optim::Replicator {
  public:
@@ -75,7 +75,7 @@ class DemoReplicator final : public optim::Replicator {
     launch(b);
   }
 
-  void exchange(const std::vector<at::Tensor>& grads, double lr, InnerOptimizer& inner) override {
+  void exchange(const std::vector<at::Tensor>& grads, double lr, StepRule& inner) override {
     if (options_.overlap_step) {
       exchange_overlapped(grads, lr, inner);
       return;
@@ -119,7 +119,7 @@ class DemoReplicator final : public optim::Replicator {
   // step's forward and backward) to the committed parameters, then start this step's. Until it
   // arrives, the parameters also carry this replica's own part of it (a preview), so the next
   // gradient is not taken a whole update behind.
-  void exchange_overlapped(const std::vector<at::Tensor>& grads, double lr, InnerOptimizer& inner) {
+  void exchange_overlapped(const std::vector<at::Tensor>& grads, double lr, StepRule& inner) {
     finish_in_flight();
     if (pending_.item<int64_t>() != 0) {
       if (previews()) restore_committed(inner);
@@ -189,7 +189,7 @@ class DemoReplicator final : public optim::Replicator {
   // Completes the bucket's all-gather; its mean over the replicas (bit-identical everywhere),
   // inverse-transformed and applied: fused into the decode where the inner optimizer's update
   // has a fused form, by the inner optimizer otherwise.
-  void decode(Bucket& b, InnerOptimizer& inner) {
+  void decode(Bucket& b, StepRule& inner) {
     if (b.work) {
       b.work->wait();
       b.work.reset();
@@ -202,17 +202,17 @@ class DemoReplicator final : public optim::Replicator {
 
   // --overlap-step with sign-SGD previews this replica's own update (see exchange_overlapped).
   bool previews() const {
-    return options_.overlap_step && options_.inner == optim::InnerKind::SignSgd && options_.sign;
+    return options_.overlap_step && options_.inner == optim::InnerKind::Sgd && options_.sign;
   }
-  void save_committed(InnerOptimizer& inner) {
+  void save_committed(StepRule& inner) {
     for (size_t i = 0; i < plans_.size(); ++i) committed_[i].copy_(inner.param(i));
   }
-  void restore_committed(InnerOptimizer& inner) {
+  void restore_committed(StepRule& inner) {
     for (size_t i = 0; i < plans_.size(); ++i) inner.param(i).copy_(committed_[i]);
   }
   // The parameters step by -lr * sign(direction) of this replica's own payloads alone (no
   // weight decay: that comes with the committed update).
-  void preview(double lr, InnerOptimizer& inner) {
+  void preview(double lr, StepRule& inner) {
     Updates updates;
     for (size_t i = 0; i < plans_.size(); ++i) {
       const at::Tensor param = inner.param(i);

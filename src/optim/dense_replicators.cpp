@@ -1,8 +1,8 @@
 // The dense replicators: Full (all-reduce average of the gradient, plain HSDP), None (local
 // only) and Random (a seeded random subset of rows of a residual, dense-averaged). Each sends a
 // step's tensors in one flat bucket.
-#include "inner.h"
 #include "replicator.h"
+#include "step_rule.h"
 
 #include "flexdemo/comm.h"
 
@@ -45,7 +45,7 @@ class DenseReplicator final : public Replicator {
     ++pending_;
   }
 
-  void exchange(const std::vector<at::Tensor>& grads, double lr, InnerOptimizer& inner) override {
+  void exchange(const std::vector<at::Tensor>& grads, double lr, StepRule& inner) override {
     accumulate(grads, lr);
     if (pending_ > 1) bucket_.div_(double(pending_));  // the mean gradient since the last one
     if (exchange_ && group_ && group_->size() > 1) {
@@ -134,7 +134,7 @@ class RandomReplicator final : public Replicator {
     }
   }
 
-  void exchange(const std::vector<at::Tensor>& grads, double lr, InnerOptimizer& inner) override {
+  void exchange(const std::vector<at::Tensor>& grads, double lr, StepRule& inner) override {
     accumulate(grads, lr);
     std::vector<at::Tensor> indices;
     int64_t offset = 0;

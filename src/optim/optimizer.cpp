@@ -4,8 +4,8 @@
 // and the outer optimizer apply it. Never talks to MPI.
 #include "flexdemo/optim.h"
 
-#include "inner.h"
 #include "replicator.h"
+#include "step_rule.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -17,7 +17,7 @@ namespace flexdemo::optim {
 
 // ====== Options ======
 void OptimizerOptions::validate() const {
-  auto fail = [](const std::string& what) { throw std::invalid_argument("DeMo: " + what); };
+  auto fail = [](const std::string& what) { throw std::invalid_argument("optimizer: " + what); };
   auto str = [](double v) {
     std::ostringstream s;
     s << v;
@@ -65,7 +65,7 @@ struct Optimizer::Impl {
   std::vector<dct::ChunkPlan> plans;
   OptimizerOptions options;
   std::unique_ptr<Replicator> replicator;
-  std::unique_ptr<InnerOptimizer> inner;
+  std::unique_ptr<StepRule> inner;
   int64_t steps = 0;
   ExchangeSchedule schedule;  // as set; the replicator reports the top-k and values in use
   ExchangeCounters counters;
@@ -73,7 +73,7 @@ struct Optimizer::Impl {
   // on their sign) applies them to `anchors`, the parameters of the last exchange; `inner` takes
   // the local steps.
   std::vector<at::Tensor> anchors;  // float32 [rows, cols]
-  std::unique_ptr<InnerOptimizer> outer;
+  std::unique_ptr<StepRule> outer;
 
   bool local_steps() const { return options.inner_steps > 1; }
   void local_step(const std::vector<at::Tensor>& grads, double lr);
@@ -88,7 +88,7 @@ std::vector<OptimParam> whole_parameters(std::vector<at::Tensor> params,
   std::vector<OptimParam> out;
   for (size_t i = 0; i < params.size(); ++i) {
     if (!params[i].defined() || params[i].numel() == 0) {
-      throw std::invalid_argument("DeMo: parameter " + std::to_string(i) + " is empty");
+      throw std::invalid_argument("optimizer: parameter " + std::to_string(i) + " is empty");
     }
     out.push_back({params[i], dct::make_chunk_plan(params[i].sizes(), o.chunk, o.chunk_mode)});
   }
@@ -114,12 +114,12 @@ Optimizer::Optimizer(std::vector<OptimParam> params, OptimizerOptions options,
     if (p.plan.numel() == 0) continue;  // an empty shard: nothing to update or send
     if (!p.leaf.defined() || !at::isFloatingType(p.leaf.scalar_type()) || !p.leaf.is_contiguous() ||
         p.leaf.numel() < p.plan.numel()) {
-      throw std::invalid_argument("DeMo: parameter " + std::to_string(i) +
+      throw std::invalid_argument("optimizer: parameter " + std::to_string(i) +
                                   " must be a contiguous floating tensor of at least " +
                                   std::to_string(p.plan.numel()) + " elements");
     }
     if (!s.params.empty() && p.leaf.device() != s.params.front().leaf.device()) {
-      throw std::invalid_argument("DeMo: parameter " + std::to_string(i) + " is on " +
+      throw std::invalid_argument("optimizer: parameter " + std::to_string(i) + " is on " +
                                   p.leaf.device().str() + ", the others on " +
                                   s.params.front().leaf.device().str());
     }
@@ -130,7 +130,7 @@ Optimizer::Optimizer(std::vector<OptimParam> params, OptimizerOptions options,
   }
   const at::Device device =
       s.params.empty() ? at::Device(at::kCPU) : s.params.front().leaf.device();
-  s.inner = std::make_unique<InnerOptimizer>(s.params, options);
+  s.inner = std::make_unique<StepRule>(s.params, options);
   if (!s.local_steps()) {
     s.replicator = make_replicator(s.plans, options, std::move(replica_group), device);
     return;
@@ -138,7 +138,7 @@ Optimizer::Optimizer(std::vector<OptimParam> params, OptimizerOptions options,
   if (device.is_cuda() && options.replicator != ReplicatorKind::Full &&
       options.replicator != ReplicatorKind::None) {
     throw std::invalid_argument(
-        "DeMo: inner_steps > 1 exchanges through the demo or random replicator on CPUs only "
+        "optimizer: inner_steps > 1 exchanges through the demo or random replicator on CPUs only "
         "(on a GPU: the full one)");
   }
   std::vector<OptimParam> anchors;
@@ -154,7 +154,7 @@ Optimizer::Optimizer(std::vector<OptimParam> params, OptimizerOptions options,
   outer.momentum = options.outer_momentum;
   outer.weight_decay = 0.0;  // the local steps decay the weights
   s.replicator = make_replicator(s.plans, outer, std::move(replica_group), device);
-  s.outer = std::make_unique<InnerOptimizer>(anchors, outer);
+  s.outer = std::make_unique<StepRule>(anchors, outer);
 }
 
 Optimizer::~Optimizer() = default;
@@ -178,8 +178,8 @@ void Optimizer::start_exchange(const std::vector<size_t>& tensors) {
   std::vector<at::Tensor> grads;
   for (size_t t : tensors) {
     if (t >= s.slot.size()) {
-      throw std::out_of_range("DeMo: start_exchange of tensor " + std::to_string(t) + ", only " +
-                              std::to_string(s.slot.size()) + " given");
+      throw std::out_of_range("optimizer: start_exchange of tensor " + std::to_string(t) +
+                              ", only " + std::to_string(s.slot.size()) + " given");
     }
     if (s.slot[t] < 0) continue;
     mine.push_back(size_t(s.slot[t]));
@@ -245,7 +245,8 @@ const OptimizerOptions& Optimizer::options() const {
   return impl_->options;
 }
 void Optimizer::set_lr(double lr) {
-  if (!(lr > 0.0)) throw std::invalid_argument("DeMo: lr must be > 0, got " + std::to_string(lr));
+  if (!(lr > 0.0))
+    throw std::invalid_argument("optimizer: lr must be > 0, got " + std::to_string(lr));
   impl_->options.lr = lr;
 }
 ExchangeTraffic Optimizer::traffic() const {
@@ -272,10 +273,10 @@ void Optimizer::set_schedule(const ExchangeSchedule& schedule) {
   Impl& s = *impl_;
   if (s.options.replicator != ReplicatorKind::Demo || s.local_steps()) {
     throw std::invalid_argument(
-        "DeMo: the exchange schedule changes with the demo replicator and inner_steps 1 only");
+        "optimizer: the exchange schedule changes with the demo replicator and inner_steps 1 only");
   }
   if (schedule.topk <= 0 || schedule.every < 1) {
-    throw std::invalid_argument("DeMo: a schedule needs topk > 0 and every >= 1, got topk " +
+    throw std::invalid_argument("optimizer: a schedule needs topk > 0 and every >= 1, got topk " +
                                 std::to_string(schedule.topk) + ", every " +
                                 std::to_string(schedule.every));
   }

@@ -26,7 +26,7 @@ inline NamedTensors numbered(const std::string& prefix, const std::vector<at::Te
   return named;
 }
 
-class InnerOptimizer;
+class StepRule;
 
 class Replicator {
  public:
@@ -37,7 +37,7 @@ class Replicator {
   // Folds them in, exchanges over the replica group, and has `inner` apply each tensor's
   // direction (inner.apply, or the fused sign step where it offers one). The directions are
   // bit-identical on every replica.
-  virtual void exchange(const std::vector<at::Tensor>& grads, double lr, InnerOptimizer& inner) = 0;
+  virtual void exchange(const std::vector<at::Tensor>& grads, double lr, StepRule& inner) = 0;
   // On an exchange step, before exchange(): these tensors' gradients (grads[k] is tensors[k]'s)
   // are final; fold them in and start their exchange now, non-blocking. exchange() then skips
   // them and completes it. A hint: kinds that cannot start early ignore it.

@@ -322,7 +322,7 @@ void check_resumable(const nlohmann::json& saved, const TrainConfig& run,
 optim::OptimizerOptions optimizer_options(const TrainConfig& c) {
   optim::OptimizerOptions o;
   o.inner = c.optimizer == OptimizerKind::FlexDemo || c.optimizer == OptimizerKind::Sgd
-                ? optim::InnerKind::SignSgd
+                ? optim::InnerKind::Sgd
                 : optim::InnerKind::AdamW;
   o.replicator = c.replicator.value();
   o.sign = c.sign.value();

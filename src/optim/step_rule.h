@@ -1,6 +1,7 @@
-// Inner optimizers: apply a replicator's direction to this rank's tensors. Sign-SGD (DeMo's),
-// AdamW (the same formula as torch.optim.AdamW) or SGD with Nesterov momentum (the same as
-// torch.optim.SGD(nesterov=True)), with decoupled weight decay.
+// Step rules: apply a direction, the same on every replica, to this rank's tensors. Sign-SGD
+// (DeMo's; plain SGD with sign off), AdamW (the same formula as torch.optim.AdamW) or SGD with
+// Nesterov momentum (the same as torch.optim.SGD(nesterov=True)), with decoupled weight decay.
+// The Optimizer's inner step is one (--inner); with --inner-steps the outer step is another.
 #pragma once
 
 #include "demo/backend.h"
@@ -16,9 +17,9 @@
 
 namespace flexdemo::optim {
 
-class InnerOptimizer {
+class StepRule {
  public:
-  InnerOptimizer(const std::vector<OptimParam>& params, const OptimizerOptions& options);
+  StepRule(const std::vector<OptimParam>& params, const OptimizerOptions& options);
   void begin_step(double lr);  // once per applied step, before the apply() calls
   // Tensor i: p *= 1 - lr*wd, then the update from direction ([rows, cols] float32).
   void apply(size_t i, const at::Tensor& direction);

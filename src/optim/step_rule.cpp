@@ -1,6 +1,6 @@
 // Sign-SGD, AdamW and Nesterov SGD applied to one tensor at a time, in place on this rank's
 // parameters. AdamW follows torch.optim.AdamW's operation order, so it can be checked against it.
-#include "inner.h"
+#include "step_rule.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -10,8 +10,7 @@
 
 namespace flexdemo::optim {
 
-InnerOptimizer::InnerOptimizer(const std::vector<OptimParam>& params,
-                               const OptimizerOptions& options)
+StepRule::StepRule(const std::vector<OptimParam>& params, const OptimizerOptions& options)
     : options_(options) {
   for (const OptimParam& p : params) {
     params_.push_back(
@@ -26,7 +25,7 @@ InnerOptimizer::InnerOptimizer(const std::vector<OptimParam>& params,
   }
 }
 
-void InnerOptimizer::begin_step(double lr) {
+void StepRule::begin_step(double lr) {
   ++step_;
   lr_ = lr;
 }
@@ -54,16 +53,16 @@ void sgd_update(at::Tensor& p, const at::Tensor& d, float lr, bool sign) {
 
 }  // namespace
 
-std::pair<double, double> InnerOptimizer::bias_corrections() const {
+std::pair<double, double> StepRule::bias_corrections() const {
   return {1.0 - std::pow(options_.beta1, double(step_)),
           1.0 - std::pow(options_.beta2, double(step_))};
 }
 
-void InnerOptimizer::apply(size_t i, const at::Tensor& direction) {
+void StepRule::apply(size_t i, const at::Tensor& direction) {
   at::Tensor& p = params_.at(i);
   const OptimizerOptions& o = options_;
   if (o.weight_decay != 0.0) p.mul_(1.0 - lr_ * o.weight_decay);
-  if (o.inner == InnerKind::SignSgd) {
+  if (o.inner == InnerKind::Sgd) {
     sgd_update(p, direction, float(lr_), o.sign);
     return;
   }
@@ -83,9 +82,9 @@ void InnerOptimizer::apply(size_t i, const at::Tensor& direction) {
   p.addcdiv_(m, denom, -lr_ / bias_correction1);
 }
 
-std::optional<demo::Update> InnerOptimizer::fused_update(size_t i) const {
+std::optional<demo::Update> StepRule::fused_update(size_t i) const {
   const OptimizerOptions& o = options_;
-  const bool fusable = (o.inner == InnerKind::SignSgd && o.sign) || o.inner == InnerKind::AdamW;
+  const bool fusable = (o.inner == InnerKind::Sgd && o.sign) || o.inner == InnerKind::AdamW;
   if (!fusable || params_.at(i).scalar_type() != at::kFloat) return std::nullopt;
   demo::Update u;
   u.param = params_[i];
@@ -98,7 +97,7 @@ std::optional<demo::Update> InnerOptimizer::fused_update(size_t i) const {
   return u;
 }
 
-kernels::AdamWHyper InnerOptimizer::hyper() const {
+kernels::AdamWHyper StepRule::hyper() const {
   kernels::AdamWHyper h;
   h.lr = lr_;
   h.weight_decay = options_.weight_decay;
@@ -110,7 +109,7 @@ kernels::AdamWHyper InnerOptimizer::hyper() const {
   return h;
 }
 
-std::vector<std::pair<std::string, at::Tensor>> InnerOptimizer::state_tensors() const {
+std::vector<std::pair<std::string, at::Tensor>> StepRule::state_tensors() const {
   std::vector<std::pair<std::string, at::Tensor>> state;
   for (size_t i = 0; i < exp_avg_.size(); ++i) {
     state.push_back({"exp_avg." + std::to_string(i), exp_avg_[i]});

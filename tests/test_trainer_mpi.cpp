@@ -1,6 +1,5 @@
-// The trainer's pieces on real ranks: GPT shapes and gradients (finite differences), learning a
-// batch by heart, the sampler's determinism and independence of the rank count, and a whole
-// `run_training` whose outputs follow the documented schema.
+// A whole `run_training` on real ranks: checkpoints and exact resumes, the step's collectives,
+// replica drift, non-finite steps, the documented outputs, --max-time and T5 runs.
 #include "test_mpi.h"
 
 #include "flexdemo/data.h"
@@ -22,281 +21,6 @@
 
 using namespace flexdemo;
 namespace fs = std::filesystem;
-
-namespace {
-
-// A communicator of this rank alone: the model is not sharded.
-std::shared_ptr<comm::Communicator> alone() {
-  auto world = test_world();
-  return world->split(world->rank(), 0);
-}
-
-model::GptConfig tiny() {
-  model::GptConfig c;
-  c.vocab = 11, c.context = 6, c.width = 8, c.layers = 2, c.heads = 2;
-  return c;
-}
-
-// 60 AdamW steps on one fixed batch, alone: the first and the last loss.
-std::pair<double, double> overfit(model::LanguageModel& lm,
-                                  const std::function<at::Tensor()>& loss_fn) {
-  const std::vector<optim::OptimParam> params = shard::optim_params(lm.units());
-  optim::OptimizerOptions o;
-  o.replicator = optim::ReplicatorKind::Full;
-  o.inner = optim::InnerKind::AdamW;
-  o.sign = false;
-  o.lr = 1e-2;
-  o.chunk = 4;
-  optim::Optimizer opt(params, o, alone());
-  double first = 0, last = 0;
-  for (int step = 0; step < 60; ++step) {
-    opt.zero_grad();
-    at::Tensor loss = loss_fn();
-    loss.backward();
-    opt.step();
-    (step == 0 ? first : last) = loss.item<double>();
-  }
-  return {first, last};
-}
-
-// An int64 [rows, columns] tensor of equally long rows.
-at::Tensor long_rows(const std::vector<std::vector<int64_t>>& rows) {
-  std::vector<at::Tensor> out;
-  for (const auto& r : rows) out.push_back(at::tensor(r, at::kLong));
-  return at::stack(out);
-}
-
-// The gradient of loss_fn against its directional derivative along a random direction per
-// tensor. T5's ReLUs have kinks that a difference step can straddle, and float32 limits small
-// steps: the closest of three step sizes must agree (a wrong gradient agrees with none of them).
-void expect_gradients_match(model::LanguageModel& lm, const std::function<at::Tensor()>& loss_fn) {
-  loss_fn().backward();
-  for (const auto& unit : lm.units()) {
-    for (const at::Tensor& shard : unit->shards()) {
-      const at::Tensor direction = at::randn(shard.sizes());
-      const double analytic = (shard.grad() * direction).sum().item<double>();
-      double closest = INFINITY;
-      for (float eps : {1e-3f, 3e-4f, 1e-4f}) {
-        at::NoGradGuard no_grad;
-        const at::Tensor orig = shard.clone();
-        shard.add_(direction, eps);
-        const double up = loss_fn().item<double>();
-        shard.copy_(orig).add_(direction, -eps);
-        const double down = loss_fn().item<double>();
-        shard.copy_(orig);
-        const double numeric = (up - down) / (2 * eps);
-        if (std::abs(numeric - analytic) < std::abs(closest - analytic)) closest = numeric;
-      }
-      EXPECT_NEAR(analytic, closest, 3e-3 + 0.1 * std::abs(analytic)) << unit->name();
-    }
-  }
-}
-
-}  // namespace
-
-TEST(Gpt, ParameterCountIsClosedForm) {
-  auto lm = model::make_gpt(model::gpt_preset("gpt-nano", 2048), alone(), {}, 1);
-  const int64_t d = 128, L = 4, V = 2048, T = 128;
-  const int64_t block =
-      2 * d + 3 * d * d + 3 * d + d * d + d + 2 * d + 4 * d * d + 4 * d + 4 * d * d + d;
-  EXPECT_EQ(lm->num_params(), V * d + T * d + L * block + 2 * d);
-  EXPECT_EQ(lm->units().size(), size_t(L + 2));
-  EXPECT_EQ(lm->param_names()[1][2], "h0.attn.qkv.weight");
-  EXPECT_THROW(model::gpt_preset("gpt-huge", 10), std::invalid_argument);
-  model::GptConfig bad = tiny();
-  bad.heads = 3;
-  EXPECT_THROW(model::make_gpt(bad, alone(), {}, 1), std::invalid_argument);
-}
-
-TEST(Gpt, GradientsMatchFiniteDifferences) {
-  auto lm = model::make_gpt(tiny(), alone(), {}, 3);
-  at::manual_seed(4);
-  const at::Tensor tokens = at::randint(11, {3, 6}, at::kLong);
-  lm->loss(tokens).backward();
-  for (const auto& unit : lm->units()) {
-    for (const at::Tensor& shard : unit->shards()) {
-      const at::Tensor grad = shard.grad().clone();
-      for (int64_t i : {int64_t(0), shard.numel() / 2, shard.numel() - 1}) {
-        const float eps = 1e-3f;
-        at::NoGradGuard no_grad;
-        const float orig = shard[i].item<float>();
-        shard[i] = orig + eps;
-        const double up = lm->loss(tokens).item<double>();
-        shard[i] = orig - eps;
-        const double down = lm->loss(tokens).item<double>();
-        shard[i] = orig;
-        const double numeric = (up - down) / (2 * eps);
-        EXPECT_NEAR(grad[i].item<double>(), numeric, 2e-3 + 2e-2 * std::abs(numeric))
-            << unit->name() << " element " << i;
-      }
-    }
-  }
-}
-
-TEST(Gpt, LossFallsWhenOverfittingOneBatch) {
-  auto lm = model::make_gpt(tiny(), alone(), {}, 5);
-  at::manual_seed(6);
-  const at::Tensor tokens = at::randint(11, {4, 7}, at::kLong);
-  const auto [first, last] = overfit(*lm, [&] { return lm->loss(tokens); });
-  EXPECT_LT(last, 0.5 * first);
-}
-
-model::LlamaConfig tiny_llama(int64_t kv_heads, bool tied) {
-  model::LlamaConfig c;
-  c.vocab = 11, c.context = 6, c.width = 8, c.layers = 2, c.heads = 2, c.kv_heads = kv_heads;
-  c.ff = 12, c.tied_head = tied;
-  return c;
-}
-
-TEST(Llama, ParameterCountIsClosedFormAndNamesAreTransformers) {
-  const int64_t V = 4096, d = 256, L = 4, kv = 2 * (256 / 4), F = 704;
-  auto lm = model::make_llama(model::llama_preset("llama-micro", V), alone(), {}, 1);
-  const int64_t block = d + d * d + 2 * kv * d + d * d + d + 3 * F * d;
-  EXPECT_EQ(lm->num_params(), V * d + L * block + d);
-  EXPECT_EQ(lm->units().size(), size_t(L + 2));
-  EXPECT_EQ(lm->param_names()[1][2], "model.layers.0.self_attn.k_proj.weight");
-  model::LlamaConfig own = model::llama_preset("llama-micro", V);
-  own.tied_head = false;
-  EXPECT_EQ(model::make_llama(own, alone(), {}, 1)->num_params(), 2 * V * d + L * block + d);
-  EXPECT_EQ(model::make_llama(own, alone(), {}, 1)->param_names().back().back(), "lm_head.weight");
-  model::LlamaConfig bad = tiny_llama(2, true);
-  bad.kv_heads = 3;  // does not divide the 2 query heads
-  EXPECT_THROW(model::make_llama(bad, alone(), {}, 1), std::invalid_argument);
-  EXPECT_THROW(model::llama_preset("llama-huge", 10), std::invalid_argument);
-}
-
-TEST(Llama, GradientsAndLearningTiedAndOwnHead) {
-  for (bool tied : {true, false}) {
-    auto lm = model::make_llama(tiny_llama(1, tied), alone(), {}, 3);
-    at::manual_seed(4);
-    const at::Tensor tokens = at::randint(11, {3, 6}, at::kLong);
-    expect_gradients_match(*lm, [&] { return lm->loss(tokens); });
-    const auto [first, last] = overfit(*lm, [&] { return lm->loss(tokens); });
-    EXPECT_LT(last, 0.5 * first) << (tied ? "tied" : "own head");
-  }
-}
-
-TEST(Llama, GroupedQueryAttentionEqualsFullAttentionWithRepeatedHeads) {
-  // One key/value head serving both query heads computes what two key/value heads holding that
-  // same head twice compute (a closed-form equivalence: what grouping means).
-  auto grouped = model::make_llama(tiny_llama(1, true), alone(), {}, 5);
-  auto full = model::make_llama(tiny_llama(2, true), alone(), {}, 6);
-  at::NoGradGuard no_grad;
-  for (size_t u = 0; u < grouped->units().size(); ++u) {
-    const auto& names = grouped->param_names()[u];
-    std::vector<at::Tensor> params = grouped->units()[u]->gather();
-    for (size_t i = 0; i < names.size(); ++i) {
-      if (names[i].find("k_proj") != std::string::npos ||
-          names[i].find("v_proj") != std::string::npos) {
-        params[i] = at::cat({params[i], params[i]});  // [head, C] -> [head; head, C]
-      }
-    }
-    full->units()[u]->load(params);
-  }
-  at::manual_seed(7);
-  const at::Tensor tokens = at::randint(11, {2, 6}, at::kLong);
-  EXPECT_TRUE(at::allclose(grouped->next_token_logits(tokens), full->next_token_logits(tokens),
-                           1e-5, 1e-6));
-  EXPECT_NEAR(grouped->loss(tokens).item<double>(), full->loss(tokens).item<double>(), 1e-6);
-}
-
-TEST(T5, SpanCorruptionGradientsAndLearning) {
-  model::T5Config c;
-  c.vocab = 11, c.eot = 10, c.width = 8, c.layers = 1, c.heads = 2, c.ff = 16;
-  auto lm = model::make_t5(c, alone(), {}, 7);
-  // shared; per stack: its position bias, its block, its final norm
-  EXPECT_EQ(lm->units().size(), 7u);
-  at::manual_seed(8);
-  const at::Tensor tokens = at::randint(10, {3, 21}, at::kLong);
-  auto loss_at = [&] {
-    at::manual_seed(9);  // the same spans every time
-    return lm->loss(tokens);
-  };
-  expect_gradients_match(*lm, loss_at);
-  const auto [first, last] = overfit(*lm, loss_at);
-  EXPECT_LT(last, 0.5 * first);
-}
-
-TEST(T5, TranslationLossIgnoresPadding) {
-  // Rows [source (6) | target (5)], -1 padded: the batch's loss, per scored token, equals the
-  // token-weighted mean of each pair's loss alone (alone, a pair has no padding), so padding
-  // neither reaches the real tokens through attention nor is scored.
-  model::T5Config c;
-  c.vocab = 11, c.eot = 10, c.width = 8, c.layers = 1, c.heads = 2, c.ff = 16, c.source_len = 6;
-  auto lm = model::make_t5(c, alone(), {}, 7);
-  const at::Tensor rows = long_rows({{3, 4, 5, 6, 7, 10, 1, 2, 3, 10, -1},
-                                     {8, 10, -1, -1, -1, -1, 9, 10, -1, -1, -1},
-                                     {2, 2, 10, -1, -1, -1, 4, 5, 6, 7, 10}});
-  const std::vector<int64_t> target_tokens = {4, 2, 5};
-  double weighted = 0;
-  {
-    at::NoGradGuard no_grad;
-    for (int64_t i = 0; i < 3; ++i) {
-      weighted += lm->loss(rows.narrow(0, i, 1)).item<double>() * double(target_tokens[size_t(i)]);
-    }
-  }
-  at::NoGradGuard no_grad;
-  EXPECT_NEAR(lm->loss(rows).item<double>(), weighted / 11.0, 1e-5);
-}
-
-TEST(T5, TranslationGradientsAndLearning) {
-  model::T5Config c;
-  c.vocab = 11, c.eot = 10, c.width = 8, c.layers = 1, c.heads = 2, c.ff = 16, c.source_len = 6;
-  auto lm = model::make_t5(c, alone(), {}, 7);
-  const at::Tensor rows =
-      long_rows({{3, 4, 5, 6, 7, 10, 1, 2, 3, 10, -1}, {8, 10, -1, -1, -1, -1, 9, 10, -1, -1, -1}});
-  at::manual_seed(8);
-  expect_gradients_match(*lm, [&] { return lm->loss(rows); });
-  const auto [first, last] = overfit(*lm, [&] { return lm->loss(rows); });
-  EXPECT_LT(last, 0.5 * first);
-}
-
-TEST(Sampler, PairRowsArePaddedCutAndDrawnLikeWindows) {
-  // Pairs (source, eot, target, eot): 3 pairs; lengths 2+3, 5+1, 1+2 (end-of-text 0).
-  const std::vector<int32_t> tokens = {5, 0, 6, 7, 0, 1, 2, 3, 4, 0, 0, 9, 0, 8, 8, 0};
-  const data::PairSampler a(tokens, 0, 3, 3, 42), b(tokens, 0, 3, 3, 42);
-  const at::Tensor val = a.windows(0, 4);
-  const at::Tensor expected = long_rows({{5, 0, -1, 6, 7, 0},
-                                         {1, 2, 0, 0, -1, -1},  // source cut, eot kept
-                                         {9, 0, -1, 8, 8, 0},
-                                         {5, 0, -1, 6, 7, 0}});  // wraps around
-  EXPECT_TRUE(at::equal(val, expected)) << val;
-  EXPECT_EQ(a.num_windows(), 3);
-  EXPECT_EQ(a.scored_tokens(val), 3 + 1 + 3 + 3);
-  const at::Tensor whole = a.rows(7, 0, 8);
-  EXPECT_TRUE(at::equal(whole, b.rows(7, 0, 8)));
-  for (int r = 0; r < 8; r += 2) EXPECT_TRUE(at::equal(a.rows(7, r, 2), whole.narrow(0, r, 2)));
-  for (int64_t r = 0; r < 8; ++r) {  // every row is one of the pairs
-    EXPECT_TRUE(at::equal(whole[r], expected[0]) || at::equal(whole[r], expected[1]) ||
-                at::equal(whole[r], expected[2]));
-  }
-  EXPECT_THROW(data::PairSampler({5, 0, 6}, 0, 3, 3, 1), std::invalid_argument);  // no target end
-}
-
-TEST(Sampler, DeterministicAndIndependentOfRankCount) {
-  std::vector<int32_t> tokens(1000);
-  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = int32_t(i % 97);
-  const data::BatchSampler a(tokens, 16, 42), b(tokens, 16, 42), other(tokens, 16, 43);
-  const at::Tensor whole = a.rows(7, 0, 8);
-  EXPECT_TRUE(at::equal(whole, b.rows(7, 0, 8)));       // the same seed: the same batch
-  EXPECT_FALSE(at::equal(whole, other.rows(7, 0, 8)));  // another seed: another batch
-  EXPECT_FALSE(at::equal(whole, a.rows(8, 0, 8)));      // another step: another batch
-  for (int ranks : {1, 2, 4, 8}) {                      // any split gives the same rows
-    for (int r = 0; r < ranks; ++r) {
-      const int64_t n = 8 / ranks;
-      EXPECT_TRUE(at::equal(a.rows(7, r * n, n), whole.narrow(0, r * n, n)));
-    }
-  }
-  // A resumed run at step 7 draws exactly the batch the uninterrupted run drew.
-  const data::BatchSampler resumed(tokens, 16, 42);
-  EXPECT_TRUE(at::equal(resumed.rows(7, 0, 8), whole));
-  // Each row is a contiguous window: targets are the inputs shifted by one.
-  const at::Tensor row = whole[0];
-  EXPECT_EQ(
-      (row.narrow(0, 1, 16) - row.narrow(0, 0, 16)).remainder(97).eq(1).sum().item<int64_t>() +
-          (row.narrow(0, 1, 16) == 0).sum().item<int64_t>(),
-      16);
-}
 
 namespace {
 
@@ -492,85 +216,96 @@ TEST(Trainer, ExchangeInBackwardEqualsExchangeAfterIt) {
             std::string::npos);
 }
 
-TEST(Checkpoint, ResumedRunEqualsUninterruptedRun) {
-  auto world = test_world();
-  const bool root = world->rank() == 0;
-  const fs::path dir = fs::temp_directory_path() / "flexdemo-resume-test";
-  train::TrainConfig c = tiny_run(dir);
-  c.warmup = 0;  // a constant learning rate: the 20-step run must not end its schedule early
+// tiny_run's configuration `base` for `steps` steps at a constant learning rate (a shorter run
+// must not end its schedule early), a checkpoint every 10 steps, written to dir/name.
+train::TrainConfig checkpointed(train::TrainConfig c, const fs::path& dir, const std::string& name,
+                                int64_t steps) {
+  c.warmup = 0;
   c.min_lr_ratio = 1.0;
   c.checkpoint_every = 10;
-  c.steps = 40;
-  c.out = (dir / "whole").string();
-  ASSERT_EQ(train::run_training(c, world), 0);
-  c.steps = 20;
-  c.out = (dir / "halves").string();
-  ASSERT_EQ(train::run_training(c, world), 0);
-  world->barrier();
-  // The newest 2 checkpoints are kept; a copy of the run gets a corrupted newest one.
-  EXPECT_FALSE(fs::exists(dir / "whole/checkpoints/step-20"));
-  EXPECT_TRUE(fs::exists(dir / "whole/checkpoints/step-30"));
-  if (root) {
-    fs::copy(dir / "halves", dir / "damaged", fs::copy_options::recursive);
-    flip_last_byte(dir / "damaged/checkpoints/step-20/model.safetensors");
-  }
-  world->barrier();
+  c.steps = steps;
+  c.out = (dir / name).string();
+  return c;
+}
 
+TEST(Checkpoint, ResumedRunEqualsUninterruptedRun) {
+  auto world = test_world();
+  const fs::path dir = fs::temp_directory_path() / "flexdemo-resume-test";
+  const train::TrainConfig base = tiny_run(dir);
+  ASSERT_EQ(train::run_training(checkpointed(base, dir, "whole", 40), world), 0);
+  train::TrainConfig c = checkpointed(base, dir, "halves", 20);
+  ASSERT_EQ(train::run_training(c, world), 0);
   c.steps = 40;
   c.resume = c.out;
   ASSERT_EQ(train::run_training(c, world), 0);
-  c.resume = c.out = (dir / "damaged").string();  // resumes from step-10, skipping step-20
-  ASSERT_EQ(train::run_training(c, world), 0);
   world->barrier();
+  EXPECT_FALSE(fs::exists(dir / "whole/checkpoints/step-20"));  // the newest 2 are kept
+  EXPECT_TRUE(fs::exists(dir / "whole/checkpoints/step-30"));
   const std::vector<double> whole = step_losses(dir / "whole");
   ASSERT_EQ(whole.size(), 40u);
   EXPECT_EQ(step_losses(dir / "halves"), whole);  // bit-identical losses, step by step
-  EXPECT_EQ(step_losses(dir / "damaged"), whole);
   expect_same_weights(dir / "whole/checkpoints/step-40", dir / "halves/checkpoints/step-40");
-  expect_same_weights(dir / "whole/checkpoints/step-40", dir / "damaged/checkpoints/step-40");
+}
 
-  // Refused before any work: a damaged checkpoint named directly, a run with no valid one,
-  // another topology without the checkpoint's table of ranks, another model.
-  c.out = (dir / "refused").string();
-  c.resume = (dir / "damaged/checkpoints/step-30").string();
+TEST(Checkpoint, ResumeSkipsADamagedNewestCheckpoint) {
+  auto world = test_world();
+  const fs::path dir = fs::temp_directory_path() / "flexdemo-resume-damaged-test";
+  const train::TrainConfig base = tiny_run(dir);
+  ASSERT_EQ(train::run_training(checkpointed(base, dir, "whole", 30), world), 0);
+  train::TrainConfig c = checkpointed(base, dir, "damaged", 20);
+  ASSERT_EQ(train::run_training(c, world), 0);
   world->barrier();
-  if (root) flip_last_byte(dir / "damaged/checkpoints/step-30/optimizer-rank0.safetensors");
+  if (world->rank() == 0) flip_last_byte(dir / "damaged/checkpoints/step-20/model.safetensors");
   world->barrier();
-  EXPECT_NE(invalid_argument_of([&] {
-              train::run_training(c, world);
-            }).find("is damaged: optimizer-rank0.safetensors is missing or fails its CRC-32"),
-            std::string::npos);
-  if (root) flip_last_byte(dir / "damaged/checkpoints/step-40/model.safetensors");
+  c.steps = 30;
+  c.resume = c.out;  // resumes from step-10, skipping step-20
+  ASSERT_EQ(train::run_training(c, world), 0);
   world->barrier();
-  c.resume = (dir / "damaged").string();
-  EXPECT_NE(invalid_argument_of([&] {
-              train::run_training(c, world);
-            }).find("no valid checkpoint in " + c.resume),
-            std::string::npos);
-  // Another topology needs the checkpoint's table of ranks, which older ones lack.
+  const std::vector<double> whole = step_losses(dir / "whole");
+  ASSERT_EQ(whole.size(), 30u);
+  EXPECT_EQ(step_losses(dir / "damaged"), whole);
+  expect_same_weights(dir / "whole/checkpoints/step-30", dir / "damaged/checkpoints/step-30");
+}
+
+// Refused before any work, and nothing written: a damaged checkpoint named directly, a run with
+// no valid one, another topology without the checkpoint's table of ranks, another model.
+TEST(Checkpoint, ResumeRefusesWhatItCannotContinue) {
+  auto world = test_world();
+  const bool root = world->rank() == 0;
+  const fs::path dir = fs::temp_directory_path() / "flexdemo-resume-refused-test";
+  const train::TrainConfig base = tiny_run(dir);
+  ASSERT_EQ(train::run_training(checkpointed(base, dir, "run", 20), world), 0);
+  world->barrier();
   if (root) {
-    fs::copy(dir / "halves", dir / "old", fs::copy_options::recursive);
-    const fs::path manifest = dir / "old/checkpoints/step-40/manifest.json";
+    fs::copy(dir / "run", dir / "damaged", fs::copy_options::recursive);
+    flip_last_byte(dir / "damaged/checkpoints/step-20/optimizer-rank0.safetensors");
+    fs::copy(dir / "run", dir / "old", fs::copy_options::recursive);
+    const fs::path manifest = dir / "old/checkpoints/step-20/manifest.json";
     nlohmann::json m = nlohmann::json::parse(std::ifstream(manifest));
-    m.erase("ranks");
+    m.erase("ranks");  // written by a version before elastic resume
     std::ofstream(manifest) << m.dump(2);
   }
   world->barrier();
+  train::TrainConfig c = checkpointed(base, dir, "refused", 30);
+  auto refusal = [&] { return invalid_argument_of([&] { train::run_training(c, world); }); };
+  c.resume = (dir / "damaged/checkpoints/step-20").string();
+  EXPECT_NE(
+      refusal().find("is damaged: optimizer-rank0.safetensors is missing or fails its CRC-32"),
+      std::string::npos);
+  if (root) flip_last_byte(dir / "damaged/checkpoints/step-10/model.safetensors");
+  world->barrier();
+  c.resume = (dir / "damaged").string();
+  EXPECT_NE(refusal().find("no valid checkpoint in " + c.resume), std::string::npos);
   c.resume = (dir / "old").string();
   c.ranks_per_node = 1;
-  EXPECT_NE(invalid_argument_of([&] {
-              train::run_training(c, world);
-            }).find("without the table of ranks that resuming on another topology needs"),
+  EXPECT_NE(refusal().find("without the table of ranks that resuming on another topology needs"),
             std::string::npos);
   c.ranks_per_node = 0;
-  c.resume = (dir / "halves").string();
+  c.resume = (dir / "run").string();
   c.width = 32;
-  EXPECT_NE(invalid_argument_of([&] {
-              train::run_training(c, world);
-            }).find("was written with --width 16, this run has 32"),
-            std::string::npos);
+  EXPECT_NE(refusal().find("was written with --width 16, this run has 32"), std::string::npos);
   world->barrier();
-  EXPECT_FALSE(fs::exists(dir / "refused"));  // nothing written by a refused run
+  EXPECT_FALSE(fs::exists(dir / "refused"));
 }
 
 TEST(Trainer, ReplicaDriftStopsEveryRank) {
