@@ -97,6 +97,17 @@ void expect_same_weights(const fs::path& a, const fs::path& b) {
   }
 }
 
+// Run b (stopped and resumed) equals run a (uninterrupted), both `steps` steps in dir: every
+// step's training loss bit for bit, and the last checkpoint's weights.
+void expect_same_run(const fs::path& dir, const std::string& a, const std::string& b,
+                     int64_t steps) {
+  const std::vector<double> losses = step_losses(dir / a);
+  ASSERT_EQ(losses.size(), size_t(steps));
+  EXPECT_EQ(step_losses(dir / b), losses);
+  const std::string last = "checkpoints/step-" + std::to_string(steps);
+  expect_same_weights(dir / a / last, dir / b / last);
+}
+
 void flip_last_byte(const fs::path& file) {
   std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
   f.seekg(-5, std::ios::end);
@@ -136,10 +147,7 @@ TEST(Checkpoint, OverlapStepResumesExactly) {
   c.resume = c.out;
   ASSERT_EQ(train::run_training(c, world), 0);
   world->barrier();
-  const std::vector<double> whole = step_losses(dir / "whole");
-  ASSERT_EQ(whole.size(), 20u);
-  EXPECT_EQ(step_losses(dir / "halves"), whole);
-  expect_same_weights(dir / "whole/checkpoints/step-20", dir / "halves/checkpoints/step-20");
+  expect_same_run(dir, "whole", "halves", 20);
 }
 
 TEST(Trainer, OneCollectiveOverTheWorldAStep) {
@@ -241,10 +249,7 @@ TEST(Checkpoint, ResumedRunEqualsUninterruptedRun) {
   world->barrier();
   EXPECT_FALSE(fs::exists(dir / "whole/checkpoints/step-20"));  // the newest 2 are kept
   EXPECT_TRUE(fs::exists(dir / "whole/checkpoints/step-30"));
-  const std::vector<double> whole = step_losses(dir / "whole");
-  ASSERT_EQ(whole.size(), 40u);
-  EXPECT_EQ(step_losses(dir / "halves"), whole);  // bit-identical losses, step by step
-  expect_same_weights(dir / "whole/checkpoints/step-40", dir / "halves/checkpoints/step-40");
+  expect_same_run(dir, "whole", "halves", 40);
 }
 
 TEST(Checkpoint, ResumeSkipsADamagedNewestCheckpoint) {
@@ -261,10 +266,7 @@ TEST(Checkpoint, ResumeSkipsADamagedNewestCheckpoint) {
   c.resume = c.out;  // resumes from step-10, skipping step-20
   ASSERT_EQ(train::run_training(c, world), 0);
   world->barrier();
-  const std::vector<double> whole = step_losses(dir / "whole");
-  ASSERT_EQ(whole.size(), 30u);
-  EXPECT_EQ(step_losses(dir / "damaged"), whole);
-  expect_same_weights(dir / "whole/checkpoints/step-30", dir / "damaged/checkpoints/step-30");
+  expect_same_run(dir, "whole", "damaged", 30);
 }
 
 // Refused before any work, and nothing written: a damaged checkpoint named directly, a run with
@@ -411,10 +413,7 @@ TEST(Trainer, MaxTimeStopsAtAStepBoundaryWithACheckpoint) {
   c.resume = c.out;
   ASSERT_EQ(train::run_training(c, world), 0);
   world->barrier();
-  const std::vector<double> whole = step_losses(dir / "whole");
-  ASSERT_EQ(whole.size(), 3u);
-  EXPECT_EQ(step_losses(dir / "stopped"), whole);
-  expect_same_weights(dir / "whole/checkpoints/step-3", dir / "stopped/checkpoints/step-3");
+  expect_same_run(dir, "whole", "stopped", 3);
 }
 
 TEST(Trainer, IdenticalT5RunsAreBitIdentical) {

@@ -1,11 +1,10 @@
-// The optimizer driver: validates options, asks the replicator for each tensor's direction
-// (every replicate_every steps) and has the inner optimizer apply it; or, with inner_steps > 1,
-// takes local steps and every inner_steps steps has the replicator exchange the pseudo-gradient
-// and the outer optimizer apply it. Never talks to MPI.
+// The optimizer driver: validates options, gathers the tensors and their gradients, and hands
+// each step to its mode (stepping.h): the replicator's direction applied by the inner step rule
+// every replicate_every steps, or local steps with an outer step every inner_steps steps.
+// Never talks to MPI.
 #include "flexdemo/optim.h"
 
-#include "replicator.h"
-#include "step_rule.h"
+#include "stepping.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -64,20 +63,9 @@ struct Optimizer::Impl {
   std::vector<int64_t> given;      // per tensor in params: its index among those given
   std::vector<dct::ChunkPlan> plans;
   OptimizerOptions options;
-  std::unique_ptr<Replicator> replicator;
   std::unique_ptr<StepRule> inner;
+  std::unique_ptr<Stepping> stepping;  // after inner, which it refers to
   int64_t steps = 0;
-  ExchangeSchedule schedule;  // as set; the replicator reports the top-k and values in use
-  ExchangeCounters counters;
-  // inner_steps > 1: `replicator` exchanges pseudo-gradients and `outer` (Nesterov SGD, on them or
-  // on their sign) applies them to `anchors`, the parameters of the last exchange; `inner` takes
-  // the local steps.
-  std::vector<at::Tensor> anchors;  // float32 [rows, cols]
-  std::unique_ptr<StepRule> outer;
-
-  bool local_steps() const { return options.inner_steps > 1; }
-  void local_step(const std::vector<at::Tensor>& grads, double lr);
-  void outer_step();
 };
 
 namespace {
@@ -107,7 +95,6 @@ Optimizer::Optimizer(std::vector<OptimParam> params, OptimizerOptions options,
   options.validate();
   Impl& s = *impl_;
   s.options = options;
-  s.schedule = {options.topk, options.values, options.replicate_every};
   for (size_t i = 0; i < params.size(); ++i) {
     const OptimParam& p = params[i];
     s.slot.push_back(-1);
@@ -131,30 +118,10 @@ Optimizer::Optimizer(std::vector<OptimParam> params, OptimizerOptions options,
   const at::Device device =
       s.params.empty() ? at::Device(at::kCPU) : s.params.front().leaf.device();
   s.inner = std::make_unique<StepRule>(s.params, options);
-  if (!s.local_steps()) {
-    s.replicator = make_replicator(s.plans, options, std::move(replica_group), device);
-    return;
-  }
-  if (device.is_cuda() && options.replicator != ReplicatorKind::Full &&
-      options.replicator != ReplicatorKind::None) {
-    throw std::invalid_argument(
-        "optimizer: inner_steps > 1 exchanges through the demo or random replicator on CPUs only "
-        "(on a GPU: the full one)");
-  }
-  std::vector<OptimParam> anchors;
-  for (size_t i = 0; i < s.params.size(); ++i) {
-    const dct::ChunkPlan& plan = s.plans[i];
-    s.anchors.push_back(at::empty({plan.rows, plan.cols}, at::dtype(at::kFloat).device(device)));
-    anchors.push_back({s.anchors.back(), plan});
-  }
-  OptimizerOptions outer = options;
-  outer.inner = InnerKind::Nesterov;
-  outer.sign = options.outer_sign;
-  outer.lr = options.outer_lr;
-  outer.momentum = options.outer_momentum;
-  outer.weight_decay = 0.0;  // the local steps decay the weights
-  s.replicator = make_replicator(s.plans, outer, std::move(replica_group), device);
-  s.outer = std::make_unique<StepRule>(anchors, outer);
+  s.stepping =
+      options.inner_steps > 1
+          ? make_local_steps(s.plans, options, std::move(replica_group), device, *s.inner)
+          : make_exchange_every_step(s.plans, options, std::move(replica_group), device, *s.inner);
 }
 
 Optimizer::~Optimizer() = default;
@@ -171,8 +138,6 @@ at::Tensor flat_grad(const OptimParam& p) {
 
 void Optimizer::start_exchange(const std::vector<size_t>& tensors) {
   Impl& s = *impl_;
-  if (s.counters.folded + 1 < s.schedule.every) return;  // step() only folds them in
-  if (s.local_steps()) return;  // the exchange is of the parameters, after the step
   at::NoGradGuard no_grad;
   std::vector<size_t> mine;
   std::vector<at::Tensor> grads;
@@ -185,7 +150,7 @@ void Optimizer::start_exchange(const std::vector<size_t>& tensors) {
     mine.push_back(size_t(s.slot[t]));
     grads.push_back(flat_grad(s.params[mine.back()]));
   }
-  s.replicator->start(mine, grads, s.options.lr);
+  s.stepping->start(mine, grads, s.options.lr);
 }
 
 void Optimizer::step() {
@@ -194,45 +159,7 @@ void Optimizer::step() {
   std::vector<at::Tensor> grads;
   for (const OptimParam& p : s.params) grads.push_back(flat_grad(p));
   ++s.steps;
-  const double lr = s.options.lr;
-  if (s.local_steps()) {
-    s.local_step(grads, lr);
-    if (s.steps % s.options.inner_steps == 0) s.outer_step();
-    return;
-  }
-  if (s.counters.folded + 1 < s.schedule.every) {
-    ++s.counters.folded;
-    s.replicator->accumulate(grads, lr);
-    return;
-  }
-  s.counters.folded = 0;
-  ++s.counters.exchanges;
-  s.inner->begin_step(lr);
-  s.replicator->exchange(grads, lr, *s.inner);
-}
-
-void Optimizer::Impl::local_step(const std::vector<at::Tensor>& grads, double lr) {
-  if (steps == 1) {  // the parameters as training starts (after any --init-from) anchor round 1
-    for (size_t i = 0; i < anchors.size(); ++i) anchors[i].copy_(inner->param(i));
-  }
-  inner->begin_step(lr);
-  for (size_t i = 0; i < params.size(); ++i) {
-    const dct::ChunkPlan& plan = plans[i];
-    inner->apply(i, grads[i].defined() ? grads[i].view({plan.rows, plan.cols}).to(at::kFloat)
-                                       : at::zeros({plan.rows, plan.cols}, anchors[i].options()));
-  }
-}
-
-// The pseudo-gradient (anchor - now) through the replicator with lr 1, its replicas' mean applied
-// to the anchors by the outer optimizer; every replica continues from the new anchors.
-void Optimizer::Impl::outer_step() {
-  std::vector<at::Tensor> pseudo;
-  for (size_t i = 0; i < params.size(); ++i) {
-    pseudo.push_back((anchors[i] - inner->param(i).to(at::kFloat)).reshape({-1}));
-  }
-  outer->begin_step(options.outer_lr);
-  replicator->exchange(pseudo, 1.0, *outer);
-  for (size_t i = 0; i < params.size(); ++i) inner->param(i).copy_(anchors[i]);
+  s.stepping->step(grads, s.options.lr, s.steps);
 }
 
 void Optimizer::zero_grad() {
@@ -250,19 +177,19 @@ void Optimizer::set_lr(double lr) {
   impl_->options.lr = lr;
 }
 ExchangeTraffic Optimizer::traffic() const {
-  return impl_->replicator->traffic();
+  return impl_->stepping->replicator().traffic();
 }
 int64_t Optimizer::steps() const {
   return impl_->steps;
 }
 
 ExchangeSchedule Optimizer::schedule() const {
-  return impl_->schedule;
+  return impl_->stepping->schedule();
 }
 
 ExchangeSchedule Optimizer::schedule_in_flight() const {
-  ExchangeSchedule in_use = impl_->schedule;
-  if (const auto layout = impl_->replicator->layout()) {
+  ExchangeSchedule in_use = schedule();
+  if (const auto layout = impl_->stepping->replicator().layout()) {
     in_use.topk = layout->first;
     in_use.values = layout->second;
   }
@@ -270,26 +197,15 @@ ExchangeSchedule Optimizer::schedule_in_flight() const {
 }
 
 void Optimizer::set_schedule(const ExchangeSchedule& schedule) {
-  Impl& s = *impl_;
-  if (s.options.replicator != ReplicatorKind::Demo || s.local_steps()) {
-    throw std::invalid_argument(
-        "optimizer: the exchange schedule changes with the demo replicator and inner_steps 1 only");
-  }
-  if (schedule.topk <= 0 || schedule.every < 1) {
-    throw std::invalid_argument("optimizer: a schedule needs topk > 0 and every >= 1, got topk " +
-                                std::to_string(schedule.topk) + ", every " +
-                                std::to_string(schedule.every));
-  }
-  s.schedule = schedule;
-  s.replicator->set_layout(schedule.topk, schedule.values);
+  impl_->stepping->set_schedule(schedule);
 }
 
 ExchangeCounters Optimizer::counters() const {
-  return impl_->counters;
+  return impl_->stepping->counters();
 }
 
 void Optimizer::wait_in_flight() {
-  impl_->replicator->wait_in_flight();
+  impl_->stepping->replicator().wait_in_flight();
 }
 
 uint64_t Optimizer::wire_bytes(const ExchangeSchedule& schedule) const {
@@ -302,26 +218,9 @@ uint64_t Optimizer::wire_bytes(const ExchangeSchedule& schedule) const {
 }
 std::vector<std::pair<std::string, at::Tensor>> Optimizer::state_tensors() const {
   const Impl& s = *impl_;
-  NamedTensors state;
-  if (s.local_steps()) {  // this replica's own parameters, loaded after the checkpoint's weights
-    for (size_t i = 0; i < s.params.size(); ++i) {
-      state.push_back({"local." + std::to_string(i), s.inner->param(i)});
-    }
-    for (auto& t : numbered("anchor", s.anchors)) state.push_back(t);
-    for (auto& [name, t] : s.outer->state_tensors()) state.push_back({"outer." + name, t});
-    for (auto& [name, t] : s.replicator->state_tensors()) state.push_back({"outer." + name, t});
-  } else {
-    state = s.replicator->state_tensors();
-    // --overlap-step's preview: the checkpoint's weights are replica 0's, each replica's own
-    // parameters (the committed ones plus its own preview) are loaded after them.
-    if (!s.replicator->committed_params().empty()) {
-      for (size_t i = 0; i < s.params.size(); ++i) {
-        state.push_back({"previewed." + std::to_string(i), s.inner->param(i)});
-      }
-    }
-  }
+  NamedTensors state = s.stepping->state_tensors();
   for (auto& t : s.inner->state_tensors()) state.push_back(t);
-  // The replicator and the inner optimizer number the non-empty tensors; the name carries the
+  // The replicator and the step rules number the non-empty tensors; the name carries the
   // index among all given, the same on every sharding (elastic resume matches them by it).
   for (auto& [name, t] : state) {
     const size_t dot = name.rfind('.');
@@ -339,44 +238,24 @@ int64_t Optimizer::state_bytes() const {
 }
 
 void Optimizer::restore_steps(int64_t steps) {
-  Impl& s = *impl_;
-  if (s.local_steps()) {
-    s.steps = steps;
-    s.inner->restore_step(steps);
-    s.outer->restore_step(steps / s.options.inner_steps);
-    s.replicator->restore_counters(steps / s.options.inner_steps, 0);
-    return;
-  }
-  const int64_t every = s.schedule.every;
-  restore_steps(steps, {steps / every, steps % every});
+  impl_->steps = steps;
+  impl_->stepping->restore(steps, std::nullopt);
 }
 
 void Optimizer::restore_steps(int64_t steps, ExchangeCounters counters) {
-  Impl& s = *impl_;
-  if (s.local_steps()) {
-    restore_steps(steps);
-    return;
-  }
-  s.steps = steps;
-  s.counters = counters;
-  s.inner->restore_step(counters.exchanges);
-  s.replicator->restore_counters(counters.exchanges, counters.folded);
+  impl_->steps = steps;
+  impl_->stepping->restore(steps, counters);
 }
 
 const dct::ChunkPlan& Optimizer::chunk_plan(size_t i) const {
   return impl_->plans.at(i);
 }
 std::vector<at::Tensor> Optimizer::replicated_params() const {
-  if (impl_->local_steps()) return impl_->anchors;
-  std::vector<at::Tensor> committed = impl_->replicator->committed_params();
-  if (!committed.empty()) return committed;
-  std::vector<at::Tensor> views;
-  for (size_t i = 0; i < impl_->params.size(); ++i) views.push_back(impl_->inner->param(i));
-  return views;
+  return impl_->stepping->replicated_params();
 }
 
 const at::Tensor& Optimizer::residual(size_t i) const {
-  return impl_->replicator->residual(i);
+  return impl_->stepping->replicator().residual(i);
 }
 
 }  // namespace flexdemo::optim
