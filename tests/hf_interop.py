@@ -147,8 +147,8 @@ def import_(name, config, tokenizer_dir):
     run(["train", "--init-from", hf_dir, "--ranks-per-node", "2", "--steps", "2", "--batch", "4",
          "--seq", "32", "--eval-seqs", "4", "--progress", "lines", "--out", run_dir], ranks=2)
     saved = json.load(open(os.path.join(run_dir, "config.json")))
-    check(f"import {name}: fine-tuned run", saved["width"] == config.hidden_size,
-          f"config.json: model {saved['model']}, width {saved['width']}")
+    check(f"import {name}: fine-tuned run", saved["width"] == config.hidden_size and saved["model"] == name,
+          f"config.json: model {saved['model']} (the family, no preset), width {saved['width']}")
 
 
 def same_translation_outputs(name, ours_dir, hf_dir, model, tokenizer):

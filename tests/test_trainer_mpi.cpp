@@ -100,6 +100,18 @@ void expect_same_weights(const fs::path& a, const fs::path& b) {
 // Run b (stopped and resumed) equals run a (uninterrupted), both `steps` steps in dir: every
 // step's training loss bit for bit, and the last checkpoint's weights.
 void expect_same_run(const fs::path& dir, const std::string& a, const std::string& b,
+                     int64_t steps);
+
+// Resumes the run `c` wrote (c.out) to c.steps, then expects it to equal the run dir/whole.
+void expect_resumes_to_whole(train::TrainConfig c, const fs::path& dir) {
+  auto world = test_world();
+  c.resume = c.out;
+  ASSERT_EQ(train::run_training(c, world), 0);
+  world->barrier();
+  expect_same_run(dir, "whole", fs::path(c.out).filename().string(), c.steps);
+}
+
+void expect_same_run(const fs::path& dir, const std::string& a, const std::string& b,
                      int64_t steps) {
   const std::vector<double> losses = step_losses(dir / a);
   ASSERT_EQ(losses.size(), size_t(steps));
@@ -144,10 +156,7 @@ TEST(Checkpoint, OverlapStepResumesExactly) {
   c.out = (dir / "halves").string();
   ASSERT_EQ(train::run_training(c, world), 0);
   c.steps = 20;
-  c.resume = c.out;
-  ASSERT_EQ(train::run_training(c, world), 0);
-  world->barrier();
-  expect_same_run(dir, "whole", "halves", 20);
+  expect_resumes_to_whole(c, dir);
 }
 
 TEST(Trainer, OneCollectiveOverTheWorldAStep) {
@@ -244,12 +253,9 @@ TEST(Checkpoint, ResumedRunEqualsUninterruptedRun) {
   train::TrainConfig c = checkpointed(base, dir, "halves", 20);
   ASSERT_EQ(train::run_training(c, world), 0);
   c.steps = 40;
-  c.resume = c.out;
-  ASSERT_EQ(train::run_training(c, world), 0);
-  world->barrier();
+  expect_resumes_to_whole(c, dir);
   EXPECT_FALSE(fs::exists(dir / "whole/checkpoints/step-20"));  // the newest 2 are kept
   EXPECT_TRUE(fs::exists(dir / "whole/checkpoints/step-30"));
-  expect_same_run(dir, "whole", "halves", 40);
 }
 
 TEST(Checkpoint, ResumeSkipsADamagedNewestCheckpoint) {
@@ -263,10 +269,7 @@ TEST(Checkpoint, ResumeSkipsADamagedNewestCheckpoint) {
   if (world->rank() == 0) flip_last_byte(dir / "damaged/checkpoints/step-20/model.safetensors");
   world->barrier();
   c.steps = 30;
-  c.resume = c.out;  // resumes from step-10, skipping step-20
-  ASSERT_EQ(train::run_training(c, world), 0);
-  world->barrier();
-  expect_same_run(dir, "whole", "damaged", 30);
+  expect_resumes_to_whole(c, dir);  // from step-10, skipping step-20
 }
 
 // Refused before any work, and nothing written: a damaged checkpoint named directly, a run with
@@ -410,10 +413,7 @@ TEST(Trainer, MaxTimeStopsAtAStepBoundaryWithACheckpoint) {
   EXPECT_TRUE(fs::exists(dir / "stopped" / "checkpoints" / "step-1" / "manifest.json"));
   EXPECT_FALSE(fs::exists(dir / "stopped" / "checkpoints" / "step-3"));
   c.max_time = 0;  // no limit
-  c.resume = c.out;
-  ASSERT_EQ(train::run_training(c, world), 0);
-  world->barrier();
-  expect_same_run(dir, "whole", "stopped", 3);
+  expect_resumes_to_whole(c, dir);
 }
 
 TEST(Trainer, IdenticalT5RunsAreBitIdentical) {

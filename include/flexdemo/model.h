@@ -4,6 +4,7 @@
 // T5-style encoder-decoder with relative position bias.
 #pragma once
 
+#include "flexdemo/names.h"
 #include "flexdemo/shard.h"
 
 #include <ATen/core/Tensor.h>
@@ -19,6 +20,15 @@ class Communicator;
 
 namespace flexdemo::model {
 
+// ====== Families and presets ======
+enum class ModelFamily { Gpt, Llama, T5 };
+// Every preset, family by family: gpt-nano, gpt-micro, gpt2-small, gpt; llama-nano, llama-micro,
+// llama-small, llama; t5-nano, t5-small, t5. The bare family names have no dimensions of their
+// own: every one is given (what --init-from does, from a transformers folder).
+std::vector<std::string> model_presets();
+// A preset's family; throws std::invalid_argument for a name model_presets() lacks.
+ModelFamily model_family(const std::string& preset);
+
 struct GptConfig {
   int64_t vocab = 0;    // tokenizer's vocabulary
   int64_t context = 0;  // longest sequence (learned positions)
@@ -33,7 +43,6 @@ struct GptConfig {
 // ~1M parameters with a 2048 vocabulary), gpt-micro (256, 4, 4, 256; ~4M with 4096),
 // gpt2-small (768, 12, 12, 1024; GPT-2's 124M with its 50257 vocabulary).
 GptConfig gpt_preset(const std::string& name, int64_t vocab);
-std::vector<std::string> model_presets();
 
 struct LlamaConfig {
   int64_t vocab = 0;
@@ -113,3 +122,14 @@ std::unique_ptr<LanguageModel> make_llama(const LlamaConfig& config,
                                           const shard::ShardOptions& options, uint64_t seed);
 
 }  // namespace flexdemo::model
+
+namespace flexdemo {
+template <>
+struct NameTable<model::ModelFamily> {
+  static constexpr const char* what = "model family";
+  static constexpr std::pair<model::ModelFamily, const char*> entries[] = {
+      {model::ModelFamily::Gpt, "gpt"},
+      {model::ModelFamily::Llama, "llama"},
+      {model::ModelFamily::T5, "t5"}};
+};
+}  // namespace flexdemo

@@ -92,7 +92,8 @@ struct OptionSpec {
   /* ====== Model ====== */                                                                        \
   X(model, std::string, "gpt-micro", Model, one_of(model::model_presets),                          \
     "the model preset (llama-*: a LLaMA-style decoder; t5-*: a T5-style encoder-decoder, trained " \
-    "by span corruption on text or on translation pairs)")                                         \
+    "by span corruption on text or on translation pairs); gpt, llama, t5: the family alone, "      \
+    "every dimension given (what --init-from sets)")                                               \
   X(width, int64_t, 0, Model, at_least(0, " (0: the preset's)"), "d_model (0: the preset's)")      \
   X(layers, int64_t, 0, Model, at_least(0, " (0: the preset's)"), "blocks (0: the preset's)")      \
   X(heads, int64_t, 0, Model, at_least(0, " (0: the preset's)"),                                   \

@@ -36,23 +36,23 @@ at::Tensor LanguageModel::next_target_logits(const at::Tensor&, const at::Tensor
   throw std::invalid_argument("only an encoder-decoder (t5-*) translates");
 }
 
-std::vector<std::string> model_presets() {
-  return {"gpt-nano",    "gpt-micro",   "gpt2-small", "llama-nano",
-          "llama-micro", "llama-small", "t5-nano",    "t5-small"};
+std::vector<std::string> gpt_presets() {
+  return {"gpt-nano", "gpt-micro", "gpt2-small", "gpt"};
 }
 
 GptConfig gpt_preset(const std::string& name, int64_t vocab) {
   GptConfig c;
   c.vocab = vocab;
-  if (name == "gpt-nano") {
+  if (name == "gpt") {  // every dimension given
+  } else if (name == "gpt-nano") {
     c.width = 128, c.layers = 4, c.heads = 4, c.context = 128;
   } else if (name == "gpt-micro") {
     c.width = 256, c.layers = 4, c.heads = 4, c.context = 256;
   } else if (name == "gpt2-small") {
     c.width = 768, c.layers = 12, c.heads = 12, c.context = 1024;
   } else {
-    throw std::invalid_argument("unknown model '" + name +
-                                "'; accepted: gpt-nano, gpt-micro, gpt2-small");
+    throw std::invalid_argument("unknown GPT preset '" + name +
+                                "'; accepted: gpt-nano, gpt-micro, gpt2-small, gpt");
   }
   return c;
 }

@@ -45,10 +45,15 @@ void LlamaConfig::validate() const {
   }
 }
 
+std::vector<std::string> llama_presets() {
+  return {"llama-nano", "llama-micro", "llama-small", "llama"};
+}
+
 LlamaConfig llama_preset(const std::string& name, int64_t vocab) {
   LlamaConfig c;
   c.vocab = vocab;
-  if (name == "llama-nano") {
+  if (name == "llama") {  // every dimension given
+  } else if (name == "llama-nano") {
     c.width = 128, c.layers = 4, c.heads = 4, c.kv_heads = 2, c.ff = 352, c.context = 128;
   } else if (name == "llama-micro") {
     c.width = 256, c.layers = 4, c.heads = 4, c.kv_heads = 2, c.ff = 704, c.context = 256;
@@ -56,7 +61,7 @@ LlamaConfig llama_preset(const std::string& name, int64_t vocab) {
     c.width = 576, c.layers = 30, c.heads = 9, c.kv_heads = 3, c.ff = 1536, c.context = 2048;
   } else {
     throw std::invalid_argument("unknown LLaMA preset '" + name +
-                                "'; accepted: llama-nano, llama-micro, llama-small");
+                                "'; accepted: llama-nano, llama-micro, llama-small, llama");
   }
   return c;
 }

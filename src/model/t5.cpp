@@ -23,15 +23,21 @@ void T5Config::validate() const {
   require_heads_divide_width(heads, width);
 }
 
+std::vector<std::string> t5_presets() {
+  return {"t5-nano", "t5-small", "t5"};
+}
+
 T5Config t5_preset(const std::string& name, int64_t vocab) {
   T5Config c;
   c.vocab = vocab;
-  if (name == "t5-small") {
+  if (name == "t5") {  // every dimension given
+  } else if (name == "t5-small") {
     c.width = 512, c.layers = 6, c.heads = 8, c.ff = 2048;
   } else if (name == "t5-nano") {
     c.width = 64, c.layers = 2, c.heads = 4, c.ff = 256;
   } else {
-    throw std::invalid_argument("unknown T5 preset '" + name + "'; accepted: t5-small, t5-nano");
+    throw std::invalid_argument("unknown T5 preset '" + name +
+                                "'; accepted: t5-nano, t5-small, t5");
   }
   return c;
 }

@@ -14,6 +14,11 @@
 
 namespace flexdemo::model {
 
+// Each family's presets, in its own file (model_presets() lists them all: presets.cpp).
+std::vector<std::string> gpt_presets();
+std::vector<std::string> llama_presets();
+std::vector<std::string> t5_presets();
+
 // Config checks shared by the models: one line naming the option and what is accepted.
 inline void require_positive(int64_t value, const char* option) {
   if (value <= 0) {

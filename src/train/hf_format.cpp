@@ -146,7 +146,8 @@ int run_export(const std::string& checkpoint, const ExportOptions& o,
     throw std::invalid_argument("--out " + o.out + " exists; give a folder that does not");
   }
   auto s = open_checkpoint(checkpoint, 1, world);
-  const bool llama = is_llama(s->cfg), t5 = is_t5(s->cfg);
+  const model::ModelFamily f = family(s->cfg);
+  const bool llama = f == model::ModelFamily::Llama, t5 = f == model::ModelFamily::T5;
   NamedTensors tensors;
   for (size_t u = 0; u < s->lm->units().size(); ++u) {
     const std::vector<at::Tensor> full = s->lm->units()[u]->gather();

@@ -128,7 +128,7 @@ void shape_from_t5(const nlohmann::json& hf, const std::string& dir, TrainConfig
           "d_kv x num_heads other than d_model");
   require(int64_t(number(hf, "num_decoder_layers", dir, double(layers))) == layers, dir,
           "num_decoder_layers other than num_layers");
-  c.model = "t5-nano";  // the family; every dimension below is the folder's
+  c.model = "t5";  // the family: every dimension is the folder's
   take(dir, c.width, "--width", "d_model", width);
   take(dir, c.layers, "--layers", "num_layers", layers);
   take(dir, c.heads, "--heads", "num_heads", heads);
@@ -149,7 +149,7 @@ void shape_from_llama(const nlohmann::json& hf, const std::string& dir, TrainCon
   const int64_t heads = int64_t(number(hf, "num_attention_heads", dir));
   require(int64_t(number(hf, "head_dim", dir, double(width / heads))) == width / heads, dir,
           "head_dim other than hidden_size / num_attention_heads");
-  c.model = "llama-micro";  // the family; every dimension below is the folder's
+  c.model = "llama";  // the family: every dimension is the folder's
   take(dir, c.width, "--width", "hidden_size", width);
   take(dir, c.layers, "--layers", "num_hidden_layers",
        int64_t(number(hf, "num_hidden_layers", dir)));
@@ -181,7 +181,7 @@ void shape_from_gpt2(const nlohmann::json& hf, const std::string& dir, TrainConf
   const int64_t width = int64_t(number(hf, "n_embd", dir));
   require(int64_t(number(hf, "n_inner", dir, double(4 * width))) == 4 * width, dir,
           "n_inner other than 4 x n_embd");
-  c.model = "gpt-micro";  // the family; every dimension below is the folder's
+  c.model = "gpt";  // the family: every dimension is the folder's
   take(dir, c.width, "--width", "n_embd", width);
   take(dir, c.layers, "--layers", "n_layer", int64_t(number(hf, "n_layer", dir)));
   take(dir, c.heads, "--heads", "n_head", int64_t(number(hf, "n_head", dir)));

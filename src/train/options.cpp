@@ -77,8 +77,8 @@ std::string OptionSpec::flag() const {
   return f;
 }
 
-bool is_t5(const TrainConfig& c) {
-  return c.model.rfind("t5-", 0) == 0;
+model::ModelFamily family(const TrainConfig& c) {
+  return model::model_family(c.model);
 }
 
 model::GptConfig gpt_config(const TrainConfig& c, int64_t vocab) {
@@ -98,10 +98,6 @@ model::T5Config t5_config(const TrainConfig& c, int64_t vocab) {
   if (c.heads > 0) tc.heads = c.heads;
   if (c.ff > 0) tc.ff = c.ff;
   return tc;
-}
-
-bool is_llama(const TrainConfig& c) {
-  return c.model.rfind("llama-", 0) == 0;
 }
 
 model::LlamaConfig llama_config(const TrainConfig& c, int64_t vocab) {
@@ -181,13 +177,32 @@ void check_exchange(const TrainConfig& c) {
 
 // The rules that tie the model to its data and to the options of one family.
 void check_model(const TrainConfig& c) {
-  if (data::is_pair_source(c.data) && !is_t5(c)) {
+  using model::ModelFamily;
+  const ModelFamily f = family(c);
+  if (c.model == name_of(f)) {  // a family name: no dimensions of its own
+    std::vector<std::pair<const char*, int64_t>> needed = {
+        {"--width", c.width}, {"--layers", c.layers}, {"--heads", c.heads}};
+    if (f != ModelFamily::T5) needed.push_back({"--context", c.context});
+    if (f == ModelFamily::Llama) needed.push_back({"--kv-heads", c.kv_heads});
+    if (f != ModelFamily::Gpt) needed.push_back({"--ff", c.ff});
+    std::string flags;
+    bool missing = false;
+    for (const auto& [flag, value] : needed) {
+      flags += (flags.empty() ? "" : ", ") + std::string(flag);
+      missing = missing || value <= 0;
+    }
+    if (missing) {
+      fail("--model " + c.model + " has no dimensions of its own: give " + flags +
+           " (or --init-from a transformers folder)");
+    }
+  }
+  if (data::is_pair_source(c.data) && f != ModelFamily::T5) {
     fail("--data " + c.data +
          " holds translation pairs, which train an encoder-decoder: --model t5-nano or t5-small, "
          "got --model " +
          c.model);
   }
-  if (!is_llama(c)) {
+  if (f != ModelFamily::Llama) {
     const TrainConfig defaults;
     if (c.kv_heads != 0) fail(fmt::format("--kv-heads applies to llama-* models, not {}", c.model));
     if (c.rope_theta != defaults.rope_theta) {
@@ -195,13 +210,13 @@ void check_model(const TrainConfig& c) {
     }
     if (!c.tied_head)
       fail(fmt::format("--no-tied-head applies to llama-* models, not {}", c.model));
-    if (c.ff != 0 && !is_t5(c)) {
+    if (c.ff != 0 && f != ModelFamily::T5) {
       fail(fmt::format("--ff applies to llama-* and t5-* models, not {}", c.model));
     }
   }
-  if (is_t5(c)) {
+  if (f == ModelFamily::T5) {
     t5_config(c, 260).validate();
-  } else if (is_llama(c)) {
+  } else if (f == ModelFamily::Llama) {
     const model::LlamaConfig lc = llama_config(c, 260);
     lc.validate();
     if (c.seq > lc.context) {

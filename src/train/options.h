@@ -37,11 +37,11 @@ void check_resumable(const nlohmann::json& saved, const TrainConfig& run, const 
 
 // The optimizer a resolved config asks for (validated).
 optim::OptimizerOptions optimizer_options(const TrainConfig& config);
-// The model a config asks for: the preset, with the dimensions given (> 0) overriding it.
-bool is_t5(const TrainConfig& config);
+// The model a config asks for: its --model's family, and the preset with the dimensions given
+// (> 0) overriding it.
+model::ModelFamily family(const TrainConfig& config);
 model::GptConfig gpt_config(const TrainConfig& config, int64_t vocab);
 model::T5Config t5_config(const TrainConfig& config, int64_t vocab);
-bool is_llama(const TrainConfig& config);
 model::LlamaConfig llama_config(const TrainConfig& config, int64_t vocab);
 
 // --link-values' encodings, in the order given; throws std::invalid_argument naming a bad word.

@@ -25,8 +25,8 @@ struct StepMetrics {
   double step_s = 0.0, comm_s = 0.0;  // mean over ranks; comm_s: waiting for collectives
   double inter_collectives = 0.0;     // mean per rank
   double intra_sent = 0.0, intra_recv = 0.0, inter_sent = 0.0, inter_recv = 0.0;  // bytes, sum
-  double elapsed_s = 0.0;  // when the step ended, on rank 0's clock, since the run log began
-  int64_t skipped_steps = 0;                                                      // so far
+  double elapsed_s = 0.0;     // when the step ended, on rank 0's clock, since the run log began
+  int64_t skipped_steps = 0;  // so far
   std::optional<double> val_loss;                     // when evaluated at this step
   std::optional<nlohmann::ordered_json> link_choice;  // --link-budget auto chose before this step
   std::optional<optim::ExchangeSchedule> schedule;    // --link-budget auto: what its exchange sent

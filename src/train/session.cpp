@@ -160,12 +160,13 @@ std::unique_ptr<Session> open_session(const TrainConfig& config,
   so.chunk = cfg.chunk;
   so.reshard_after_forward = cfg.reshard;
   so.device = s->device;
-  if (is_t5(cfg)) {
+  const model::ModelFamily f = family(cfg);
+  if (f == model::ModelFamily::T5) {
     model::T5Config tc = t5_config(cfg, s->tokens.vocab_size);
     tc.eot = s->tokens.eot;
     if (s->tokens.pairs) tc.source_len = cfg.seq;
     s->lm = model::make_t5(tc, s->topo.shard_group, so, cfg.seed);
-  } else if (is_llama(cfg)) {
+  } else if (f == model::ModelFamily::Llama) {
     s->lm = model::make_llama(llama_config(cfg, s->tokens.vocab_size), s->topo.shard_group, so,
                               cfg.seed);
   } else {
