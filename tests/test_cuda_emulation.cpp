@@ -1,14 +1,14 @@
-// The CUDA DeMo kernels (src/demo/cuda/cuda_kernels.cuh, unchanged) run on the CPU by an emulation of
-// blocks and threads (cuda_emulation.h), checked bit for bit against the CPU's portable kernels by
-// the same check test_gpu runs on a GPU (bucket_check.h). Without a GPU this is what tests the
+// The CUDA DeMo kernels (src/demo/cuda/cuda_kernels.cuh, unchanged) run on the CPU by an emulation
+// of blocks and threads (cuda_emulation.h), checked bit for bit against the CPU's portable kernels
+// by the same check test_gpu runs on a GPU (gpu_step_check.h). Without a GPU this is what tests the
 // kernels' logic: indexing, padding, radix selection, scans, packing, decode and the steps.
 #include "cuda_emulation.h"  // first: the CUDA words the kernels use
 
-#include "demo/cuda/bucket_layout.h"
 #include "demo/cpu/chunk_kernels.h"
 #include "demo/cuda/cuda_kernels.cuh"
+#include "demo/cuda/host_table.h"
 
-#include "bucket_check.h"
+#include "gpu_step_check.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -21,16 +21,16 @@ using compress::ValueEncoding;
 
 namespace {
 
-// kernels::GpuBucket's interface over CPU tensors, the kernels launched by the emulation.
-class EmulatedBucket {
+// kernels::GpuStep's interface over CPU tensors, the kernels launched by the emulation.
+class EmulatedGpuStep {
  public:
-  EmulatedBucket(const std::vector<dct::ChunkPlan>& plans, int64_t k, ValueEncoding encoding,
-                 unsigned threads)
+  EmulatedGpuStep(const std::vector<dct::ChunkPlan>& plans, int64_t k, ValueEncoding encoding,
+                  unsigned threads)
       : plans_(plans),
         k_(k),
         encoding_(encoding),
         threads_(threads),
-        layout_(kernels::cuda::bucket_layout(plans, k, encoding)) {
+        layout_(kernels::cuda::host_table(plans, k, encoding)) {
     for (size_t i = 0; i < plans.size(); ++i) {
       kernels::cuda::TensorDesc& d = layout_.tensors[i];
       const kernels::Dct1d& rows = kernels::dct1d(plans[i].chunk_rows);
@@ -56,7 +56,7 @@ class EmulatedBucket {
     }
     std::memset(send.data_ptr(), 0, bytes());
     cuda_emulation::launch(kernels::cuda::encode_kernel, unsigned(layout_.chunk_tensor.size()),
-                           threads_, shared_bytes(), bucket(descs), float(beta), float(alpha),
+                           threads_, shared_bytes(), table(descs), float(beta), float(alpha),
                            send.data_ptr<uint8_t>());
   }
 
@@ -90,15 +90,15 @@ class EmulatedBucket {
     }
     cuda_emulation::launch(
         kernels::cuda::decode_step_kernel, unsigned(layout_.chunk_tensor.size()), threads_,
-        shared_bytes(), bucket(descs), static_cast<const uint8_t*>(gathered.data_ptr<uint8_t>()),
+        shared_bytes(), table(descs), static_cast<const uint8_t*>(gathered.data_ptr<uint8_t>()),
         int64_t(bytes()), replicas, float(hyper.lr), float(1.0 - hyper.lr * hyper.weight_decay),
         kernels::adamw_constants(hyper), adamw);
   }
 
  private:
   size_t shared_bytes() const { return 2 * size_t(layout_.max_chunk_numel) * sizeof(float); }
-  kernels::cuda::Bucket bucket(const std::vector<kernels::cuda::TensorDesc>& descs) const {
-    kernels::cuda::Bucket b;
+  kernels::cuda::TensorTable table(const std::vector<kernels::cuda::TensorDesc>& descs) const {
+    kernels::cuda::TensorTable b;
     b.tensors = descs.data();
     b.chunk_tensor = layout_.chunk_tensor.data();
     b.num_chunks = int64_t(layout_.chunk_tensor.size());
@@ -111,16 +111,16 @@ class EmulatedBucket {
   int64_t k_;
   ValueEncoding encoding_;
   unsigned threads_;
-  kernels::cuda::BucketLayout layout_;
+  kernels::cuda::HostTable layout_;
 };
 
 class EmulatedKernels : public testing::TestWithParam<ValueEncoding> {};
 
 // 32 threads a block: fewer than a chunk's coefficients, so every thread handles several.
 TEST_P(EmulatedKernels, EncodeDecodeAndStepEqualTheCpuBitForBit) {
-  const std::vector<dct::ChunkPlan> plans = bucket_check::test_plans();
-  const EmulatedBucket bucket(plans, 6, GetParam(), 32);
-  bucket_check::expect_bucket_equals_cpu(bucket, plans, 6, GetParam(), at::kCPU, true);
+  const std::vector<dct::ChunkPlan> plans = gpu_step_check::test_plans();
+  const EmulatedGpuStep step(plans, 6, GetParam(), 32);
+  gpu_step_check::expect_gpu_step_equals_cpu(step, plans, 6, GetParam(), at::kCPU, true);
 }
 
 INSTANTIATE_TEST_SUITE_P(Encodings, EmulatedKernels, testing::ValuesIn(values_of<ValueEncoding>()),
@@ -133,8 +133,8 @@ TEST(EmulatedKernels, LaunchBlockSizeSmallChunksClampedKAndTies) {
   const std::vector<dct::ChunkPlan> plans = {
       dct::make_chunk_plan({24, 12}, 4, dct::ChunkMode::Divisor),
       dct::make_chunk_plan({7}, 4, dct::ChunkMode::Padded)};
-  const EmulatedBucket bucket(plans, 5, ValueEncoding::Sign, 256);
-  bucket_check::expect_bucket_equals_cpu(bucket, plans, 5, ValueEncoding::Sign, at::kCPU, true);
+  const EmulatedGpuStep step(plans, 5, ValueEncoding::Sign, 256);
+  gpu_step_check::expect_gpu_step_equals_cpu(step, plans, 5, ValueEncoding::Sign, at::kCPU, true);
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 // The CUDA DeMo kernels against the CPU's portable kernels (the same arithmetic, chunk_math.h):
 // payload bytes, residuals and stepped parameters must be bit-identical. Skipped, with one line
 // saying so, where no GPU is visible (or the build has no CUDA).
-#include "bucket_check.h"
+#include "gpu_step_check.h"
 
 #include "flexdemo/kernels.h"
 #include "flexdemo/optim.h"
@@ -27,9 +27,9 @@ class GpuKernels : public testing::TestWithParam<ValueEncoding> {};
 TEST_P(GpuKernels, EncodeDecodeAndStepEqualTheCpuBitForBit) {
   SKIP_WITHOUT_GPU();
   const at::Device gpu(at::kCUDA, 0);
-  const std::vector<dct::ChunkPlan> plans = bucket_check::test_plans();
-  const kernels::GpuBucket bucket(plans, 6, GetParam(), gpu);
-  bucket_check::expect_bucket_equals_cpu(bucket, plans, 6, GetParam(), gpu);
+  const std::vector<dct::ChunkPlan> plans = gpu_step_check::test_plans();
+  const kernels::GpuStep step(plans, 6, GetParam(), gpu);
+  gpu_step_check::expect_gpu_step_equals_cpu(step, plans, 6, GetParam(), gpu);
 }
 
 INSTANTIATE_TEST_SUITE_P(Encodings, GpuKernels, testing::ValuesIn(values_of<ValueEncoding>()),
@@ -65,25 +65,25 @@ TEST(GpuKernels, OptimizerStepsEqualTheCpusPortablePath) {
       cpu.step();
       device.step();
       for (size_t i = 0; i < shapes.size(); ++i) {
-        ASSERT_TRUE(bucket_check::bit_equal(on_gpu[i].detach(), on_cpu[i].detach()))
+        ASSERT_TRUE(gpu_step_check::bit_equal(on_gpu[i].detach(), on_cpu[i].detach()))
             << "param " << i << " step " << step << " " << name_of(inner) << " sign " << sign;
       }
       const auto a = cpu.state_tensors(), b = device.state_tensors();
       ASSERT_EQ(a.size(), b.size());
       for (size_t t = 0; t < a.size(); ++t) {
-        ASSERT_TRUE(bucket_check::bit_equal(b[t].second, a[t].second)) << a[t].first;
+        ASSERT_TRUE(gpu_step_check::bit_equal(b[t].second, a[t].second)) << a[t].first;
       }
     }
   }
 }
 
-TEST(GpuKernels, WithoutAGpuTheBucketSaysWhy) {
+TEST(GpuKernels, WithoutAGpuTheStepSaysWhy) {
   if (kernels::cuda_available()) {
-    EXPECT_NO_THROW(kernels::GpuBucket(bucket_check::test_plans(), 4, ValueEncoding::Bf16,
-                                       at::Device(at::kCUDA, 0)));
+    EXPECT_NO_THROW(kernels::GpuStep(gpu_step_check::test_plans(), 4, ValueEncoding::Bf16,
+                                     at::Device(at::kCUDA, 0)));
   } else {
-    EXPECT_THROW(kernels::GpuBucket(bucket_check::test_plans(), 4, ValueEncoding::Bf16,
-                                    at::Device(at::kCUDA, 0)),
+    EXPECT_THROW(kernels::GpuStep(gpu_step_check::test_plans(), 4, ValueEncoding::Bf16,
+                                  at::Device(at::kCUDA, 0)),
                  std::exception);
   }
 }

@@ -77,14 +77,14 @@ void idct_sparse_adamw_step(const compress::SparseChunks& coeffs, const dct::Chu
 bool cuda_built();      // this build has the CUDA kernels (FLEXDEMO_CUDA)
 bool cuda_available();  // ... and this process sees a GPU
 
-class GpuBucket {
+class GpuStep {
  public:
   // Throws std::runtime_error in a build without CUDA; chunks of at most 16384 coefficients.
-  GpuBucket(const std::vector<dct::ChunkPlan>& plans, int64_t k, compress::ValueEncoding encoding,
-            at::Device device);
-  ~GpuBucket();
-  GpuBucket(const GpuBucket&) = delete;
-  GpuBucket& operator=(const GpuBucket&) = delete;
+  GpuStep(const std::vector<dct::ChunkPlan>& plans, int64_t k, compress::ValueEncoding encoding,
+          at::Device device);
+  ~GpuStep();
+  GpuStep(const GpuStep&) = delete;
+  GpuStep& operator=(const GpuStep&) = delete;
 
   size_t bytes() const;           // one replica's payloads, back to back
   size_t offset(size_t i) const;  // of tensor i's payload

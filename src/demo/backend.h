@@ -2,7 +2,7 @@
 // payloads, and decode the replicas' payloads of a bucket into each tensor's update. Three
 // implementations, one file each: plain (the reference: whole-tensor matrix-product DCTs, heap
 // top-k, dense decode), cpu (the fused per-chunk kernels of kernels.h, per instruction set) and
-// cuda (kernels::GpuBucket: one launch to encode a bucket, one to decode and update it). The
+// cuda (kernels::GpuStep: one launch to encode a bucket, one to decode and update it). The
 // replicator (replicator.cpp) calls only this; it never branches on the device.
 #pragma once
 

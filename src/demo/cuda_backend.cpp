@@ -1,7 +1,7 @@
-// The DeMo step on a GPU behind backend.h: kernels::GpuBucket encodes a bucket of every tensor in
+// The DeMo step on a GPU behind backend.h: kernels::GpuStep encodes a bucket of every tensor in
 // one launch and decodes and updates it in another. The headers and checksums are written, and
 // the received payloads validated, on the host; the bucket's buffers lie in pinned host memory
-// (an MPI replica group) or on the device (NCCL). Built in every build: without CUDA, GpuBucket's
+// (an MPI replica group) or on the device (NCCL). Built in every build: without CUDA, GpuStep's
 // constructor says why it cannot run.
 #include "backend.h"
 
@@ -55,7 +55,7 @@ class CudaBackend final : public Backend {
     if (b.tensors.size() != plans_.size()) {
       throw std::logic_error("DeMo on a GPU: one bucket of every tensor a step");
     }
-    const kernels::GpuBucket& gpu = kernels_for(b.topk, b.values);
+    const kernels::GpuStep& gpu = kernels_for(b.topk, b.values);
     const at::Tensor encoded = at::empty({int64_t(b.bytes)}, at::dtype(at::kByte).device(device_));
     gpu.encode(grads, residuals_, options_.decay, lr, encoded);
     at::Tensor host = b.send.is_cpu() ? b.send : staging(b.send.numel());
@@ -66,7 +66,7 @@ class CudaBackend final : public Backend {
 
   void decode(const Bucket& b, const at::Tensor& gathered, int replicas,
               const Updates& updates) override {
-    const kernels::GpuBucket& gpu = kernels_for(b.topk, b.values);
+    const kernels::GpuStep& gpu = kernels_for(b.topk, b.values);
     std::vector<at::Tensor> params, exp_avg, exp_avg_sq;
     for (const std::optional<Update>& u : updates.fused) {
       if (!u) {
@@ -95,9 +95,9 @@ class CudaBackend final : public Backend {
 
  private:
   // The kernels' tables for a layout, built once per layout used.
-  const kernels::GpuBucket& kernels_for(int64_t topk, compress::ValueEncoding values) {
+  const kernels::GpuStep& kernels_for(int64_t topk, compress::ValueEncoding values) {
     auto& slot = kernels_[{topk, values}];
-    if (!slot) slot = std::make_unique<kernels::GpuBucket>(plans_, topk, values, device_);
+    if (!slot) slot = std::make_unique<kernels::GpuStep>(plans_, topk, values, device_);
     return *slot;
   }
   // Pinned host bytes for the headers and the validation, reused while large enough.
@@ -114,8 +114,7 @@ class CudaBackend final : public Backend {
   at::Device device_, replica_device_;
   at::Tensor scratch_;  // float32 on the device, for accumulate's DCT
   at::Tensor staging_;
-  std::map<std::pair<int64_t, compress::ValueEncoding>, std::unique_ptr<kernels::GpuBucket>>
-      kernels_;
+  std::map<std::pair<int64_t, compress::ValueEncoding>, std::unique_ptr<kernels::GpuStep>> kernels_;
 };
 
 }  // namespace

@@ -18,8 +18,8 @@ void check(cudaError_t status, const char* what) {
 }
 
 // Dynamic shared memory: two chunks of floats.
-size_t shared_bytes(const Bucket& bucket) {
-  return size_t(2) * size_t(bucket.max_chunk_numel) * sizeof(float);
+size_t shared_bytes(const TensorTable& table) {
+  return size_t(2) * size_t(table.max_chunk_numel) * sizeof(float);
 }
 
 template <typename Kernel>
@@ -30,37 +30,37 @@ void allow_shared(Kernel kernel, size_t bytes) {
   }
 }
 
-void check_bucket(const Bucket& bucket) {
-  if (bucket.max_chunk_numel > kMaxChunkNumel) {
+void check_table(const TensorTable& table) {
+  if (table.max_chunk_numel > kMaxChunkNumel) {
     throw std::invalid_argument("GPU DeMo kernels: chunks of " +
-                                std::to_string(bucket.max_chunk_numel) + " coefficients; at most " +
+                                std::to_string(table.max_chunk_numel) + " coefficients; at most " +
                                 std::to_string(kMaxChunkNumel));
   }
 }
 
 }  // namespace
 
-void encode(const Bucket& bucket, float beta, float alpha, uint8_t* payloads, int64_t bucket_bytes,
-            cudaStream_t stream) {
-  check_bucket(bucket);
+void encode(const TensorTable& table, float beta, float alpha, uint8_t* payloads,
+            int64_t bucket_bytes, cudaStream_t stream) {
+  check_table(table);
   check(cudaMemsetAsync(payloads, 0, size_t(bucket_bytes), stream), "zeroing the payloads");
-  if (bucket.num_chunks == 0) return;
-  const size_t bytes = shared_bytes(bucket);
+  if (table.num_chunks == 0) return;
+  const size_t bytes = shared_bytes(table);
   allow_shared(encode_kernel, bytes);
-  encode_kernel<<<unsigned(bucket.num_chunks), kThreads, bytes, stream>>>(bucket, beta, alpha,
-                                                                          payloads);
+  encode_kernel<<<unsigned(table.num_chunks), kThreads, bytes, stream>>>(table, beta, alpha,
+                                                                         payloads);
   check(cudaGetLastError(), "encode kernel launch");
 }
 
-void decode_step(const Bucket& bucket, const uint8_t* gathered, int64_t bucket_bytes, int replicas,
-                 float lr, float keep, const chunk_math::AdamWConstants* adamw,
+void decode_step(const TensorTable& table, const uint8_t* gathered, int64_t bucket_bytes,
+                 int replicas, float lr, float keep, const chunk_math::AdamWConstants* adamw,
                  cudaStream_t stream) {
-  check_bucket(bucket);
-  if (bucket.num_chunks == 0) return;
-  const size_t bytes = shared_bytes(bucket);
+  check_table(table);
+  if (table.num_chunks == 0) return;
+  const size_t bytes = shared_bytes(table);
   allow_shared(decode_step_kernel, bytes);
-  decode_step_kernel<<<unsigned(bucket.num_chunks), kThreads, bytes, stream>>>(
-      bucket, gathered, bucket_bytes, replicas, lr, keep,
+  decode_step_kernel<<<unsigned(table.num_chunks), kThreads, bytes, stream>>>(
+      table, gathered, bucket_bytes, replicas, lr, keep,
       adamw != nullptr ? *adamw : chunk_math::AdamWConstants{}, adamw != nullptr);
   check(cudaGetLastError(), "decode kernel launch");
 }

@@ -93,7 +93,7 @@ __device__ void kth_magnitude(const float* x, int n, int k, uint32_t* hist, uint
 // The chunk's top-k positions into selected[0, k), ascending: the entries above the k-th
 // magnitude and, of those equal to it, the lowest positions. Ends with a barrier.
 __device__ void chunk_topk(const float* x, int n, int k, uint32_t* hist, int* scan,
-                            int32_t* selected) {
+                           int32_t* selected) {
   uint32_t threshold;
   int take_equal;
   kth_magnitude(x, n, k, hist, &threshold, &take_equal);
@@ -117,13 +117,13 @@ __device__ void chunk_topk(const float* x, int n, int k, uint32_t* hist, int* sc
   __syncthreads();
 }
 
-__global__ void encode_kernel(Bucket bucket, float beta, float alpha, uint8_t* payloads) {
+__global__ void encode_kernel(TensorTable table, float beta, float alpha, uint8_t* payloads) {
   FLEXDEMO_DYNAMIC_SHARED(float, shared);
   __shared__ uint32_t hist[256];
   __shared__ int scan[kThreads];
   __shared__ codec::ChunkScales scales;
   const int64_t chunk = blockIdx.x;
-  const TensorDesc& t = bucket.tensors[bucket.chunk_tensor[chunk]];
+  const TensorDesc& t = table.tensors[table.chunk_tensor[chunk]];
   const int64_t c = chunk - t.first_chunk;
   const int h = t.chunk_h, w = t.chunk_w, n = h * w, k = int(t.body.k);
   const Place place = place_of(t, c);
@@ -166,7 +166,7 @@ __global__ void encode_kernel(Bucket bucket, float beta, float alpha, uint8_t* p
 
   // 3. The payload's entries; what a receiver decodes leaves the residual (error feedback).
   uint8_t* body = payloads + t.payload_offset + codec::kHeaderBytes;
-  const compress::ValueEncoding encoding = bucket.encoding;
+  const compress::ValueEncoding encoding = table.encoding;
   if (threadIdx.x == 0) {
     scales = codec::chunk_scales(encoding, x, selected, k);
     codec::put_scales(body, t.body, encoding, c, scales);
@@ -183,12 +183,12 @@ __global__ void encode_kernel(Bucket bucket, float beta, float alpha, uint8_t* p
 }
 
 // ====== Decode and step ======
-__global__ void decode_step_kernel(Bucket bucket, const uint8_t* gathered, int64_t bucket_bytes,
+__global__ void decode_step_kernel(TensorTable table, const uint8_t* gathered, int64_t bucket_bytes,
                                    int replicas, float lr, float keep, cm::AdamWConstants adamw,
                                    bool use_adamw) {
   FLEXDEMO_DYNAMIC_SHARED(float, shared);
   const int64_t chunk = blockIdx.x;
-  const TensorDesc& t = bucket.tensors[bucket.chunk_tensor[chunk]];
+  const TensorDesc& t = table.tensors[table.chunk_tensor[chunk]];
   const int64_t c = chunk - t.first_chunk;
   const int h = t.chunk_h, w = t.chunk_w, n = h * w, k = int(t.body.k);
   const Place place = place_of(t, c);
@@ -203,7 +203,7 @@ __global__ void decode_step_kernel(Bucket bucket, const uint8_t* gathered, int64
     const uint8_t* body = gathered + r * bucket_bytes + t.payload_offset + codec::kHeaderBytes;
     for (int j = threadIdx.x; j < k; j += blockDim.x) {
       const int pos = int(codec::get_position(body, t.body, c, j));
-      X[pos] += codec::get_value(body, t.body, bucket.encoding, c * k + j);
+      X[pos] += codec::get_value(body, t.body, table.encoding, c * k + j);
       count[pos] += 1;
     }
     __syncthreads();

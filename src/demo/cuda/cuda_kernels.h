@@ -2,7 +2,7 @@
 // chunked DCT fused with the residual update, per-chunk top-k, error feedback and the payload
 // bodies in the wire format; (2) decode — the mean over replicas, the inverse DCT and the inner
 // optimizer's step, fused. Every element is computed with chunk_math.h, as the portable CPU
-// kernels compute it. Plain pointers only (no ATen): gpu_bucket.cpp prepares the arguments.
+// kernels compute it. Plain pointers only (no ATen): gpu_step.cpp prepares the arguments.
 #pragma once
 
 #include "demo/chunk_math.h"
@@ -33,7 +33,7 @@ struct TensorDesc {
 };
 
 // The whole bucket: tensors and chunk_tensor (per bucket chunk: its tensor) in device memory.
-struct Bucket {
+struct TensorTable {
   const TensorDesc* tensors = nullptr;
   const int32_t* chunk_tensor = nullptr;
   int64_t num_chunks = 0;
@@ -44,14 +44,14 @@ struct Bucket {
 // Encode: residual = beta * residual + alpha * DCT(grad), its top-k, residual -= what a receiver
 // decodes, and each payload's body written after its header's room (the header and its checksum
 // are the host's: compress::seal_payload). payloads holds bucket_bytes, zeroed first.
-void encode(const Bucket& bucket, float beta, float alpha, uint8_t* payloads, int64_t bucket_bytes,
-            cudaStream_t stream);
+void encode(const TensorTable& table, float beta, float alpha, uint8_t* payloads,
+            int64_t bucket_bytes, cudaStream_t stream);
 
 // Decode and step: `replicas` buckets of payloads back to back (each bucket_bytes, validated),
 // per coefficient the mean of the replicas that sent it (in rank order), its inverse DCT, and the
 // sign-SGD step (adamw == nullptr) or AdamW's on each tensor's param (and moments).
-void decode_step(const Bucket& bucket, const uint8_t* gathered, int64_t bucket_bytes, int replicas,
-                 float lr, float keep, const chunk_math::AdamWConstants* adamw,
+void decode_step(const TensorTable& table, const uint8_t* gathered, int64_t bucket_bytes,
+                 int replicas, float lr, float keep, const chunk_math::AdamWConstants* adamw,
                  cudaStream_t stream);
 
 // The largest chunk (coefficients) the kernels take: their shared memory holds two chunks.

@@ -1,10 +1,10 @@
-// kernels::GpuBucket: the host side of the CUDA DeMo kernels (cuda_kernels.cu) — chunk tables and
+// kernels::GpuStep: the host side of the CUDA DeMo kernels (cuda_kernels.cu) — chunk tables and
 // DCT bases on the device, the per-step pointers, the launches on the current stream, and the
 // payloads' headers and checksums on the host. Without FLEXDEMO_CUDA it only says so.
 #include "flexdemo/kernels.h"
 
-#include "demo/cuda/bucket_layout.h"
 #include "demo/cpu/chunk_kernels.h"
+#include "demo/cuda/host_table.h"
 
 #include <ATen/ATen.h>
 
@@ -21,9 +21,9 @@
 
 namespace flexdemo::kernels {
 
-cuda::BucketLayout cuda::bucket_layout(const std::vector<dct::ChunkPlan>& plans, int64_t k,
-                                       compress::ValueEncoding encoding) {
-  BucketLayout layout;
+cuda::HostTable cuda::host_table(const std::vector<dct::ChunkPlan>& plans, int64_t k,
+                                 compress::ValueEncoding encoding) {
+  HostTable layout;
   for (size_t i = 0; i < plans.size(); ++i) {
     const dct::ChunkPlan& plan = plans[i];
     if (plan.chunk_numel() > kMaxChunkNumel) {
@@ -60,7 +60,7 @@ bool cuda_available() {
   return at::hasCUDA();
 }
 
-struct GpuBucket::Impl {
+struct GpuStep::Impl {
   std::vector<dct::ChunkPlan> plans;
   int64_t k = 1;
   compress::ValueEncoding encoding = compress::ValueEncoding::Bf16;
@@ -71,7 +71,7 @@ struct GpuBucket::Impl {
   at::Tensor descs_on_device;           // uint8, the descs
   at::Tensor chunk_tensor;              // int32 [chunks] on the device
   std::map<int64_t, at::Tensor> bases;  // DCT-II of size n on the device, Dct1d::full's layout
-  cuda::Bucket bucket;
+  cuda::TensorTable table;
 
   const float* basis(int64_t n, int64_t* stride) {
     const Dct1d& plan = dct1d(n);
@@ -85,27 +85,27 @@ struct GpuBucket::Impl {
     return slot.data_ptr<float>();
   }
 
-  // The descs with this call's pointers, to the device; the launch's bucket.
-  const cuda::Bucket& upload() {
+  // The descs with this call's pointers, to the device; the launch's table.
+  const cuda::TensorTable& upload() {
     const at::Tensor host =
         at::from_blob(descs.data(), {int64_t(descs.size() * sizeof(cuda::TensorDesc))}, at::kByte);
     descs_on_device.copy_(host);  // synchronous from pageable memory: descs may change after
-    bucket.tensors = reinterpret_cast<const cuda::TensorDesc*>(descs_on_device.data_ptr());
-    return bucket;
+    table.tensors = reinterpret_cast<const cuda::TensorDesc*>(descs_on_device.data_ptr());
+    return table;
   }
 };
 
-GpuBucket::GpuBucket(const std::vector<dct::ChunkPlan>& plans, int64_t k,
-                     compress::ValueEncoding encoding, at::Device device)
+GpuStep::GpuStep(const std::vector<dct::ChunkPlan>& plans, int64_t k,
+                 compress::ValueEncoding encoding, at::Device device)
     : impl_(std::make_unique<Impl>()) {
-  if (!device.is_cuda()) throw std::invalid_argument("GpuBucket: a CUDA device is needed");
+  if (!device.is_cuda()) throw std::invalid_argument("GpuStep: a CUDA device is needed");
   Impl& m = *impl_;
   const c10::cuda::CUDAGuard guard(device);
   m.plans = plans;
   m.k = k;
   m.encoding = encoding;
   m.device = device;
-  cuda::BucketLayout layout = cuda::bucket_layout(plans, k, encoding);
+  cuda::HostTable layout = cuda::host_table(plans, k, encoding);
   for (size_t i = 0; i < plans.size(); ++i) {
     cuda::TensorDesc& d = layout.tensors[i];
     d.basis_rows = m.basis(plans[i].chunk_rows, &d.basis_rows_stride);
@@ -115,24 +115,24 @@ GpuBucket::GpuBucket(const std::vector<dct::ChunkPlan>& plans, int64_t k,
   m.descs = std::move(layout.tensors);
   m.sizes = std::move(layout.payload_bytes);
   m.bytes = layout.bytes;
-  m.bucket.max_chunk_numel = layout.max_chunk_numel;
+  m.table.max_chunk_numel = layout.max_chunk_numel;
   m.chunk_tensor =
       at::from_blob(layout.chunk_tensor.data(), {int64_t(layout.chunk_tensor.size())}, at::kInt)
           .to(device);
   m.descs_on_device = at::empty({int64_t(m.descs.size() * sizeof(cuda::TensorDesc))},
                                 at::dtype(at::kByte).device(device));
-  m.bucket.chunk_tensor = m.chunk_tensor.data_ptr<int32_t>();
-  m.bucket.num_chunks = int64_t(layout.chunk_tensor.size());
-  m.bucket.encoding = encoding;
+  m.table.chunk_tensor = m.chunk_tensor.data_ptr<int32_t>();
+  m.table.num_chunks = int64_t(layout.chunk_tensor.size());
+  m.table.encoding = encoding;
 }
 
-GpuBucket::~GpuBucket() = default;
+GpuStep::~GpuStep() = default;
 
-size_t GpuBucket::bytes() const {
+size_t GpuStep::bytes() const {
   return impl_->bytes;
 }
 
-size_t GpuBucket::offset(size_t i) const {
+size_t GpuStep::offset(size_t i) const {
   return impl_->offsets.at(i);
 }
 
@@ -142,7 +142,7 @@ namespace {
 float* device_floats(const at::Tensor& t, int64_t numel, at::Device device, const char* what) {
   if (!t.defined() || t.scalar_type() != at::kFloat || t.device() != device || !t.is_contiguous() ||
       t.numel() != numel) {
-    throw std::invalid_argument(std::string("GpuBucket: ") + what +
+    throw std::invalid_argument(std::string("GpuStep: ") + what +
                                 " must be a contiguous float32 tensor of " + std::to_string(numel) +
                                 " elements on " + device.str());
   }
@@ -151,9 +151,8 @@ float* device_floats(const at::Tensor& t, int64_t numel, at::Device device, cons
 
 }  // namespace
 
-void GpuBucket::encode(const std::vector<at::Tensor>& grads,
-                       const std::vector<at::Tensor>& residuals, double beta, double alpha,
-                       const at::Tensor& send) const {
+void GpuStep::encode(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& residuals,
+                     double beta, double alpha, const at::Tensor& send) const {
   Impl& m = *impl_;
   const c10::cuda::CUDAGuard guard(m.device);
   std::vector<at::Tensor> inputs;  // kept alive until the launch is queued
@@ -169,7 +168,7 @@ void GpuBucket::encode(const std::vector<at::Tensor>& grads,
   }
   if (send.scalar_type() != at::kByte || send.device() != m.device || !send.is_contiguous() ||
       size_t(send.numel()) != m.bytes) {
-    throw std::invalid_argument("GpuBucket: send must be " + std::to_string(m.bytes) +
+    throw std::invalid_argument("GpuStep: send must be " + std::to_string(m.bytes) +
                                 " contiguous bytes on " + m.device.str());
   }
   cuda::encode(m.upload(), float(beta), float(alpha), send.data_ptr<uint8_t>(), int64_t(m.bytes),
@@ -177,14 +176,14 @@ void GpuBucket::encode(const std::vector<at::Tensor>& grads,
   for (const at::Tensor& r : residuals) r.unsafeGetTensorImpl()->bump_version();
 }
 
-void GpuBucket::seal(uint8_t* payloads) const {
+void GpuStep::seal(uint8_t* payloads) const {
   for (size_t i = 0; i < impl_->plans.size(); ++i) {
     compress::seal_payload(impl_->plans[i], impl_->k, impl_->encoding,
                            payloads + impl_->offsets[i]);
   }
 }
 
-void GpuBucket::validate(const uint8_t* gathered, int replicas) const {
+void GpuStep::validate(const uint8_t* gathered, int replicas) const {
   const Impl& m = *impl_;
   for (int r = 0; r < replicas; ++r) {
     for (size_t i = 0; i < m.plans.size(); ++i) {
@@ -194,11 +193,11 @@ void GpuBucket::validate(const uint8_t* gathered, int replicas) const {
   }
 }
 
-void GpuBucket::decode_step(const at::Tensor& gathered, int replicas,
-                            const std::vector<at::Tensor>& params,
-                            const std::vector<at::Tensor>& exp_avg,
-                            const std::vector<at::Tensor>& exp_avg_sq,
-                            const AdamWHyper& hyper) const {
+void GpuStep::decode_step(const at::Tensor& gathered, int replicas,
+                          const std::vector<at::Tensor>& params,
+                          const std::vector<at::Tensor>& exp_avg,
+                          const std::vector<at::Tensor>& exp_avg_sq,
+                          const AdamWHyper& hyper) const {
   Impl& m = *impl_;
   const c10::cuda::CUDAGuard guard(m.device);
   const bool adamw = !exp_avg.empty();
@@ -211,7 +210,7 @@ void GpuBucket::decode_step(const at::Tensor& gathered, int replicas,
   }
   if (gathered.scalar_type() != at::kByte || gathered.device() != m.device ||
       !gathered.is_contiguous() || size_t(gathered.numel()) != m.bytes * size_t(replicas)) {
-    throw std::invalid_argument("GpuBucket: gathered must be " + std::to_string(replicas) + " x " +
+    throw std::invalid_argument("GpuStep: gathered must be " + std::to_string(replicas) + " x " +
                                 std::to_string(m.bytes) + " contiguous bytes on " + m.device.str());
   }
   const chunk_math::AdamWConstants constants = adamw_constants(hyper);
@@ -238,27 +237,26 @@ bool cuda_available() {
   return false;
 }
 
-struct GpuBucket::Impl {};
+struct GpuStep::Impl {};
 
-GpuBucket::GpuBucket(const std::vector<dct::ChunkPlan>&, int64_t, compress::ValueEncoding,
-                     at::Device) {
+GpuStep::GpuStep(const std::vector<dct::ChunkPlan>&, int64_t, compress::ValueEncoding, at::Device) {
   throw std::runtime_error(
       "this flexdemo was built without CUDA (scripts/build.sh --cuda builds it with)");
 }
-GpuBucket::~GpuBucket() = default;
-size_t GpuBucket::bytes() const {
+GpuStep::~GpuStep() = default;
+size_t GpuStep::bytes() const {
   return 0;
 }
-size_t GpuBucket::offset(size_t) const {
+size_t GpuStep::offset(size_t) const {
   return 0;
 }
-void GpuBucket::encode(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, double,
-                       double, const at::Tensor&) const {}
-void GpuBucket::seal(uint8_t*) const {}
-void GpuBucket::validate(const uint8_t*, int) const {}
-void GpuBucket::decode_step(const at::Tensor&, int, const std::vector<at::Tensor>&,
-                            const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
-                            const AdamWHyper&) const {}
+void GpuStep::encode(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, double, double,
+                     const at::Tensor&) const {}
+void GpuStep::seal(uint8_t*) const {}
+void GpuStep::validate(const uint8_t*, int) const {}
+void GpuStep::decode_step(const at::Tensor&, int, const std::vector<at::Tensor>&,
+                          const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                          const AdamWHyper&) const {}
 
 #endif
 

@@ -13,7 +13,7 @@
 
 namespace flexdemo::kernels::cuda {
 
-struct BucketLayout {
+struct HostTable {
   std::vector<TensorDesc> tensors;    // pointers unset
   std::vector<int32_t> chunk_tensor;  // per bucket chunk: its tensor
   std::vector<size_t> payload_bytes;  // per tensor
@@ -22,7 +22,7 @@ struct BucketLayout {
 };
 
 // Throws std::invalid_argument for chunks of more than kMaxChunkNumel coefficients.
-BucketLayout bucket_layout(const std::vector<dct::ChunkPlan>& plans, int64_t k,
-                           compress::ValueEncoding encoding);
+HostTable host_table(const std::vector<dct::ChunkPlan>& plans, int64_t k,
+                     compress::ValueEncoding encoding);
 
 }  // namespace flexdemo::kernels::cuda

@@ -1,4 +1,4 @@
-// The check shared by test_gpu (kernels::GpuBucket on a GPU) and test_cuda_emulation (the same
+// The check shared by test_gpu (kernels::GpuStep on a GPU) and test_cuda_emulation (the same
 // kernels run by an emulation on the CPU): a bucket's encode, decode and step against the CPU's
 // portable kernels, which compute every element with the same arithmetic (chunk_math.h).
 #pragma once
@@ -13,7 +13,7 @@
 #include <cstring>
 #include <vector>
 
-namespace flexdemo::bucket_check {
+namespace flexdemo::gpu_step_check {
 
 using compress::ValueEncoding;
 
@@ -53,16 +53,16 @@ inline bool bit_equal(const at::Tensor& a, const at::Tensor& b) {
 
 // Three replicas encode two steps each on the device and on the CPU (portable kernels), then
 // decode and step with sign-SGD and AdamW (with and without sign): payload bytes, residuals,
-// parameters and moments must be equal bit for bit. Bucket: kernels::GpuBucket's interface.
+// parameters and moments must be equal bit for bit. Step: kernels::GpuStep's interface.
 // tied_start: the residuals start as small integers (-3..3) and the first step has no gradients,
 // so every chunk's top-k is cut inside groups of equal magnitudes (the lowest positions win).
-template <typename Bucket>
-void expect_bucket_equals_cpu(const Bucket& bucket, const std::vector<dct::ChunkPlan>& plans,
-                              int64_t k, ValueEncoding encoding, at::Device gpu,
-                              bool tied_start = false) {
+template <typename Step>
+void expect_gpu_step_equals_cpu(const Step& subject, const std::vector<dct::ChunkPlan>& plans,
+                                int64_t k, ValueEncoding encoding, at::Device gpu,
+                                bool tied_start = false) {
   const int replicas = 3;
   std::vector<size_t> offsets;
-  for (size_t i = 0; i < plans.size(); ++i) offsets.push_back(bucket.offset(i));
+  for (size_t i = 0; i < plans.size(); ++i) offsets.push_back(subject.offset(i));
   at::manual_seed(7);
 
   // Three replicas, two steps each: the second step starts from the residual the first left.
@@ -77,7 +77,7 @@ void expect_bucket_equals_cpu(const Bucket& bucket, const std::vector<dct::Chunk
       gpu_residuals[r].push_back(start.to(gpu));
     }
   }
-  at::Tensor gathered_cpu = at::empty({int64_t(bucket.bytes()) * replicas}, at::kByte);
+  at::Tensor gathered_cpu = at::empty({int64_t(subject.bytes()) * replicas}, at::kByte);
   for (int step = 0; step < 2; ++step) {
     for (int r = 0; r < replicas; ++r) {
       std::vector<at::Tensor> grads;
@@ -85,25 +85,25 @@ void expect_bucket_equals_cpu(const Bucket& bucket, const std::vector<dct::Chunk
         grads.push_back(step == 0 && tied_start ? at::Tensor() : at::randn({p.rows, p.cols}));
       }
       if (step == 1 && r == 0) grads[1] = at::Tensor();  // a tensor without gradient
-      cpu_encode(plans, grads, 0.9, 0.01, k, encoding, offsets, bucket.bytes(), cpu[r]);
+      cpu_encode(plans, grads, 0.9, 0.01, k, encoding, offsets, subject.bytes(), cpu[r]);
       std::vector<at::Tensor> on_gpu;
       for (const at::Tensor& g : grads) on_gpu.push_back(g.defined() ? g.to(gpu) : g);
       const at::Tensor send =
-          at::empty({int64_t(bucket.bytes())}, at::device(gpu).dtype(at::kByte));
-      bucket.encode(on_gpu, gpu_residuals[r], 0.9, 0.01, send);
+          at::empty({int64_t(subject.bytes())}, at::device(gpu).dtype(at::kByte));
+      subject.encode(on_gpu, gpu_residuals[r], 0.9, 0.01, send);
       at::Tensor host = send.cpu();
-      bucket.seal(host.data_ptr<uint8_t>());
-      ASSERT_EQ(std::memcmp(host.data_ptr<uint8_t>(), cpu[r].payloads.data(), bucket.bytes()), 0)
+      subject.seal(host.data_ptr<uint8_t>());
+      ASSERT_EQ(std::memcmp(host.data_ptr<uint8_t>(), cpu[r].payloads.data(), subject.bytes()), 0)
           << "payloads differ: replica " << r << " step " << step << " " << name_of(encoding);
       for (size_t i = 0; i < plans.size(); ++i) {
         ASSERT_TRUE(bit_equal(gpu_residuals[r][i], cpu[r].residuals[i]))
             << "residual " << i << " replica " << r << " step " << step;
       }
-      std::memcpy(gathered_cpu.data_ptr<uint8_t>() + r * bucket.bytes(), host.data_ptr<uint8_t>(),
-                  bucket.bytes());
+      std::memcpy(gathered_cpu.data_ptr<uint8_t>() + r * subject.bytes(), host.data_ptr<uint8_t>(),
+                  subject.bytes());
     }
   }
-  bucket.validate(gathered_cpu.data_ptr<uint8_t>(), replicas);
+  subject.validate(gathered_cpu.data_ptr<uint8_t>(), replicas);
 
   // Decode and step: sign-SGD, then AdamW (with and without sign), against the CPU's.
   for (int variant = 0; variant < 3; ++variant) {
@@ -126,8 +126,8 @@ void expect_bucket_equals_cpu(const Bucket& bucket, const std::vector<dct::Chunk
       for (size_t i = 0; i < plans.size(); ++i) {
         std::vector<const uint8_t*> payloads;
         for (int r = 0; r < replicas; ++r) {
-          payloads.push_back(gathered_cpu.data_ptr<uint8_t>() + r * bucket.bytes() +
-                             bucket.offset(i));
+          payloads.push_back(gathered_cpu.data_ptr<uint8_t>() + r * subject.bytes() +
+                             subject.offset(i));
         }
         const compress::SparseChunks coeffs = compress::decode_mean_sparse(
             payloads, compress::wire_payload_bytes(plans[i], k, encoding), plans[i], k, encoding);
@@ -143,7 +143,7 @@ void expect_bucket_equals_cpu(const Bucket& bucket, const std::vector<dct::Chunk
         }
       }
     }
-    bucket.decode_step(gathered_cpu.to(gpu), replicas, params_gpu, m_gpu, v_gpu, hyper);
+    subject.decode_step(gathered_cpu.to(gpu), replicas, params_gpu, m_gpu, v_gpu, hyper);
     for (size_t i = 0; i < plans.size(); ++i) {
       EXPECT_TRUE(bit_equal(params_gpu[i], params[i])) << "param " << i << " variant " << variant;
       if (variant > 0) {
@@ -154,4 +154,4 @@ void expect_bucket_equals_cpu(const Bucket& bucket, const std::vector<dct::Chunk
   }
 }
 
-}  // namespace flexdemo::bucket_check
+}  // namespace flexdemo::gpu_step_check
