@@ -13,6 +13,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -92,7 +93,19 @@ struct OptimizerOptions {
   bool outer_sign = false;      // step by sign(mean) instead of the mean: outer_lr is then the
                                 // step of every parameter (e.g. inner_steps * lr)
 
-  void validate() const;  // throws std::invalid_argument naming the bad option
+  void validate() const;  // throws OptionsError naming the bad option
+};
+
+// A bad OptimizerOptions. The message names the options as {name} (their field and config.json
+// names); what() spells them as they are, after "optimizer: ". A command spells them in its own
+// words instead (flexdemo: --weight-decay), so every rule has one place and one message.
+class OptionsError : public std::invalid_argument {
+ public:
+  explicit OptionsError(std::string text);
+  std::string spelled(const std::function<std::string(const std::string&)>& name) const;
+
+ private:
+  std::string text_;
 };
 
 // A tensor the optimizer updates: the first plan.numel() elements of `leaf` (row-major), whose

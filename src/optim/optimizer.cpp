@@ -15,45 +15,78 @@
 namespace flexdemo::optim {
 
 // ====== Options ======
+namespace {
+
+// text with every {name} replaced by name(name).
+std::string spell(const std::string& text,
+                  const std::function<std::string(const std::string&)>& name) {
+  std::string out;
+  for (size_t at = 0; at < text.size();) {
+    const size_t open = text.find('{', at), close = text.find('}', open);
+    if (open == std::string::npos || close == std::string::npos) {
+      out += text.substr(at);
+      break;
+    }
+    out += text.substr(at, open - at) + name(text.substr(open + 1, close - open - 1));
+    at = close + 1;
+  }
+  return out;
+}
+
+std::string as_is(const std::string& name) {
+  return name;
+}
+
+}  // namespace
+
+OptionsError::OptionsError(std::string text)
+    : std::invalid_argument("optimizer: " + spell(text, as_is)), text_(std::move(text)) {}
+
+std::string OptionsError::spelled(
+    const std::function<std::string(const std::string&)>& name) const {
+  return spell(text_, name);
+}
+
 void OptimizerOptions::validate() const {
-  auto fail = [](const std::string& what) { throw std::invalid_argument("optimizer: " + what); };
+  auto fail = [](const std::string& text) { throw OptionsError(text); };
   auto str = [](double v) {
     std::ostringstream s;
     s << v;
     return s.str();
   };
-  if (!(lr > 0.0)) fail("lr must be > 0, got " + str(lr));
+  if (!(lr > 0.0)) fail("{lr} must be > 0, got " + str(lr));
   if (!(weight_decay >= 0.0) || !(lr * weight_decay < 1.0)) {
-    fail("weight_decay must be >= 0 with lr * weight_decay < 1, got " + str(weight_decay));
+    fail("{weight_decay} must be >= 0 with {lr} x {weight_decay} < 1, got " + str(weight_decay));
   }
-  if (!(beta1 >= 0.0 && beta1 < 1.0)) fail("beta1 must be in [0, 1), got " + str(beta1));
-  if (!(beta2 >= 0.0 && beta2 < 1.0)) fail("beta2 must be in [0, 1), got " + str(beta2));
-  if (!(eps > 0.0)) fail("eps must be > 0, got " + str(eps));
-  if (!(decay >= 0.0 && decay < 1.0)) fail("decay must be in [0, 1), got " + str(decay));
-  if (topk <= 0) fail("topk must be > 0, got " + std::to_string(topk));
-  if (chunk <= 0) fail("chunk must be > 0, got " + std::to_string(chunk));
+  if (!(beta1 >= 0.0 && beta1 < 1.0)) fail("{beta1} must be in [0, 1), got " + str(beta1));
+  if (!(beta2 >= 0.0 && beta2 < 1.0)) fail("{beta2} must be in [0, 1), got " + str(beta2));
+  if (!(eps > 0.0)) fail("{eps} must be > 0, got " + str(eps));
+  if (!(decay >= 0.0 && decay < 1.0)) fail("{decay} must be in [0, 1), got " + str(decay));
+  if (topk <= 0) fail("{topk} must be > 0, got " + std::to_string(topk));
+  if (chunk <= 0) fail("{chunk} must be > 0, got " + std::to_string(chunk));
   if (replicate_every < 1) {
-    fail("replicate_every must be >= 1, got " + std::to_string(replicate_every));
+    fail("{replicate_every} must be >= 1, got " + std::to_string(replicate_every));
   }
   if (overlap_step && replicator != ReplicatorKind::Demo) {
-    fail("overlap_step needs the demo replicator");
+    fail("{overlap_step} needs {replicator} demo");
   }
   if (!(random_fraction > 0.0 && random_fraction <= 1.0)) {
-    fail("random_fraction must be in (0, 1], got " + str(random_fraction));
+    fail("{random_fraction} must be in (0, 1], got " + str(random_fraction));
   }
-  if (!(momentum >= 0.0 && momentum < 1.0))
-    fail("momentum must be in [0, 1), got " + str(momentum));
-  if (inner_steps < 1) fail("inner_steps must be >= 1, got " + std::to_string(inner_steps));
-  if (!(outer_lr > 0.0)) fail("outer_lr must be > 0, got " + str(outer_lr));
+  if (!(momentum >= 0.0 && momentum < 1.0)) {
+    fail("{momentum} must be in [0, 1), got " + str(momentum));
+  }
+  if (inner_steps < 1) fail("{inner_steps} must be >= 1, got " + std::to_string(inner_steps));
+  if (!(outer_lr > 0.0)) fail("{outer_lr} must be > 0, got " + str(outer_lr));
   if (!(outer_momentum >= 0.0 && outer_momentum < 1.0)) {
-    fail("outer_momentum must be in [0, 1), got " + str(outer_momentum));
+    fail("{outer_momentum} must be in [0, 1), got " + str(outer_momentum));
   }
   if (inner_steps > 1 && replicate_every > 1) {
-    fail(
-        "inner_steps and replicate_every exclude each other (both set how often replicas "
-        "exchange)");
+    fail("{inner_steps} " + std::to_string(inner_steps) + " and {replicate_every} " +
+         std::to_string(replicate_every) +
+         " exclude each other (both set how often replicas exchange)");
   }
-  if (inner_steps > 1 && overlap_step) fail("overlap_step does not take inner_steps");
+  if (inner_steps > 1 && overlap_step) fail("{inner_steps} and {overlap_step} exclude each other");
 }
 
 // ====== The driver ======

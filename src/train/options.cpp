@@ -71,10 +71,14 @@ bool uses_demo_replicator(const TrainConfig& c) {
 
 }  // namespace
 
-std::string OptionSpec::flag() const {
-  std::string f = std::string("--") + name;
+std::string flag_of(const std::string& name) {
+  std::string f = "--" + name;
   std::replace(f.begin(), f.end(), '_', '-');
   return f;
+}
+
+std::string OptionSpec::flag() const {
+  return flag_of(name);
 }
 
 model::ModelFamily family(const TrainConfig& c) {
@@ -121,12 +125,21 @@ namespace {
   throw std::invalid_argument(what);
 }
 
-// The rules that tie the exchange between nodes to the other options.
+// The optimizer's rules (their one place: OptimizerOptions::validate) on the options as they
+// resolve, its option names spelled as this command's flags.
+void check_optimizer(const TrainConfig& c) {
+  TrainConfig resolved = c;
+  resolved.resolve();
+  try {
+    optimizer_options(resolved);
+  } catch (const optim::OptionsError& e) {
+    fail(e.spelled(flag_of));
+  }
+}
+
+// The trainer's own rules that tie the exchange between nodes to the other options.
 void check_exchange(const TrainConfig& c) {
   const bool demo_replicator = uses_demo_replicator(c);
-  if (c.overlap_step && !demo_replicator) {
-    fail("--overlap-step needs the demo replicator (--optimizer flexdemo or flexdemo-adamw)");
-  }
   if (c.exchange_in_backward) {
     // A unit's payloads leave during the backward: nothing may change its gradient afterwards.
     if (!demo_replicator) {
@@ -148,15 +161,7 @@ void check_exchange(const TrainConfig& c) {
           name_of(c.on_nonfinite));
     }
   }
-  if (c.inner_steps > 1) {
-    if (c.replicate_every > 1) {
-      fail(
-          fmt::format("--inner-steps {} and --replicate-every {} exclude each other (both set "
-                      "how often replicas exchange)",
-                      c.inner_steps, c.replicate_every));
-    }
-    if (c.overlap_step) fail("--inner-steps and --overlap-step exclude each other");
-  } else if (c.outer_sign) {
+  if (c.inner_steps <= 1 && c.outer_sign) {
     fail("--outer-sign needs --inner-steps above 1 (it signs the outer step)");
   }
   if (c.link_budget == LinkBudgetMode::Auto) {
@@ -249,10 +254,7 @@ void TrainConfig::validate() const {
     fail(fmt::format("--topk {} exceeds the {} coefficients of a --chunk {} chunk", topk,
                      chunk * chunk, chunk));
   }
-  if (!(weight_decay >= 0 && lr.value_or(default_lr(optimizer)) * weight_decay < 1)) {
-    fail(fmt::format("--weight-decay must be >= 0 with --lr x --weight-decay < 1, got {}",
-                     weight_decay));
-  }
+  check_optimizer(*this);
   check_exchange(*this);
   link_encodings(link_values);  // throws naming a bad word
   check_model(*this);

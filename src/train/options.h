@@ -14,6 +14,9 @@
 
 namespace flexdemo::train {
 
+// An option's flag from its name: weight_decay -> --weight-decay.
+std::string flag_of(const std::string& name);
+
 // An option's value as config.json writes it: words for enums, null for an unset optional.
 template <class T>
 nlohmann::ordered_json json_of(const T& value) {
