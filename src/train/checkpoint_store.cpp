@@ -97,15 +97,6 @@ std::vector<fs::path> list_checkpoints(const fs::path& run) {
   return dirs;
 }
 
-std::map<std::string, at::Tensor> read_state_file(const fs::path& dir, int64_t rank) {
-  std::map<std::string, at::Tensor> state;
-  for (auto& [name, t] : read_safetensors(
-           (dir / ("optimizer-rank" + std::to_string(rank) + ".safetensors")).string())) {
-    state[name] = t;
-  }
-  return state;
-}
-
 // This rank's optimizer and random state, as this rank wrote them (the same topology).
 void load_own_state(Session& s, const fs::path& dir) {
   const std::map<std::string, at::Tensor> saved = read_state_file(dir, s.topo.world->rank());
@@ -120,110 +111,6 @@ void load_own_state(Session& s, const fs::path& dir) {
   }
   at::Generator gen = at::detail::getDefaultCPUGenerator();
   gen.set_state(saved.at("rng_state"));
-}
-
-// ====== Elastic resume ======
-// The manifest's table of ranks, checked: world_size pairs [replica, shard] that fill a grid of
-// R replicas x S shards, each place once. Throws std::invalid_argument otherwise.
-std::vector<std::pair<int64_t, int64_t>> rank_places(const nlohmann::json& manifest,
-                                                     const fs::path& dir) {
-  const nlohmann::json& table = manifest.at("ranks");
-  std::vector<std::pair<int64_t, int64_t>> places;
-  if (table.is_array() && int64_t(table.size()) == manifest.at("world_size").get<int64_t>()) {
-    for (const auto& place : table) {
-      if (!place.is_array() || place.size() != 2 || !place[0].is_number_unsigned() ||
-          !place[1].is_number_unsigned()) {
-        break;
-      }
-      places.push_back({place[0].get<int64_t>(), place[1].get<int64_t>()});
-    }
-  }
-  std::vector<std::pair<int64_t, int64_t>> grid = places;
-  std::sort(grid.begin(), grid.end());
-  const int64_t shards = grid.empty() ? 0 : grid.back().second + 1;
-  bool whole = !grid.empty() && places.size() == table.size() && int64_t(grid.size()) % shards == 0;
-  for (size_t i = 0; whole && i < grid.size(); ++i) {
-    whole = grid[i] == std::pair<int64_t, int64_t>(int64_t(i) / shards, int64_t(i) % shards);
-  }
-  if (!whole) {
-    throw std::invalid_argument("checkpoint " + dir.string() +
-                                " is damaged: its manifest's table of ranks is not a whole grid "
-                                "of [replica, shard] places");
-  }
-  return places;
-}
-
-// The optimizer state of a checkpoint written on another topology, by one rule
-// (docs/reliability.md, "Elastic resume"): this rank's replica r takes the state of the
-// checkpoint's replica r mod R (R: the checkpoint's replicas), each tensor's state put together
-// from that replica's shards and cut again for this rank's shard; under --overlap-step the exchange
-// in flight is not applied: the parameters stay as saved, with replica 0's preview of it (its own
-// sign step) in place of the replicas' mean; the random state is seeded from --seed, the rank and
-// the step.
-void load_state_elastic(Session& s, const fs::path& dir, const nlohmann::json& manifest,
-                        int64_t step) {
-  const auto& world = s.topo.world;
-  const std::string written = manifest.at("topology").get<std::string>();
-  if (!manifest.contains("ranks")) {
-    throw std::invalid_argument(
-        "--resume: " + dir.string() + " was written by " + written +
-        " without the table of ranks that resuming on another topology needs (an older "
-        "flexdemo); this run is " +
-        s.topo.describe() + ": resume it on its own topology");
-  }
-  // [replica, shard] per world rank: every place of a replicas x shards grid exactly once.
-  const std::vector<std::pair<int64_t, int64_t>> places = rank_places(manifest, dir);
-  int64_t replicas = 0;
-  for (const auto& place : places) replicas = std::max(replicas, place.first + 1);
-  const int64_t source = s.topo.replica_rank % replicas;
-  std::vector<std::map<std::string, at::Tensor>> shards;  // the source replica's, by shard
-  for (size_t w = 0; w < places.size(); ++w) {
-    if (places[w].first != source) continue;
-    const size_t shard = size_t(places[w].second);
-    if (shards.size() <= shard) shards.resize(shard + 1);
-    shards[shard] = read_state_file(dir, int64_t(w));
-  }
-  std::vector<const shard::ShardSpec*> specs;  // by the optimizer's tensor index
-  for (const auto& unit : s.lm->units()) {
-    for (const shard::ShardSpec& spec : unit->specs()) specs.push_back(&spec);
-  }
-  at::NoGradGuard no_grad;
-  for (auto& [name, t] : s.optimizer->state_tensors()) {
-    if (name == "pending") {  // --overlap-step's exchange in flight: its preview stands for it
-      t.zero_();
-      continue;
-    }
-    // The payloads in flight and the parameters before the preview: the next step overwrites them.
-    // A replica's own previewed parameters: the weights loaded (replica 0's) stand for them.
-    if (name == "pending_payloads" || name.rfind("committed.", 0) == 0 ||
-        name.rfind("previewed.", 0) == 0) {
-      continue;
-    }
-    const size_t i = std::stoul(name.substr(name.rfind('.') + 1));
-    // A matrix is sharded in whole chunk-rows (dim 0), a vector, held as [1, n], in chunks.
-    const shard::ShardSpec& spec = *specs.at(i);
-    const int dim = spec.plan.rows > 1 ? 0 : 1;
-    const int64_t offset = dim == 0 ? spec.begin / spec.plan.cols : spec.begin;
-    std::vector<at::Tensor> parts;
-    for (const auto& shard : shards) {
-      auto it = shard.find(name);
-      if (it != shard.end()) parts.push_back(it->second);
-    }
-    const at::Tensor whole = parts.empty() ? at::Tensor() : at::cat(parts, dim);
-    if (!whole.defined() || whole.size(1 - dim) != t.size(1 - dim) ||
-        offset + t.size(dim) > whole.size(dim)) {
-      throw std::invalid_argument("--resume: the optimizer state " + name + " in " + dir.string() +
-                                  " does not fit this run's shards");
-    }
-    t.copy_(whole.narrow(dim, offset, t.size(dim)));
-  }
-  at::manual_seed(rank_seed(s.cfg, world->rank()) + uint64_t(step));
-  if (world->rank() == 0) {
-    std::printf(
-        "resuming step %ld, written by %s, on %s: shards re-cut, replica r continues replica r "
-        "mod %ld\n",
-        long(step), written.c_str(), s.topo.describe().c_str(), long(replicas));
-  }
 }
 
 }  // namespace

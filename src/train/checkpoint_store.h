@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <string>
 
 namespace flexdemo::train {
@@ -29,6 +30,14 @@ std::filesystem::path save_checkpoint(Session& s, int64_t step);
 // Loads the weights (any topology) from checkpoint folder `dir` and, when `with_optimizer`, this
 // rank's optimizer and random state (the same topology only). Returns the checkpoint's step.
 int64_t load_checkpoint(Session& s, const std::filesystem::path& dir, bool with_optimizer);
+
+// ====== Inside src/train (elastic_state.cpp) ======
+// Rank `rank`'s optimizer-rank<rank>.safetensors of checkpoint folder `dir`, by name.
+std::map<std::string, at::Tensor> read_state_file(const std::filesystem::path& dir, int64_t rank);
+// This rank's optimizer state from a checkpoint (its manifest, its step) written on another
+// topology. Throws std::invalid_argument when the checkpoint lacks its table of ranks.
+void load_state_elastic(Session& s, const std::filesystem::path& dir,
+                        const nlohmann::json& manifest, int64_t step);
 
 // Whether `where` is a transformers model folder (a config.json naming "architectures").
 bool is_transformers_folder(const std::string& where);
