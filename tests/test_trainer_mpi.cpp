@@ -245,14 +245,23 @@ train::TrainConfig checkpointed(train::TrainConfig c, const fs::path& dir, const
   return c;
 }
 
-TEST(Checkpoint, ResumedRunEqualsUninterruptedRun) {
+// In dir (made afresh): the run "whole" of `steps` steps uninterrupted, and the run `name` of its
+// first `first` steps, whose configuration (for `steps` steps) is returned for a resume.
+train::TrainConfig whole_and_first_part(const fs::path& dir, const std::string& name, int64_t steps,
+                                        int64_t first) {
   auto world = test_world();
-  const fs::path dir = fs::temp_directory_path() / "flexdemo-resume-test";
   const train::TrainConfig base = tiny_run(dir);
-  ASSERT_EQ(train::run_training(checkpointed(base, dir, "whole", 40), world), 0);
-  train::TrainConfig c = checkpointed(base, dir, "halves", 20);
-  ASSERT_EQ(train::run_training(c, world), 0);
-  c.steps = 40;
+  EXPECT_EQ(train::run_training(checkpointed(base, dir, "whole", steps), world), 0);
+  train::TrainConfig c = checkpointed(base, dir, name, first);
+  EXPECT_EQ(train::run_training(c, world), 0);
+  world->barrier();
+  c.steps = steps;
+  return c;
+}
+
+TEST(Checkpoint, ResumedRunEqualsUninterruptedRun) {
+  const fs::path dir = fs::temp_directory_path() / "flexdemo-resume-test";
+  const train::TrainConfig c = whole_and_first_part(dir, "halves", 40, 20);
   expect_resumes_to_whole(c, dir);
   EXPECT_FALSE(fs::exists(dir / "whole/checkpoints/step-20"));  // the newest 2 are kept
   EXPECT_TRUE(fs::exists(dir / "whole/checkpoints/step-30"));
@@ -261,14 +270,9 @@ TEST(Checkpoint, ResumedRunEqualsUninterruptedRun) {
 TEST(Checkpoint, ResumeSkipsADamagedNewestCheckpoint) {
   auto world = test_world();
   const fs::path dir = fs::temp_directory_path() / "flexdemo-resume-damaged-test";
-  const train::TrainConfig base = tiny_run(dir);
-  ASSERT_EQ(train::run_training(checkpointed(base, dir, "whole", 30), world), 0);
-  train::TrainConfig c = checkpointed(base, dir, "damaged", 20);
-  ASSERT_EQ(train::run_training(c, world), 0);
-  world->barrier();
+  const train::TrainConfig c = whole_and_first_part(dir, "damaged", 30, 20);
   if (world->rank() == 0) flip_last_byte(dir / "damaged/checkpoints/step-20/model.safetensors");
   world->barrier();
-  c.steps = 30;
   expect_resumes_to_whole(c, dir);  // from step-10, skipping step-20
 }
 
