@@ -56,6 +56,9 @@ class Backend {
   virtual ~Backend() = default;
   // A bucket's byte buffer of `bytes` where this backend and the replica group want it.
   virtual at::Tensor buffer(int64_t bytes) const = 0;
+  // Whether a bucket may hold some of the tensors (the replicator's early buckets); if not,
+  // every bucket holds every tensor, in order.
+  virtual bool partial_buckets() const { return true; }
   // Without exchanging: residual = decay * residual + lr * DCT(grad) (grad: plan.numel()
   // elements, undefined = zero).
   virtual void accumulate(size_t tensor, const at::Tensor& grad, double lr) = 0;

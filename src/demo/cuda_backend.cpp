@@ -43,6 +43,8 @@ class CudaBackend final : public Backend {
     return at::empty({bytes}, at::dtype(at::kByte).pinned_memory(true));
   }
 
+  bool partial_buckets() const override { return false; }  // one launch for every tensor
+
   void accumulate(size_t i, const at::Tensor& grad, double lr) override {
     if (grad.defined()) {
       dct::chunked_dct_accumulate(grad, plans_[i], options_.decay, lr, residuals_[i], &scratch_);

@@ -34,7 +34,7 @@ class DemoReplicator final : public optim::Replicator {
     }
     backend_ = make_backend(plans_, options_, residuals_, device,
                             group_ ? group_->device() : at::Device(at::kCPU));
-    one_bucket_ = device.is_cuda() || options_.overlap_step;
+    one_bucket_ = !backend_->partial_buckets() || options_.overlap_step;
     use_layout();
     if (previews()) {
       for (const dct::ChunkPlan& plan : plans_) {
@@ -235,7 +235,7 @@ class DemoReplicator final : public optim::Replicator {
   std::shared_ptr<comm::Communicator> group_;
   std::vector<at::Tensor> residuals_;  // per tensor: float32 block-layout DCT coefficients
   std::unique_ptr<Backend> backend_;
-  bool one_bucket_ = false;  // every tensor in all_ (a GPU's kernels, overlap_step)
+  bool one_bucket_ = false;  // every tensor in all_ (the backend's wish, overlap_step)
   optim::ExchangeTraffic traffic_;
   mutable Bucket all_;  // every tensor (its buffers are kept from step to step)
   // This step's buckets started early (start()), in order, and which tensors they hold.
