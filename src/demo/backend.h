@@ -1,9 +1,10 @@
 // The DeMo step on one kind of device, behind one interface: encode a bucket of tensors into
 // payloads, and decode the replicas' payloads of a bucket into each tensor's update. Three
-// implementations, one file each: plain (the reference: whole-tensor matrix-product DCTs, heap
-// top-k, dense decode), cpu (the fused per-chunk kernels of kernels.h, per instruction set) and
-// cuda (kernels::GpuStep: one launch to encode a bucket, one to decode and update it). The
-// replicator (replicator.cpp) calls only this; it never branches on the device.
+// implementations: plain (the reference: whole-tensor matrix-product DCTs, heap top-k, dense
+// decode) and cpu (the fused per-chunk kernels of kernels.h, per instruction set), which share
+// host_backend.cpp's payload handling, and cuda (cuda_backend.cpp: kernels::GpuStep, one launch to
+// encode a bucket, one to decode and update it). The replicator (replicator.cpp) calls only
+// this; it never branches on the device.
 #pragma once
 
 #include "flexdemo/kernels.h"
@@ -81,7 +82,7 @@ std::unique_ptr<Backend> make_backend(const std::vector<dct::ChunkPlan>& plans,
                                       const std::vector<at::Tensor>& residuals, at::Device device,
                                       at::Device replica_device);
 
-// The implementations (one file each).
+// The implementations (host_backend.cpp, cuda_backend.cpp).
 std::unique_ptr<Backend> make_plain_backend(const std::vector<dct::ChunkPlan>& plans,
                                             const optim::OptimizerOptions& options,
                                             const std::vector<at::Tensor>& residuals);
