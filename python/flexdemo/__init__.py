@@ -1,0 +1,24 @@
+"""flexdemo for PyTorch: FlexDeMo (FSDP2 inside a node, DeMo's compressed exchange between
+nodes) for your own training loop.
+
+    import flexdemo
+    mesh = flexdemo.hybrid_mesh(ranks_per_node=2)          # (replicate, shard) DeviceMesh
+    flexdemo.shard_model(model, mesh, blocks=model.transformer.h)
+    opt = flexdemo.FlexDeMo(model.parameters(), mesh=mesh, lr=1e-3)
+
+``flexdemo.DeMo`` is a drop-in for the reference DeMo optimizer (same arguments). The DeMo step
+itself runs as torch custom ops (``flexdemo.ops``, ``torch.ops.flexdemo.*``).
+"""
+
+import os as _os
+
+import torch as _torch
+
+_torch.ops.load_library(_os.path.join(_os.path.dirname(__file__), "libflexdemo_ops.so"))
+
+from . import ops  # noqa: E402  (the ops must be loaded first)
+from .fsdp import hybrid_mesh, shard_model  # noqa: E402
+from .optim import DeMo, FlexDeMo  # noqa: E402
+
+__all__ = ["DeMo", "FlexDeMo", "hybrid_mesh", "shard_model", "ops"]
+__version__ = "0.1.0"

@@ -1,0 +1,134 @@
+"""The optimizer step, one run: flexdemo's ops against torch's AdamW (foreach, and fused where
+available) and against the same DeMo step in plain torch ops (as the reference DeMo computes
+it), on GPT-2 small's parameter shapes scaled by --scale (0.25: 3.8M parameters).
+
+    python -m flexdemo.bench [--scale 0.25] [--threads 1] [--device cpu|cuda] [--replicas 2]
+
+flexdemo's step here is what FlexDeMo.step runs between the all-gather's ends: encode every
+tensor into one bucket, then decode ``replicas`` copies of it (as if all-gathered) and apply
+sign-SGD. Times are medians of --repeats steps after --warmup; the ratios are of this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from . import ops
+from .reference import PlainTorchDeMo
+
+
+def gpt2_shapes(scale: float):
+    """GPT-2 small's parameters (vocab 50304, width 768, context 1024, 12 layers), scaled."""
+    vocab, d = round(50304 * scale), round(768 * scale)
+    context, layers = round(1024 * scale), max(1, int(12 * scale))
+    shapes = [(vocab, d), (context, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d),
+                   (4 * d,), (d, 4 * d), (d,)]
+    return shapes + [(d,), (d,)]
+
+
+def params_of(shapes, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    params = []
+    for s in shapes:
+        p = torch.nn.Parameter((torch.randn(s, generator=g) * 0.02).to(device))
+        p.grad = (torch.randn(s, generator=g) * 1e-3).to(device)
+        params.append(p)
+    return params
+
+
+def timed(step, device, warmup, repeats):
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    for _ in range(warmup):
+        step()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+class FlexdemoStep:
+    """Encode one bucket, decode `replicas` copies of it, sign-SGD: the ops FlexDeMo calls."""
+
+    def __init__(self, params, chunk, topk, values, replicas):
+        self.params, self.replicas = params, replicas
+        self.layout = dict(chunk=chunk, chunk_mode="divisor", topk=topk, values=values)
+        self.residuals = [torch.zeros(ops.residual_shape(p, chunk, "divisor"), device=p.device)
+                          for p in params]
+        size = sum(ops.payload_bytes(params, chunk, "divisor", topk, values))
+        self.bucket = torch.empty(size, dtype=torch.uint8, device=params[0].device)
+        self.gathered = torch.empty(size * replicas, dtype=torch.uint8, device=params[0].device)
+
+    @torch.no_grad()
+    def __call__(self):
+        data = [p.detach() for p in self.params]
+        ops.encode(data, [p.grad for p in self.params], self.residuals, self.bucket,
+                   decay=0.999, lr=1e-3, **self.layout)
+        self.gathered.view(self.replicas, -1).copy_(self.bucket)
+        ops.decode_sign_sgd(self.gathered, self.replicas, data, lr=1e-3, **self.layout)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--scale", type=float, default=0.25)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--topk", type=int, default=32)
+    p.add_argument("--values", default="bf16", choices=ops.VALUE_ENCODINGS)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    shapes = gpt2_shapes(args.scale)
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    print("GPT-2 shapes x {}: {} tensors, {:,} parameters; {} thread(s), {}; flexdemo: {} "
+          "replicas' payloads decoded, top-k {} of {}x{} chunks, {}".format(
+              args.scale, len(shapes), numel, args.threads, device, args.replicas, args.topk,
+              args.chunk, args.chunk, args.values), flush=True)
+    if device.type == "cuda" and not ops.cuda_built():
+        raise SystemExit("bench: this flexdemo build has no CUDA kernels")
+
+    rows = []
+    rows.append(("flexdemo ops (DeMo step)",
+                 timed(FlexdemoStep(params_of(shapes, device), args.chunk, args.topk,
+                                    args.values, args.replicas), device, args.warmup,
+                       args.repeats)))
+    adamw_kinds = [("foreach", dict(foreach=True)), ("fused", dict(fused=True))]
+    for name, kwargs in adamw_kinds:
+        params = params_of(shapes, device)
+        try:
+            opt = torch.optim.AdamW(params, lr=1e-3, **kwargs)
+            rows.append(("torch AdamW ({})".format(name),
+                         timed(opt.step, device, args.warmup, args.repeats)))
+        except (RuntimeError, ValueError) as e:
+            print("torch AdamW ({}): not available here ({})".format(name, e))
+    plain = PlainTorchDeMo(params_of(shapes, device), args.chunk, args.topk,
+                           replicas=args.replicas)
+    rows.append(("plain-torch DeMo step", timed(lambda: plain.step(1e-3), device,
+                                                max(1, args.warmup // 3), max(3, args.repeats // 4))))
+
+    ours = rows[0][1]
+    print("\n{:<28} {:>12} {:>16}".format("step", "ms", "vs flexdemo"))
+    for name, seconds in rows:
+        print("{:<28} {:>12.2f} {:>15.2f}x".format(name, seconds * 1e3, seconds / ours))
+    adamw = min(s for n, s in rows if n.startswith("torch AdamW"))
+    print("\nflexdemo / fastest torch AdamW: {:.2f}x; plain-torch DeMo / flexdemo: {:.1f}x".format(
+        ours / adamw, rows[-1][1] / ours))
+
+
+if __name__ == "__main__":
+    main()
