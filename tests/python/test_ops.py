@@ -1,0 +1,217 @@
+"""flexdemo's torch ops against DeMo written here from the paper in float64: the chunked
+orthonormal DCT-II from its cosine formula, top-k per chunk, error feedback, the replicas' mean
+per coefficient, the inverse and the sign-SGD / AdamW update. Every value encoding; and
+torch.library.opcheck on every op."""
+
+import pytest
+import torch
+
+import flexdemo
+from flexdemo import ops
+
+from float64_demo import Reference
+
+CHUNK, TOPK, DECAY, LR, WD = 16, 6, 0.9, 0.01, 0.1
+# [48, 40] -> chunks 16 x 10 (divisors), [30] -> 1 x 15, [4, 6, 5] as [4, 30] -> 4 x 15.
+SHAPES = [(48, 40), (30,), (4, 6, 5)]
+REPLICAS = 3
+
+
+def quantisation_ok(values, sent, encoding):
+    """sent (what the receiver decodes) is `values` in this encoding: per chunk row."""
+    err = (sent - values).abs()
+    if encoding == "fp32":
+        return torch.equal(sent.float(), values.float())
+    if encoding == "bf16":
+        return bool((err <= values.abs() * 2.0 ** -8 + 1e-12).all())
+    if encoding == "fp8":  # e4m3 of v / scale, scale = max|v| / 448 per chunk
+        scale = values.abs().amax(dim=1, keepdim=True) / 448
+        return bool((err <= values.abs() * 2.0 ** -4 + scale * 2.0 ** -9 + 1e-9).all())
+    if encoding == "int8":  # round(v / scale), scale = max|v| / 127 per chunk
+        scale = values.abs().amax(dim=1, keepdim=True) / 127
+        return bool((err <= scale * 0.5 + 1e-7).all())
+    if encoding == "1bit":  # sign(v) * mean|v| per chunk
+        want = values.sign() * values.abs().mean(dim=1, keepdim=True)
+        return bool(((sent - want).abs() <= 1e-6 * want.abs() + 1e-12).all())
+    if encoding == "2bit":  # sign(v) times one of two magnitudes per chunk
+        signs = bool((sent.sign() == values.sign()).all())
+        levels = all(len(torch.unique((row.abs() / row.abs().max() * 1e4).round())) <= 2
+                     for row in sent)  # (sent is a float32 residual's difference: rounded)
+        return signs and levels
+    raise AssertionError(encoding)
+
+
+def layout(values):
+    return dict(chunk=CHUNK, chunk_mode="divisor", topk=TOPK, values=values)
+
+
+def replica_grads(seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) for s in SHAPES]
+
+
+def encode_replicas(values, params):
+    """Each replica's residuals (random history), encoded with its own gradients: the bucket of
+    payloads, and per replica and tensor (residual before, residual after) as [C, h*w]."""
+    size = sum(ops.payload_bytes(params, CHUNK, "divisor", TOPK, values))
+    buckets, residual_pairs = [], []
+    for r in range(REPLICAS):
+        g = torch.Generator().manual_seed(100 + r)
+        residuals = [torch.randn(ops.residual_shape(p, CHUNK, "divisor"), generator=g) * 0.01
+                     for p in params]
+        before = [x.clone() for x in residuals]
+        grads = replica_grads(r)
+        bucket = torch.empty(size, dtype=torch.uint8)
+        ops.encode(params, grads, residuals, bucket, decay=DECAY, lr=LR, **layout(values))
+        buckets.append(bucket)
+        residual_pairs.append([(b, a, gr) for b, a, gr in zip(before, residuals, grads)])
+    return torch.cat(buckets), residual_pairs
+
+
+@pytest.mark.parametrize("values", ops.VALUE_ENCODINGS)
+def test_encode_and_decode_match_float64_demo(values):
+    params = [torch.randn(s) for s in SHAPES]
+    gathered, pairs = encode_replicas(values, params)
+    refs = [Reference(s, CHUNK, TOPK) for s in SHAPES]
+    sent_per_replica = []
+    for r in range(REPLICAS):
+        sent_tensors = []
+        for ref, (before, after, grad) in zip(refs, pairs[r]):
+            accumulated = DECAY * ref.dct_block(before.double()) + LR * ref.dct(grad)
+            chosen = ref.topk(accumulated)
+            values_kept = accumulated.gather(1, chosen)
+            left = ref.dct_block(after.double())
+            sent = accumulated - left  # error feedback: the residual keeps what was not sent
+            # Nothing but the top-k left the residual, and it left as its encoding decodes.
+            mask = torch.zeros_like(sent, dtype=torch.bool).scatter_(1, chosen, True)
+            assert sent[~mask].abs().max().item() < 1e-6, "non-selected coefficients changed"
+            assert quantisation_ok(values_kept, sent.gather(1, chosen), values), values
+            sent_tensors.append((chosen, sent.gather(1, chosen)))
+        sent_per_replica.append(sent_tensors)
+
+    # Decode: per coefficient the mean of the replicas that sent it; inverse; sign-SGD.
+    stepped = [p.clone() for p in params]
+    ops.decode_sign_sgd(gathered, REPLICAS, stepped, lr=LR, weight_decay=WD, **layout(values))
+    for t, (ref, p, new) in enumerate(zip(refs, params, stepped)):
+        total = torch.zeros(ref.rows // ref.h * (ref.cols // ref.w), ref.h * ref.w,
+                            dtype=torch.float64)
+        count = torch.zeros_like(total)
+        for r in range(REPLICAS):
+            chosen, sent = sent_per_replica[r][t]
+            total.scatter_add_(1, chosen, sent)
+            count.scatter_add_(1, chosen, torch.ones_like(sent))
+        direction = ref.idct(total / count.clamp(min=1))
+        want = (1 - LR * WD) * p.double().reshape(ref.rows, ref.cols) - LR * direction.sign()
+        clear = direction.abs() > 1e-5 * direction.abs().max()  # sign() certain
+        got = new.double().reshape(ref.rows, ref.cols)
+        assert torch.allclose(got[clear], want[clear], rtol=0, atol=1e-6), (values, t)
+
+
+@pytest.mark.parametrize("sign", [True, False])
+def test_adamw_decode_matches_float64_adamw(sign):
+    values = "fp32"
+    params = [torch.randn(s) for s in SHAPES]
+    gathered, pairs = encode_replicas(values, params)
+    refs = [Reference(s, CHUNK, TOPK) for s in SHAPES]
+    g = torch.Generator().manual_seed(7)
+    exp_avg = [torch.randn(s, generator=g) * 0.01 for s in SHAPES]
+    exp_avg_sq = [torch.rand(s, generator=g) * 1e-4 for s in SHAPES]
+    m, v, new = [x.clone() for x in exp_avg], [x.clone() for x in exp_avg_sq], [
+        p.clone() for p in params]
+    step, b1, b2, eps = 3, 0.9, 0.95, 1e-8
+    ops.decode_adamw(gathered, REPLICAS, new, m, v, lr=LR, weight_decay=WD, beta1=b1, beta2=b2,
+                     eps=eps, step=step, sign=sign, **layout(values))
+    for t, ref in enumerate(refs):
+        total = torch.zeros(ref.rows // ref.h * (ref.cols // ref.w), ref.h * ref.w,
+                            dtype=torch.float64)
+        count = torch.zeros_like(total)
+        for r in range(REPLICAS):
+            before, after, grad = pairs[r][t]
+            accumulated = DECAY * ref.dct_block(before.double()) + LR * ref.dct(grad)
+            chosen = ref.topk(accumulated)
+            sent = (accumulated - ref.dct_block(after.double())).gather(1, chosen)
+            total.scatter_add_(1, chosen, sent)
+            count.scatter_add_(1, chosen, torch.ones_like(sent))
+        d = ref.idct(total / count.clamp(min=1))
+        u = d.sign() if sign else d
+        shape = (ref.rows, ref.cols)
+        m_ref = b1 * exp_avg[t].double().reshape(shape) + (1 - b1) * u
+        v_ref = b2 * exp_avg_sq[t].double().reshape(shape) + (1 - b2) * u * u
+        denom = (v_ref / (1 - b2 ** step)).sqrt() + eps
+        p_ref = params[t].double().reshape(shape) * (1 - LR * WD) - LR * (m_ref / (1 - b1 ** step)) / denom
+        clear = d.abs() > 1e-5 * d.abs().max()
+        assert torch.allclose(new[t].double().reshape(shape)[clear], p_ref[clear], atol=1e-5)
+        assert torch.allclose(m[t].double().reshape(shape)[clear], m_ref[clear], atol=1e-6)
+        assert torch.allclose(v[t].double().reshape(shape)[clear], v_ref[clear], atol=1e-7)
+
+
+def test_accumulate_is_decayed_momentum_in_dct_space():
+    params = [torch.randn(s) for s in SHAPES]
+    residuals = [torch.randn(ops.residual_shape(p, CHUNK, "divisor")) for p in params]
+    before = [r.clone() for r in residuals]
+    grads = replica_grads(0)
+    ops.accumulate(params, grads, residuals, chunk=CHUNK, chunk_mode="divisor", decay=DECAY,
+                   lr=LR)
+    for ref, b, a, g in zip([Reference(s, CHUNK, TOPK) for s in SHAPES], before, residuals, grads):
+        want = DECAY * ref.dct_block(b.double()) + LR * ref.dct(g)
+        assert torch.allclose(ref.dct_block(a.double()), want, atol=1e-6)
+
+
+def test_payload_bytes_closed_form():
+    # fp32, 1-byte positions (chunks of <= 256 coefficients): 36 + chunks * k * (1 + 4).
+    p = torch.zeros(48, 40)  # 3 x 4 chunks of 16 x 10
+    assert ops.payload_bytes([p], CHUNK, "divisor", TOPK, "fp32") == [36 + 12 * TOPK * 5]
+    assert ops.payload_bytes([p], CHUNK, "divisor", TOPK, "bf16") == [36 + 12 * TOPK * 3]
+
+
+# ====== torch.library.opcheck ======
+def _op_samples():
+    params = [torch.randn(s) for s in SHAPES]
+    residuals = [torch.zeros(ops.residual_shape(p, CHUNK, "divisor")) for p in params]
+    size = sum(ops.payload_bytes(params, CHUNK, "divisor", TOPK, "bf16"))
+    bucket = torch.zeros(size, dtype=torch.uint8)
+    grads = replica_grads(1)
+    torch.ops.flexdemo.encode(params, grads, residuals, bucket, CHUNK, "divisor", TOPK, "bf16",
+                              DECAY, LR)
+    lay = (CHUNK, "divisor", TOPK, "bf16")
+    return {
+        "accumulate": (params, grads, residuals, CHUNK, "divisor", DECAY, LR),
+        "encode": (params, grads, [r.clone() for r in residuals], bucket.clone()) + lay + (DECAY, LR),
+        "decode_sign_sgd": (bucket, 1, [p.clone() for p in params]) + lay + (LR, WD),
+        "decode_adamw": (bucket, 1, [p.clone() for p in params],
+                         [torch.zeros(s) for s in SHAPES], [torch.zeros(s) for s in SHAPES]) +
+                        lay + (LR, WD, 0.9, 0.999, 1e-8, 1, True),
+    }
+
+
+@pytest.mark.parametrize("name", ["accumulate", "encode", "decode_sign_sgd", "decode_adamw"])
+def test_opcheck(name):
+    op = getattr(torch.ops.flexdemo, name).default
+    torch.library.opcheck(op, _op_samples()[name])
+
+
+# ====== Bad input: one clear line ======
+def test_ops_reject_bad_layouts():
+    p = [torch.zeros(8, 8)]
+    with pytest.raises(ValueError, match="value encoding 'fp16'; accepted: fp32, bf16"):
+        ops.payload_bytes(p, 4, "divisor", 2, "fp16")
+    with pytest.raises(ValueError, match="chunk 0; it must be > 0"):
+        ops.payload_bytes(p, 0, "divisor", 2, "bf16")
+    with pytest.raises(ValueError, match="payloads must be contiguous uint8 of"):
+        ops.encode(p, [None], [torch.zeros(8, 8)], torch.zeros(3, dtype=torch.uint8),
+                   decay=0.9, lr=0.1, **dict(layout("bf16"), chunk=4))
+    with pytest.raises(ValueError, match="residual 0 must be contiguous float32 of 64"):
+        ops.accumulate(p, [None], [torch.zeros(4)], chunk=4, chunk_mode="divisor", decay=0.9,
+                       lr=0.1)
+
+
+def test_corrupt_payload_is_refused():
+    params = [torch.randn(s) for s in SHAPES]
+    gathered, _ = encode_replicas("bf16", params)
+    gathered[40] ^= 0xFF  # a byte of the first payload's body
+    with pytest.raises(RuntimeError, match="checksum"):
+        ops.decode_sign_sgd(gathered, REPLICAS, params, lr=LR, **layout("bf16"))
+
+
+def test_version():
+    assert flexdemo.__version__

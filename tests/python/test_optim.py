@@ -1,0 +1,141 @@
+"""flexdemo.DeMo against the reference DeMo's update rule (its step, written here in float64 on
+the same tensors), and FlexDeMo's answers to bad input."""
+
+import copy
+import logging
+
+import pytest
+import torch
+
+import flexdemo
+from float64_demo import Reference
+
+CHUNK, TOPK, DECAY, LR, WD = 8, 4, 0.95, 0.01, 0.05
+
+
+def reference_demo_step(params, grads, deltas):
+    """The reference DeMo's step for one replica (its all-gather returns its own payload):
+    weight decay, delta = decay * delta + lr * grad, the chunked DCT's top-k transmitted and
+    taken out of delta, and sign-SGD on the decoded transmission."""
+    for p, g, delta in zip(params, grads, deltas):
+        ref = Reference(tuple(p.shape), CHUNK, TOPK)
+        p.mul_(1 - LR * WD)
+        delta.mul_(DECAY).add_(g.double(), alpha=LR)
+        coeffs = ref.dct(delta)
+        chosen = ref.topk(coeffs)
+        kept = torch.zeros_like(coeffs).scatter_(1, chosen, coeffs.gather(1, chosen))
+        transmitted = ref.idct(kept).reshape(p.shape)
+        delta.sub_(transmitted)
+        p.sub_(LR * transmitted.sign())
+        yield transmitted
+
+
+def test_demo_follows_the_reference_rule():
+    torch.manual_seed(0)
+    shapes = [(32, 24), (24,), (16, 3, 4)]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    opt = flexdemo.DeMo(params, compression_decay=DECAY, compression_topk=TOPK,
+                        compression_chunk=CHUNK, weight_decay=WD, lr=LR)
+    ref_params = [p.detach().double().clone() for p in params]
+    deltas = [torch.zeros(s, dtype=torch.float64) for s in shapes]
+    for step in range(4):
+        grads = [torch.randn(s) for s in shapes]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        transmitted = list(reference_demo_step(ref_params, grads, deltas))
+        for p, r, t in zip(params, ref_params, transmitted):
+            clear = t.abs() > 1e-5 * t.abs().max()  # where sign() is certain
+            assert torch.allclose(p.detach().double()[clear], r[clear], atol=1e-5), step
+            r[~clear] = p.detach().double()[~clear]  # follow flexdemo where it is not
+    assert opt.data_transmit == opt.bucket_bytes > 0
+
+
+def test_flexdemo_trains_a_small_model_without_distributed():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    x = torch.randn(64, 16)
+    y = x[:, :1] * 0.5
+    for inner in ("sgd", "adamw"):
+        opt = flexdemo.FlexDeMo(model.parameters(), lr=3e-3, inner=inner, compression_topk=8,
+                                compression_chunk=8, exchange_every=2)
+        first = None
+        for _ in range(60):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            first = first if first is not None else loss.item()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        assert loss.item() < 0.5 * first, inner
+        assert opt.exchanges == 30
+
+
+# ====== Bad input: one clear line each ======
+def one_param(**kwargs):
+    return flexdemo.FlexDeMo([torch.nn.Parameter(torch.zeros(8, 8))], **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(compression_topk=65, compression_chunk=8),
+     r"compression_topk 65; it must be in \[1, 64\] \(the 8x8 chunk's coefficients\)"),
+    (dict(compression_chunk=0), "compression_chunk 0; it must be >= 1"),
+    (dict(values="fp16"), "values 'fp16'; accepted: fp32, bf16, int8, 1bit, 2bit, fp8"),
+    (dict(inner="lion"), "inner 'lion'; accepted: sgd, adamw"),
+    (dict(lr=0), "lr 0; it must be > 0"),
+    (dict(compression_decay=1.0), r"compression_decay 1.0; it must be in \[0, 1\)"),
+    (dict(exchange_every=0), "exchange_every 0; it must be >= 1"),
+    (dict(on_nonfinite="ignore"), "on_nonfinite 'ignore'; accepted: skip, stop"),
+])
+def test_bad_options(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        one_param(**kwargs)
+
+
+def test_parameters_on_several_devices():
+    params = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4, device="meta"))]
+    with pytest.raises(ValueError, match=r"parameters on several devices \(cpu, meta\)"):
+        flexdemo.FlexDeMo(params)
+
+
+def test_mixed_dtypes():
+    params = [torch.nn.Parameter(torch.zeros(4)),
+              torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))]
+    with pytest.raises(ValueError, match="parameters of dtype bfloat16, float32; the step "
+                                         "updates float32 parameters"):
+        flexdemo.FlexDeMo(params)
+
+
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_nonfinite_gradient(policy, caplog):
+    p = torch.nn.Parameter(torch.ones(8, 8))
+    opt = flexdemo.FlexDeMo([p], lr=0.1, on_nonfinite=policy, compression_chunk=8)
+    p.grad = torch.full((8, 8), float("nan"))
+    if policy == "stop":
+        with pytest.raises(FloatingPointError, match="non-finite gradient at step 1"):
+            opt.step()
+        return
+    with caplog.at_level(logging.WARNING, logger="flexdemo"):
+        opt.step()
+    assert "step 1: non-finite gradient on this node; its gradient is dropped" in caplog.text
+    assert torch.isfinite(p).all() and opt.nonfinite_steps == 1
+    residual = [v for k, v in opt.state[p].items() if k.startswith("residual")][0]
+    assert torch.isfinite(residual).all()
+
+
+def test_state_dict_round_trip():
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(16, 16))
+    opt = flexdemo.FlexDeMo([p], inner="adamw", compression_chunk=8)
+    for _ in range(3):
+        p.grad = torch.randn(16, 16)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())  # as from a file: state_dict() holds references
+    weights = p.detach().clone()
+    q = torch.nn.Parameter(weights.clone())
+    other = flexdemo.FlexDeMo([q], inner="adamw", compression_chunk=8)
+    other.load_state_dict(saved)
+    g = torch.randn(16, 16)
+    p.grad, q.grad = g.clone(), g.clone()
+    opt.step()
+    other.step()
+    assert torch.equal(p, q)
