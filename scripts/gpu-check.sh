@@ -14,6 +14,11 @@
 #   nccl_smoke                 one rank per GPU, NCCL inside and between nodes
 #   tokens_per_s, pytorch_tokens_per_s  gpt2-small training on one GPU against PyTorch eager on
 #                              the same shapes and batch (bench/pytorch_gpt.py), same script
+#   python_gpu_ops_identical   the Python package (python/, built against that torch): its torch
+#                              ops on the GPU equal the CPU's portable kernels bit for bit, every
+#                              encoding, and FlexDeMo trains there (tests/python/test_gpu_ops.py)
+#   python_bench               python -m flexdemo.bench --scale 1 on the device: the ops' DeMo
+#                              step, torch AdamW (foreach, fused), the plain-torch DeMo step
 #   scripts/gpu-check.sh OUT_DIR
 #   scripts/gpu-check.sh --rehearse OUT_DIR   the same steps on the CPU, a small model for the
 #                                            speed runs: checks the script itself without a GPU
@@ -119,11 +124,27 @@ $python bench/pytorch_gpt.py --device "$device" --vocab "$vocab" "${big[@]}" "${
   --steps 30 > "$work/pytorch.json" 2>> "$log" || say "PyTorch baseline failed"
 say "speed runs done"
 
+# The Python package against this python's torch, installed into the scratch folder only.
+python_ops=false
+if $python -m pip install --no-build-isolation --no-deps --target "$work/python" ./python \
+    >> "$log" 2>&1; then
+  if PYTHONPATH="$work/python" $python tests/python/test_gpu_ops.py > "$work/python_ops.txt" 2>&1 &&
+    ! grep -q "SKIPPED" "$work/python_ops.txt"; then
+    python_ops=true
+  fi
+  cat "$work/python_ops.txt" >> "$log"
+  PYTHONPATH="$work/python" $python -m flexdemo.bench --device "$device" --scale 1 \
+    --json "$work/python_bench.json" >> "$log" 2>&1 || say "python bench failed (see $log)"
+else
+  say "python package: build failed (see $log)"
+fi
+say "python package: ops identical $python_ops"
+
 # ====== 4. The report ======
 $python - "$work" "$payload_identical" "$gpu_rc" "$cpu_rc" "$nccl_rc" "$out/gpu-check.json" \
-  "$((SECONDS - started))" "$device" << 'EOF'
+  "$((SECONDS - started))" "$device" "$python_ops" << 'EOF'
 import json, os, sys
-work, identical, gpu_rc, cpu_rc, nccl_rc, path, seconds, device = sys.argv[1:]
+work, identical, gpu_rc, cpu_rc, nccl_rc, path, seconds, device, python_ops = sys.argv[1:]
 def load(*parts):
     try:
         return json.load(open(os.path.join(work, *parts)))
@@ -144,6 +165,8 @@ report = {
     "nccl_smoke": nccl_rc == "0",
     "tokens_per_s": load("speed", "summary.json").get("tokens_per_s"),
     "pytorch_tokens_per_s": load("pytorch.json").get("tokens_per_s"),
+    "python_gpu_ops_identical": python_ops == "true",
+    "python_bench": load("python_bench.json"),
     "seconds": int(seconds),
     "device": device,  # cpu: a rehearsal (--rehearse), no GPU measured
 }

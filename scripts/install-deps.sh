@@ -3,7 +3,9 @@
 #   scripts/install-deps.sh --cuda   also a virtual environment .venv-cuda/ holding PyPI's torch
 #                                    (a CUDA LibTorch, the GPU machine's version) for the CUDA build,
 #                                    and transformers (+ sentencepiece, protobuf) for the test that
-#                                    loads flexdemo's exported models in it (tests/hf_interop.py)
+#                                    loads flexdemo's exported models in it (tests/hf_interop.py),
+#                                    and scikit-build-core + pytest, which build and test the
+#                                    Python package (python/, tests/python/) against that torch
 # Idempotent: what is already present is skipped, so a second run does no network work.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +13,7 @@ cuda=0
 if [ "${1:-}" = "--cuda" ]; then cuda=1; fi
 torch_version=2.11.0  # torch 2.11.0+cu130 on the H200 machine; PyPI's 2.11.0 is built for CUDA 13.0
 interop=(transformers==5.24.0 sentencepiece==0.2.3 protobuf==7.36.2)
+python_build=(scikit-build-core==1.1.2 pytest==9.2.0)
 
 packages=(
   build-essential cmake pkg-config
@@ -79,6 +82,12 @@ if [ "$cuda" -eq 1 ]; then
   else
     step "installing ${interop[*]} into .venv-cuda" \
       .venv-cuda/bin/pip install --disable-pip-version-check "${interop[@]}"
+  fi
+  if .venv-cuda/bin/python -c "import scikit_build_core, pytest" 2>/dev/null; then
+    echo "install-deps: .venv-cuda holds scikit-build-core and pytest"
+  else
+    step "installing ${python_build[*]} into .venv-cuda" \
+      .venv-cuda/bin/pip install --disable-pip-version-check "${python_build[@]}"
   fi
 fi
 rm -f "$log"

@@ -7,7 +7,9 @@
 #                                (build-sanitize/): the unit tests, then each libFuzzer target
 #                                for FLEXDEMO_FUZZ_SECONDS (default 60)
 #   scripts/test.sh --cuda       instead: the same suite built against the CUDA LibTorch of
-#                                .venv-cuda/ (build-cuda/), run on the CPU
+#                                .venv-cuda/ (build-cuda/), run on the CPU; then the Python
+#                                package (python/) installed into .venv-cuda and its tests
+#                                (tests/python/: the ops, the optimizers, torchrun on 4 ranks)
 # Other arguments go to ctest. Tests run FLEXDEMO_TEST_JOBS (default 2) at a time; those of 4 ranks
 # reserve 4 (ctest's PROCESSORS), the emulated cluster's run alone.
 set -euo pipefail
@@ -17,7 +19,9 @@ if [ "${1:-}" = "--cuda" ]; then
   shift
   bash scripts/install-deps.sh --cuda
   bash scripts/build.sh --cuda
-  exec ctest --test-dir build-cuda --output-on-failure -j "${FLEXDEMO_TEST_JOBS:-2}" "$@"
+  ctest --test-dir build-cuda --output-on-failure -j "${FLEXDEMO_TEST_JOBS:-2}" "$@"
+  bash scripts/python.sh install
+  exec bash scripts/python.sh test
 fi
 bash scripts/install-deps.sh
 if [ "${1:-}" = "--sanitize" ]; then

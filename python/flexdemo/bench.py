@@ -3,6 +3,7 @@ available) and against the same DeMo step in plain torch ops (as the reference D
 it), on GPT-2 small's parameter shapes scaled by --scale (0.25: 3.8M parameters).
 
     python -m flexdemo.bench [--scale 0.25] [--threads 1] [--device cpu|cuda] [--replicas 2]
+                             [--json FILE]
 
 flexdemo's step here is what FlexDeMo.step runs between the all-gather's ends: encode every
 tensor into one bucket, then decode ``replicas`` copies of it (as if all-gathered) and apply
@@ -12,6 +13,7 @@ sign-SGD. Times are medians of --repeats steps after --warmup; the ratios are of
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -90,6 +92,7 @@ def main(argv=None):
     p.add_argument("--values", default="bf16", choices=ops.VALUE_ENCODINGS)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--json", help="also write the times (ms) and ratios to this file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -128,6 +131,13 @@ def main(argv=None):
     adamw = min(s for n, s in rows if n.startswith("torch AdamW"))
     print("\nflexdemo / fastest torch AdamW: {:.2f}x; plain-torch DeMo / flexdemo: {:.1f}x".format(
         ours / adamw, rows[-1][1] / ours))
+    if args.json:
+        report = {name: seconds * 1e3 for name, seconds in rows}
+        report.update(params=numel, device=str(device), threads=args.threads,
+                      flexdemo_over_fastest_adamw=ours / adamw,
+                      plain_torch_over_flexdemo=rows[-1][1] / ours)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":

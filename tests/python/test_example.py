@@ -1,0 +1,39 @@
+"""examples/python/train_gpt.py, briefly (a small model, a few steps): it trains both
+optimizers under torchrun on 4 ranks, prints their validation loss and bytes between nodes, and
+saves checkpoints and models transformers loads."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_example_trains_both_and_saves(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join("the {} quick brown fox {} jumps over the lazy dog {}".format(
+        i, i * 7 % 13, i % 5) for i in range(2000)))
+    out = tmp_path / "run"
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+         os.path.join(ROOT, "examples", "python", "train_gpt.py"), "--data", str(text),
+         "--out", str(out), "--steps", "8", "--eval-every", "4", "--eval-seqs", "8",
+         "--vocab", "300", "--width", "64", "--layers", "1", "--seq", "32", "--chunk", "16",
+         "--topk", "8", "--warmup", "2"],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    assert "fewer bytes between nodes" in run.stdout
+    results = {r["optimizer"]: r for r in json.loads((out / "results.json").read_text())["results"]}
+    assert set(results) == {"flexdemo", "adamw-hsdp"}
+    for name, r in results.items():
+        assert len(r["evals"]) == 2 and r["evals"][1][1] < r["evals"][0][1], (name, r)
+        assert (out / name / "checkpoint" / ".metadata").exists()
+    flex, hsdp = results["flexdemo"], results["adamw-hsdp"]
+    assert hsdp["bytes_between_nodes_per_step_and_rank"] > 10 * flex[
+        "bytes_between_nodes_per_step_and_rank"]
+
+    from transformers import GPT2LMHeadModel
+    model = GPT2LMHeadModel.from_pretrained(out / "flexdemo" / "model")
+    assert model.config.n_embd == 64
+    assert (out / "flexdemo" / "model" / "tokenizer.model").exists()

@@ -1,0 +1,99 @@
+"""The ops on a GPU (the CUDA kernels) against the CPU's portable kernels (FLEXDEMO_ISA=portable:
+the GPU's arithmetic on the CPU): payloads, residuals and updates bit for bit, every encoding;
+and FlexDeMo training on the GPU. Skips with one line where no GPU is visible. The checks run as
+a script in a process of their own (the kernels' instruction set is chosen once per process):
+``python tests/python/test_gpu_ops.py`` (scripts/gpu-check.sh runs it so), one line a check."""
+
+import os
+import subprocess
+import sys
+
+import torch
+
+SHAPES = [(96, 64), (64,), (200, 48), (8, 3, 16)]
+CHUNK, TOPK = 32, 12
+
+
+def gpu_visible():
+    import flexdemo.ops
+    return torch.cuda.is_available() and flexdemo.ops.cuda_built()
+
+
+def test_gpu_ops_equal_the_portable_cpu_kernels():
+    import pytest
+    if not gpu_visible():
+        pytest.skip("no GPU visible (or a build without the CUDA kernels)")
+    run = subprocess.run([sys.executable, os.path.abspath(__file__)], capture_output=True,
+                         text=True, timeout=600)
+    print(run.stdout)
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+
+
+# ====== The checks (this file as a script) ======
+def step_on(device, values, replicas=2):
+    from flexdemo import ops
+    layout = dict(chunk=CHUNK, chunk_mode="divisor", topk=TOPK, values=values)
+    g = torch.Generator().manual_seed(3)
+    params = [torch.randn(s, generator=g).to(device) for s in SHAPES]
+    residuals = [(torch.randn(ops.residual_shape(p, CHUNK, "divisor"), generator=g) * 1e-3)
+                 .to(device) for p in params]
+    size = sum(ops.payload_bytes(params, CHUNK, "divisor", TOPK, values))
+    buckets = []
+    for _ in range(replicas):
+        grads = [torch.randn(s, generator=g).to(device) for s in SHAPES]
+        bucket = torch.empty(size, dtype=torch.uint8)  # host memory, as over gloo
+        ops.encode(params, grads, residuals, bucket, decay=0.99, lr=0.01, **layout)
+        buckets.append(bucket)
+    gathered = torch.cat(buckets)
+    ops.decode_sign_sgd(gathered, replicas, params, lr=0.01, weight_decay=0.1, **layout)
+    return gathered, [r.cpu() for r in residuals], [p.cpu() for p in params]
+
+
+def same_as_portable_cpu(values):
+    want = step_on(torch.device("cpu"), values)
+    got = step_on(torch.device("cuda"), values)
+    assert torch.equal(got[0], want[0]), "payloads differ"
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1])), "residuals differ"
+    assert all(torch.equal(a, b) for a, b in zip(got[2], want[2])), "parameters differ"
+
+
+def trains_on_the_gpu():
+    import flexdemo
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(),
+                                torch.nn.Linear(128, 1)).cuda()
+    opt = flexdemo.FlexDeMo(model.parameters(), lr=3e-3, compression_chunk=32,
+                            compression_topk=16)
+    x = torch.randn(256, 64, device="cuda")
+    y = x[:, :1] * 0.5
+    first = None
+    for _ in range(50):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        first = first if first is not None else loss.item()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert loss.item() < 0.5 * first, (first, loss.item())
+
+
+def main():
+    os.environ["FLEXDEMO_ISA"] = "portable"  # before the kernels are first used
+    from flexdemo import ops
+    if not gpu_visible():
+        print("gpu ops: SKIPPED (no GPU visible, or a build without the CUDA kernels)")
+        return 0
+    checks = [("values " + v, lambda v=v: same_as_portable_cpu(v)) for v in ops.VALUE_ENCODINGS]
+    checks.append(("FlexDeMo training", trains_on_the_gpu))
+    failed = 0
+    for name, check in checks:
+        try:
+            check()
+            print("gpu ops: {}: passed".format(name), flush=True)
+        except Exception as e:  # one line per failed check; the exit status says whether any
+            failed += 1
+            print("gpu ops: {}: FAILED: {}".format(name, e), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
