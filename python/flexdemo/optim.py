@@ -13,8 +13,7 @@ group hold the same shard index, so their payloads match.
 from __future__ import annotations
 
 import logging
-import math
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -385,8 +384,6 @@ def _check_options(lr, decay, topk, chunk, chunk_mode, values, inner, betas, eps
             weight_decay))
     if int(exchange_every) < 1:
         raise _bad("exchange_every {}; it must be >= 1".format(exchange_every))
-    if math.isnan(lr):
-        raise _bad("lr nan")
 
 
 def _groups(mesh, replicate_group, shard_group):
