@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -30,8 +31,11 @@ Layout layout_of(const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding) 
   return codec::layout(plan.num_chunks(), plan.chunk_numel(), k, encoding);
 }
 
+// CRC-32 of the body. Slicing-by-16 reads 4-byte words, so the bytes before the first 4-byte
+// boundary (a payload starts anywhere in its bucket) go through the bytewise table first.
 uint32_t checksum(const uint8_t* body, size_t n) {
-  return crc32_fast(body, n);
+  const size_t head = std::min(n, (4 - reinterpret_cast<uintptr_t>(body) % 4) % 4);
+  return crc32_16bytes(body + head, n - head, crc32_1byte(body, head));
 }
 
 uint32_t to_u32(int64_t v, const char* what) {

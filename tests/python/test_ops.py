@@ -215,3 +215,22 @@ def test_corrupt_payload_is_refused():
 
 def test_version():
     assert flexdemo.__version__
+
+
+def test_payload_checksum_is_zlibs_crc32():
+    """Header bytes 32..35 hold the CRC-32 of the body (docs/wire-format.md), whatever a
+    payload's alignment in its bucket."""
+    import struct
+    import zlib
+    params = [torch.randn(s) for s in [(7, 5), (13,), (64, 64), (3, 9)]]
+    for values in ops.VALUE_ENCODINGS:
+        sizes = ops.payload_bytes(params, 8, "divisor", 5, values)
+        bucket = torch.empty(sum(sizes), dtype=torch.uint8)
+        ops.encode(params, [torch.randn_like(p) for p in params],
+                   [torch.zeros(ops.residual_shape(p, 8, "divisor")) for p in params], bucket,
+                   chunk=8, chunk_mode="divisor", topk=5, values=values, decay=0.9, lr=0.1)
+        data, offset = bytes(bucket.numpy()), 0
+        for n in sizes:
+            payload = data[offset:offset + n]
+            assert struct.unpack_from("<I", payload, 32)[0] == zlib.crc32(payload[36:]), values
+            offset += n
