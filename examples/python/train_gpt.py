@@ -97,6 +97,11 @@ def windows(ids, starts, seq):
 
 
 # ====== Model ======
+def device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+        torch.device("cpu")
+
+
 def make_model(args):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -105,14 +110,14 @@ def make_model(args):
         config = GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.width,
                             n_layer=args.layers, n_head=args.heads, resid_pdrop=0.0,
                             embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-        model = GPT2LMHeadModel(config)
+        model = GPT2LMHeadModel(config).to(device())
         return model, model.transformer.h
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.width,
                          intermediate_size=args.width * 8 // 3 // 8 * 8,
                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
                          max_position_embeddings=args.seq, tie_word_embeddings=True,
                          bos_token_id=0, eos_token_id=0)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config).to(device())
     return model, model.model.layers
 
 
@@ -148,7 +153,7 @@ def lr_at(args, step):
 def evaluate(model, val, args, shard, shards):
     g = torch.Generator().manual_seed(args.seed + 1)
     starts = torch.randint(0, len(val) - args.seq, (args.eval_seqs,), generator=g)
-    rows = windows(val, starts, args.seq).chunk(shards)[shard]
+    rows = windows(val, starts, args.seq).chunk(shards)[shard].to(device())
     loss = model(rows, labels=rows).loss
     total = torch.stack([loss.detach()])
     dist.all_reduce(total)
@@ -165,7 +170,8 @@ def train(args, name, mesh, train_ids, val_ids):
     for step in range(args.steps):
         g = torch.Generator().manual_seed(args.seed * 1000 + step)
         starts = torch.randint(0, len(train_ids) - args.seq, (args.batch,), generator=g)
-        rows = windows(train_ids, starts[rank * per_rank:(rank + 1) * per_rank], args.seq)
+        rows = windows(train_ids, starts[rank * per_rank:(rank + 1) * per_rank],
+                       args.seq).to(device())
         loss = model(rows, labels=rows).loss
         loss.backward()
         if args.clip > 0:

@@ -191,7 +191,7 @@ class FlexDeMo(torch.optim.Optimizer):
         return layouts
 
     def _bucket_device(self, device: torch.device) -> torch.device:
-        if self.replicas > 1 and dist.get_backend(self.replicate_group) == "nccl":
+        if self.replicas > 1 and "nccl" in str(dist.get_backend(self.replicate_group)):
             return device
         return torch.device("cpu")
 
