@@ -29,6 +29,7 @@ log = logging.getLogger("flexdemo")
 
 INNER = ("sgd", "adamw")
 ON_NONFINITE = ("skip", "stop")
+GPU_MAX_CHUNK_NUMEL = 16384  # the CUDA kernels' largest chunk (src/demo/cuda/cuda_kernels.h)
 
 
 def _is_dtensor(t) -> bool:
@@ -140,6 +141,10 @@ class FlexDeMo(torch.optim.Optimizer):
         if dtypes != ["float32"]:
             raise _bad("FlexDeMo: parameters of dtype {}; the step updates float32 parameters "
                        "(keep the weights float32, autocast the forward)".format(", ".join(dtypes)))
+        if devices[0].startswith("cuda") and self.chunk ** 2 > GPU_MAX_CHUNK_NUMEL:
+            raise _bad("FlexDeMo: compression_chunk {}: the GPU kernels take chunks of at most {} "
+                       "coefficients (compression_chunk <= {})".format(
+                           self.chunk, GPU_MAX_CHUNK_NUMEL, int(GPU_MAX_CHUNK_NUMEL ** 0.5)))
         for p in params:
             if not _local(p).is_contiguous():
                 raise _bad("FlexDeMo: a parameter of shape {} is not contiguous".format(

@@ -7,10 +7,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_example_trains_both_and_saves(tmp_path):
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_example_trains_both_and_saves(tmp_path, family):
     text = tmp_path / "text.txt"
     text.write_text("\n".join("the {} quick brown fox {} jumps over the lazy dog {}".format(
         i, i * 7 % 13, i % 5) for i in range(2000)))
@@ -20,7 +23,7 @@ def test_example_trains_both_and_saves(tmp_path):
          os.path.join(ROOT, "examples", "python", "train_gpt.py"), "--data", str(text),
          "--out", str(out), "--steps", "8", "--eval-every", "4", "--eval-seqs", "8",
          "--vocab", "300", "--width", "64", "--layers", "1", "--seq", "32", "--chunk", "16",
-         "--topk", "8", "--warmup", "2"],
+         "--topk", "8", "--warmup", "2", "--model", family],
         capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     assert "fewer bytes between nodes" in run.stdout
@@ -33,7 +36,7 @@ def test_example_trains_both_and_saves(tmp_path):
     assert hsdp["bytes_between_nodes_per_step_and_rank"] > 10 * flex[
         "bytes_between_nodes_per_step_and_rank"]
 
-    from transformers import GPT2LMHeadModel
-    model = GPT2LMHeadModel.from_pretrained(out / "flexdemo" / "model")
-    assert model.config.n_embd == 64
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(out / "flexdemo" / "model")
+    assert model.config.model_type == {"gpt": "gpt2", "llama": "llama"}[family]
     assert (out / "flexdemo" / "model" / "tokenizer.model").exists()
