@@ -285,13 +285,11 @@ class FlexDeMo(torch.optim.Optimizer):
         return self._pending
 
     def _advance(self) -> int:
-        step = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.requires_grad:
-                    self.state[p]["step"] += 1
-                    step = int(self.state[p]["step"].item())
-        return step
+        """Every parameter's step count (kept per parameter, as torch's optimizers keep it)."""
+        steps = [self.state[p]["step"] for g in self.param_groups for p in g["params"]
+                 if p.requires_grad]
+        torch._foreach_add_(steps, 1)
+        return int(steps[0].item())
 
     def _residuals(self, params) -> List[torch.Tensor]:
         return [self.state[p][self._residual_key] for p in params]
