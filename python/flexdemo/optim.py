@@ -98,6 +98,9 @@ class FlexDeMo(torch.optim.Optimizer):
                  replicate_group=None, shard_group=None, on_nonfinite: str = "skip"):
         _check_options(lr, compression_decay, compression_topk, compression_chunk, chunk_mode,
                        values, inner, betas, eps, weight_decay, exchange_every, on_nonfinite)
+        if inner == "sgd" and not sign:
+            raise _bad("sign=False with inner 'sgd': the fused step is sign-SGD; sign=False "
+                       "needs inner 'adamw'")
         defaults = dict(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps)
         super().__init__(params, defaults)
         self.decay = float(compression_decay)
@@ -267,7 +270,8 @@ class FlexDeMo(torch.optim.Optimizer):
                                    chunk=self.chunk, chunk_mode=self.chunk_mode,
                                    decay=self.decay, lr=group["lr"])
             return None
-        device = _local(groups[0][1][0]).device if groups[0][1] else torch.device("cpu")
+        device = next((_local(p).device for _, params in groups for p in params),
+                      torch.device("cpu"))
         send, recv = self._buffers(device)
         for (group, params), gs, (offset, n) in zip(groups, grads, self._layouts):
             if params:
@@ -308,9 +312,6 @@ class FlexDeMo(torch.optim.Optimizer):
             layout = dict(chunk=self.chunk, chunk_mode=self.chunk_mode, topk=self.topk,
                           values=self.values)
             if self.inner == "sgd":
-                if not self.sign:
-                    raise _bad("FlexDeMo: inner 'sgd' steps by sign(direction); sign=False "
-                               "needs inner 'adamw'")
                 ops.decode_sign_sgd(gathered, replicas, locals_, lr=group["lr"],
                                     weight_decay=group["weight_decay"], **layout)
             else:
