@@ -119,6 +119,9 @@ class FlexDeMo(torch.optim.Optimizer):
             dist.get_rank(self.replicate_group) if self.replicate_group else 0,
             dist.get_rank(self.shard_group) if self.shard_group else 0)
         self._init_state()
+        # Per param group, the tensors a step updates (fixed: the bucket's layout follows them);
+        # the groups' hyperparameters are read from param_groups at each step.
+        self._trained_params = [self._trained(g) for g in self.param_groups]
         self._layouts = self._payload_layouts()
         self.bucket_bytes = sum(n for _, n in self._layouts)  # this replica's payloads a step
         self._send: Optional[torch.Tensor] = None
@@ -190,8 +193,8 @@ class FlexDeMo(torch.optim.Optimizer):
     def _payload_layouts(self):
         """Per param group: its payloads' offset in the bucket and their bytes."""
         layouts, offset = [], 0
-        for group in self.param_groups:
-            params = [_local(p) for p in self._trained(group)]
+        for trained in self._trained_params:
+            params = [_local(p) for p in trained]
             n = sum(ops.payload_bytes(params, self.chunk, self.chunk_mode, self.topk,
                                       self.values)) if params else 0
             layouts.append((offset, n))
@@ -252,7 +255,7 @@ class FlexDeMo(torch.optim.Optimizer):
         if self._pending is not None:
             raise RuntimeError("flexdemo: FlexDeMo.step_async: the previous exchange was not "
                                "waited for")
-        groups = [(g, self._trained(g)) for g in self.param_groups]
+        groups = list(zip(self.param_groups, self._trained_params))
         grads = [self._grads(params) for _, params in groups]
         step = self._advance()
         if self.on_nonfinite and not self._finite([x for gs in grads for x in gs]):
@@ -301,8 +304,8 @@ class FlexDeMo(torch.optim.Optimizer):
     def _decode(self, recv: torch.Tensor) -> None:
         self._pending = None
         replicas = self.replicas
-        for (group, params), (offset, n) in zip(
-                [(g, self._trained(g)) for g in self.param_groups], self._layouts):
+        for group, params, (offset, n) in zip(self.param_groups, self._trained_params,
+                                              self._layouts):
             if not params:
                 continue
             gathered = recv
