@@ -43,6 +43,13 @@ struct CommStats {
 
 // Handle to a non-blocking collective. wait() completes it (and copies results back to the
 // caller's tensors when they were staged); it is idempotent. Destroying an unfinished handle waits.
+// The same contract on every backend: between the i*() call and wait() the collective may read
+// its inputs and write its outputs at any time (MPI reads host tensors until completion; NCCL
+// reads on its own stream, after the work the caller had queued at the call), so the caller
+// writes no input and reads no output until wait() returns. The backend keeps every tensor it
+// uses alive (and, on a GPU, unavailable to the caching allocator) until the collective is done,
+// even if the caller drops it. A collective that times out or fails raises CommError; on NCCL it
+// aborts the communicator once, after which every collective on it raises CommError at once.
 class Work {
  public:
   virtual ~Work() = default;

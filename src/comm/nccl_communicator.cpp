@@ -1,9 +1,13 @@
 // NCCL backend of the Communicator (CUDA builds): one GPU per rank, bootstrapped through an MPI
-// communicator over the same ranks (rank 0's unique id is broadcast over it). Collectives run on
-// the communicator's own stream after the caller's queued work; wait() blocks the host until
-// they are done (polling, so that the collective timeout holds), as the MPI backend's does.
+// communicator over the same ranks (rank 0's unique id is broadcast over it). The communicator is
+// non-blocking: its init, enqueues and collectives are polled against the collective timeout, and
+// a timeout or an asynchronous error aborts it once (comm_life.h's rules: no wait and no destroy
+// after an abort). Collectives run on the communicator's own stream after the caller's queued
+// work; wait() blocks the host until they are done, as the MPI backend's does.
 // Tensors elsewhere than this GPU are staged through it. Byte counts follow comm.h's formulas.
 #include "flexdemo/comm.h"
+
+#include "comm/comm_life.h"
 
 #include <ATen/ATen.h>
 
@@ -11,6 +15,7 @@
 #include <string>
 
 #if defined(FLEXDEMO_CUDA)
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
@@ -44,6 +49,12 @@ void check_cuda(cudaError_t result, const char* call, const char* file, int line
 }
 #define FLEXDEMO_NCCL_CHECK(call) check_nccl((call), #call, __FILE__, __LINE__)
 #define FLEXDEMO_CUDA_CHECK(call) check_cuda((call), #call, __FILE__, __LINE__)
+// A collective's enqueue: in non-blocking mode it may return ncclInProgress (launch settles it).
+#define FLEXDEMO_NCCL_ENQUEUE(call)                                                  \
+  do {                                                                               \
+    const ncclResult_t enqueued = (call);                                            \
+    if (enqueued != ncclInProgress) check_nccl(enqueued, #call, __FILE__, __LINE__); \
+  } while (0)
 
 ncclDataType_t nccl_type(at::ScalarType t, bool reduction) {
   switch (t) {
@@ -88,16 +99,30 @@ struct SharedStats {
   CommStats stats;
 };
 
-using Clock = std::chrono::steady_clock;
+// One poll of the communicator's asynchronous state (non-blocking mode: init and enqueues may stay
+// in progress; an error from any rank's side surfaces here).
+detail::PollState nccl_state(ncclComm_t comm) {
+  ncclResult_t async = ncclSuccess;
+  const ncclResult_t queried = ncclCommGetAsyncError(comm, &async);
+  if (queried != ncclSuccess) return {detail::PollState::Failed, ncclGetErrorString(queried)};
+  if (async == ncclInProgress) return {detail::PollState::Pending, {}};
+  if (async != ncclSuccess) {
+    return {detail::PollState::Failed,
+            std::string(ncclGetErrorString(async)) + " (" + ncclGetLastError(comm) + ")"};
+  }
+  return {detail::PollState::Done, {}};
+}
 
 class NcclWork final : public Work {
  public:
-  NcclWork(std::shared_ptr<SharedStats> stats, ncclComm_t comm, at::Device gpu,
-           std::vector<Staged> outputs, std::vector<at::Tensor> keep, uint64_t sent,
-           uint64_t received)
+  NcclWork(std::shared_ptr<SharedStats> stats, std::shared_ptr<detail::CommLife> life,
+           ncclComm_t comm, at::Device gpu, const char* name, std::vector<Staged> outputs,
+           std::vector<at::Tensor> keep, uint64_t sent, uint64_t received)
       : stats_(std::move(stats)),
+        life_(std::move(life)),
         comm_(comm),
         gpu_(gpu),
+        name_(name),
         outputs_(std::move(outputs)),
         keep_(std::move(keep)),
         sent_(sent),
@@ -105,9 +130,13 @@ class NcclWork final : public Work {
     FLEXDEMO_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
   }
   ~NcclWork() override {
-    try {
-      wait();
-    } catch (...) {  // a destructor must not throw; the error was the caller's to see
+    // An aborted communicator's collectives never complete: nothing to wait for (and its handle
+    // is freed). The inputs' memory was recorded on the NCCL stream, so releasing it is safe.
+    if (!completed_ && !life_->aborted()) {
+      try {
+        wait();
+      } catch (...) {  // a destructor must not throw; the error was the caller's to see
+      }
     }
     cudaEventDestroy(done_);
   }
@@ -116,42 +145,39 @@ class NcclWork final : public Work {
   void wait() override {
     if (completed_) return;
     const c10::cuda::CUDAGuard guard(gpu_);
-    const auto start = Clock::now();
-    const double timeout = collective_timeout();
-    for (;;) {
-      const cudaError_t state = cudaEventQuery(done_);
-      if (state == cudaSuccess) break;
-      if (state != cudaErrorNotReady) FLEXDEMO_CUDA_CHECK(state);
-      ncclResult_t async_error = ncclSuccess;
-      FLEXDEMO_NCCL_CHECK(ncclCommGetAsyncError(comm_, &async_error));
-      FLEXDEMO_NCCL_CHECK(async_error);
-      const double waited = std::chrono::duration<double>(Clock::now() - start).count();
-      if (timeout > 0 && waited > timeout) {
-        ncclCommAbort(comm_);
-        throw CommError("NCCL collective did not complete within " + std::to_string(timeout) +
-                        " s (a rank has died or hangs, or the network is down)");
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
-    }
+    const double seconds =
+        detail::settle(*life_, std::string("NCCL ") + name_, collective_timeout(), [&] {
+          const cudaError_t state = cudaEventQuery(done_);
+          if (state == cudaSuccess) return detail::PollState{detail::PollState::Done, {}};
+          if (state != cudaErrorNotReady) {
+            return detail::PollState{detail::PollState::Failed, cudaGetErrorString(state)};
+          }
+          detail::PollState comm = nccl_state(comm_);
+          if (comm.kind == detail::PollState::Done) comm.kind = detail::PollState::Pending;
+          return comm;
+        });
     for (Staged& s : outputs_) {
       if (s.copy_back) s.user.copy_(s.device);
     }
     completed_ = true;
-    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
     std::lock_guard<std::mutex> lock(stats_->mutex);
     stats_->stats.bytes_sent += sent_;
     stats_->stats.bytes_received += received_;
     stats_->stats.seconds += seconds;
     stats_->stats.collectives += 1;
   }
-  bool is_completed() override { return completed_ || cudaEventQuery(done_) == cudaSuccess; }
+  bool is_completed() override {
+    return completed_ || (!life_->aborted() && cudaEventQuery(done_) == cudaSuccess);
+  }
 
  private:
   std::shared_ptr<SharedStats> stats_;
+  std::shared_ptr<detail::CommLife> life_;  // the communicator outlives its collectives
   ncclComm_t comm_;
   at::Device gpu_;
+  const char* name_;
   std::vector<Staged> outputs_;
-  std::vector<at::Tensor> keep_;  // inputs staged on the GPU, alive until done
+  std::vector<at::Tensor> keep_;  // inputs and outputs on the GPU, alive until done
   uint64_t sent_, received_;
   cudaEvent_t done_ = nullptr;
   bool completed_ = false;
@@ -173,11 +199,25 @@ class NcclCommunicator final : public Communicator {
     bootstrap_->broadcast(bytes, 0);
     std::memcpy(&id, bytes.data_ptr(), sizeof(id));
     const c10::cuda::CUDAGuard guard(gpu_);
-    FLEXDEMO_NCCL_CHECK(ncclCommInitRank(&comm_, bootstrap_->size(), id, bootstrap_->rank()));
+    // Non-blocking, so that a peer that never arrives is a timeout, not a hang.
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t comm = nullptr;
+    const ncclResult_t started =
+        ncclCommInitRankConfig(&comm, bootstrap_->size(), id, bootstrap_->rank(), &config);
+    if (started != ncclSuccess && started != ncclInProgress) {
+      if (comm != nullptr) ncclCommAbort(comm);
+      check_nccl(started, "ncclCommInitRankConfig", __FILE__, __LINE__);
+    }
+    comm_ = comm;
+    life_ = std::make_shared<detail::CommLife>([comm] { ncclCommAbort(comm); },
+                                               [comm] { ncclCommDestroy(comm); });
+    detail::settle(*life_, "ncclCommInitRank over " + std::to_string(bootstrap_->size()) + " ranks",
+                   collective_timeout(), [comm] { return nccl_state(comm); });
   }
-  ~NcclCommunicator() override {
-    if (comm_ != nullptr) ncclCommDestroy(comm_);
-  }
+  // The communicator is destroyed (or not, if aborted) when the last of its collectives' handles
+  // lets go of life_.
+  ~NcclCommunicator() override = default;
 
   int rank() const override { return bootstrap_->rank(); }
   int size() const override { return bootstrap_->size(); }
@@ -191,8 +231,8 @@ class NcclCommunicator final : public Communicator {
     const Staged in = Staged::of(input, gpu_, true, false);
     const Staged out = Staged::of(output, gpu_, false, true);
     const uint64_t n = uint64_t(input.numel()) * input.element_size();
-    return launch({out}, {in.device}, (size() - 1) * n, (size() - 1) * n, [&] {
-      FLEXDEMO_NCCL_CHECK(
+    return launch("all_gather", {out}, {in.device}, (size() - 1) * n, (size() - 1) * n, [&] {
+      FLEXDEMO_NCCL_ENQUEUE(
           ncclAllGather(in.device.data_ptr(), out.device.data_ptr(), size_t(input.numel()),
                         nccl_type(input.scalar_type(), false), comm_, stream_.stream()));
     });
@@ -210,18 +250,18 @@ class NcclCommunicator final : public Communicator {
     uint64_t others = 0;
     for (int r = 0; r < size(); ++r) others += r == rank() ? 0 : uint64_t(counts[r]) * element;
     const uint64_t mine = uint64_t(input.numel()) * element;
-    return launch({out}, {in.device}, mine * (size() - 1), others, [&] {
+    return launch("all_gather_v", {out}, {in.device}, mine * (size() - 1), others, [&] {
       const ncclDataType_t type = nccl_type(input.scalar_type(), false);
       auto* base = static_cast<uint8_t*>(out.device.data_ptr());
-      FLEXDEMO_NCCL_CHECK(ncclGroupStart());
+      FLEXDEMO_NCCL_ENQUEUE(ncclGroupStart());
       int64_t offset = 0;
       for (int r = 0; r < size(); ++r) {  // one broadcast per rank into its place
         const void* send = r == rank() ? in.device.data_ptr() : nullptr;
-        FLEXDEMO_NCCL_CHECK(ncclBroadcast(send, base + offset * element, size_t(counts[r]), type, r,
-                                          comm_, stream_.stream()));
+        FLEXDEMO_NCCL_ENQUEUE(ncclBroadcast(send, base + offset * element, size_t(counts[r]), type,
+                                            r, comm_, stream_.stream()));
         offset += counts[r];
       }
-      FLEXDEMO_NCCL_CHECK(ncclGroupEnd());
+      FLEXDEMO_NCCL_ENQUEUE(ncclGroupEnd());
     });
   }
 
@@ -229,8 +269,8 @@ class NcclCommunicator final : public Communicator {
     const Staged t = Staged::of(tensor, gpu_, true, true);
     const uint64_t n = uint64_t(tensor.numel()) * tensor.element_size();
     const uint64_t bus = size() > 1 ? 2 * (size() - 1) * n / size() : 0;
-    return launch({t}, {}, bus, bus, [&] {
-      FLEXDEMO_NCCL_CHECK(ncclAllReduce(
+    return launch("all_reduce", {t}, {}, bus, bus, [&] {
+      FLEXDEMO_NCCL_ENQUEUE(ncclAllReduce(
           t.device.data_ptr(), t.device.data_ptr(), size_t(tensor.numel()),
           nccl_type(tensor.scalar_type(), true), nccl_op(tensor, op), comm_, stream_.stream()));
     });
@@ -246,8 +286,8 @@ class NcclCommunicator final : public Communicator {
     const Staged out = Staged::of(output, gpu_, false, true);
     const uint64_t n = uint64_t(input.numel()) * input.element_size();
     const uint64_t bus = (size() - 1) * n / size();
-    return launch({out}, {in.device}, bus, bus, [&] {
-      FLEXDEMO_NCCL_CHECK(ncclReduceScatter(
+    return launch("reduce_scatter", {out}, {in.device}, bus, bus, [&] {
+      FLEXDEMO_NCCL_ENQUEUE(ncclReduceScatter(
           in.device.data_ptr(), out.device.data_ptr(), size_t(output.numel()),
           nccl_type(input.scalar_type(), true), nccl_op(input, op), comm_, stream_.stream()));
     });
@@ -257,8 +297,8 @@ class NcclCommunicator final : public Communicator {
     if (root < 0 || root >= size()) throw std::invalid_argument("broadcast: bad root");
     const Staged t = Staged::of(tensor, gpu_, true, true);
     const uint64_t n = uint64_t(tensor.numel()) * tensor.element_size();
-    return launch({t}, {}, rank() == root ? n : 0, rank() == root ? 0 : n, [&] {
-      FLEXDEMO_NCCL_CHECK(
+    return launch("broadcast", {t}, {}, rank() == root ? n : 0, rank() == root ? 0 : n, [&] {
+      FLEXDEMO_NCCL_ENQUEUE(
           ncclBroadcast(t.device.data_ptr(), t.device.data_ptr(), size_t(tensor.numel()),
                         nccl_type(tensor.scalar_type(), false), root, comm_, stream_.stream()));
     });
@@ -318,10 +358,15 @@ class NcclCommunicator final : public Communicator {
   }
 
   // Runs `enqueue` on the communicator's stream after the caller's queued work; the returned
-  // Work completes when it is done.
+  // Work completes when it is done. The tensors it uses are recorded on that stream, so the
+  // caching allocator does not hand their memory out again before the collective is done with
+  // it, even if the caller drops them (or the Work, after an abort).
   template <typename Enqueue>
-  std::unique_ptr<Work> launch(std::vector<Staged> outputs, std::vector<at::Tensor> keep,
-                               uint64_t sent, uint64_t received, Enqueue&& enqueue) {
+  std::unique_ptr<Work> launch(const char* name, std::vector<Staged> outputs,
+                               std::vector<at::Tensor> keep, uint64_t sent, uint64_t received,
+                               Enqueue&& enqueue) {
+    const std::string what = std::string("NCCL ") + name;
+    life_->throw_if_aborted(what);
     const c10::cuda::CUDAGuard guard(gpu_);
     cudaEvent_t ready;
     FLEXDEMO_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
@@ -329,9 +374,16 @@ class NcclCommunicator final : public Communicator {
     FLEXDEMO_CUDA_CHECK(cudaStreamWaitEvent(stream_.stream(), ready, 0));
     cudaEventDestroy(ready);
     for (const Staged& s : outputs) keep.push_back(s.device);
-    auto work = std::make_unique<NcclWork>(stats_, comm_, gpu_, std::move(outputs), std::move(keep),
-                                           sent, received);
+    for (const at::Tensor& t : keep) {
+      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream_);
+    }
+    auto work = std::make_unique<NcclWork>(stats_, life_, comm_, gpu_, name, std::move(outputs),
+                                           std::move(keep), sent, received);
     enqueue();
+    // Non-blocking mode: the enqueue may still be in progress; it must be done before the event
+    // that marks the collective's end is recorded behind it.
+    detail::settle(*life_, what + " (enqueue)", collective_timeout(),
+                   [this] { return nccl_state(comm_); });
     FLEXDEMO_CUDA_CHECK(cudaEventRecord(work->event(), stream_.stream()));
     return work;
   }
@@ -341,6 +393,7 @@ class NcclCommunicator final : public Communicator {
   std::shared_ptr<SharedStats> stats_;
   c10::cuda::CUDAStream stream_;
   ncclComm_t comm_ = nullptr;
+  std::shared_ptr<detail::CommLife> life_;  // abort once, never destroy after an abort
 };
 
 }  // namespace
