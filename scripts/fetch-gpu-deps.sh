@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 packages=(
   libcli11-dev nlohmann-json3-dev libfmt-dev libfmt9 libgtest-dev
   libbenchmark-dev libbenchmark1debian
-  libsentencepiece-dev libsentencepiece0 libprotobuf-lite32 zlib1g-dev
+  libsentencepiece-dev libsentencepiece0 libprotobuf-lite32 zlib1g-dev zlib1g
+  libgettextpo-dev libgettextpo0
   pkgconf pkgconf-bin libpkgconf3
   libopenmpi-dev libopenmpi3 openmpi-common openmpi-bin
   libhwloc15 libevent-core-2.1-7 libevent-pthreads-2.1-7 libevent-2.1-7 libpmix2 libfabric1

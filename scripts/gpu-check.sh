@@ -1,180 +1,230 @@
 #!/usr/bin/env bash
 # The GPU check: the one command to run on a machine with an NVIDIA GPU (made for the H200 one:
-# CUDA, PyPI's torch in python3, CMake and ninja, no package manager). Builds flexdemo there
-# against that python's LibTorch, with what the machine lacks taken from .gpu-deps/ (made here by
-# scripts/fetch-gpu-deps.sh, unpacked there into a prefix of its own), runs the GPU tests and
-# measurements, and writes OUT_DIR/gpu-check.json (and gpu-check.log):
-#   payload_identical_cpu_gpu  the CUDA kernels' payloads, residuals and updates equal the CPU's
-#                              portable kernels' bit for bit (test_gpu, every value encoding)
-#   demo_step_ms, adamw_fused_step_ms   GPT-2 small shapes, top-k 32, chunk 64, bf16 values,
-#                              measured in the same run (flexdemo bench optimizer --device cuda)
-#   gpu_2x2 / cpu_2x2          2 nodes x 2 ranks sharing the GPU (MPI inside and between nodes),
-#                              50 steps: final loss and whether the replicas stayed bit-identical,
-#                              next to the same run on the CPU
-#   nccl_smoke                 one rank per GPU, NCCL inside and between nodes
-#   tokens_per_s, pytorch_tokens_per_s  gpt2-small training on one GPU against PyTorch eager on
-#                              the same shapes and batch (bench/pytorch_gpt.py), same script
-#   python_gpu_ops_identical   the Python package (python/, built against that torch): its torch
-#                              ops on the GPU equal the CPU's portable kernels bit for bit, every
-#                              encoding, and FlexDeMo trains there (tests/python/test_gpu_ops.py)
-#   python_bench               python -m flexdemo.bench --scale 1 on the device: the ops' DeMo
-#                              step, torch AdamW (foreach, fused), the plain-torch DeMo step
+# CUDA, PyPI's torch in python3, CMake and ninja, OpenMPI's mpirun, no -dev packages, no network).
+# Every step runs under a timeout; OUT_DIR/gpu-check.json is rewritten after each one, and a
+# failing step's last lines are kept as OUT_DIR/failed-STEP.txt, so a lease that ends early
+# still leaves everything measured so far. The steps, most informative and least fragile first:
+#   probe            GPU, driver, compute mode, torch, CUDA, NCCL, nvcc, OpenMPI, CMake versions
+#   python_build     the Python package (python/) against python3's torch: needs only torch, a
+#                    compiler, CMake and nvcc
+#   python_ops       its torch ops on the GPU equal the CPU's portable kernels bit for bit, every
+#                    encoding, and FlexDeMo trains there (tests/python/test_gpu_ops.py)
+#   python_bench     python -m flexdemo.bench --scale 1: the ops' DeMo step against torch AdamW
+#                    (foreach, fused) and the plain-torch DeMo step
+#   configure, build the C++ library, CLI and GPU tests against that torch, with what the machine
+#                    lacks taken from .gpu-deps/ (scripts/fetch-gpu-deps.sh, unpacked into a
+#                    prefix of its own); the nvcc command line of the kernels goes to the log
+#   test_gpu         the CUDA kernels' payloads, residuals and updates equal the CPU's portable
+#                    kernels' bit for bit (every value encoding)
+#   memcheck, racecheck   compute-sanitizer over one encoding's kernel test
+#   ncu_encode       one Nsight Compute profile of the encode kernel (OUT_DIR/encode.ncu-rep)
+#   bench            flexdemo bench optimizer --device cuda, GPT-2 small shapes, top-k 32, chunk
+#                    64, bf16: demo_step_ms next to torch's fused AdamW in the same run
+#   train_gpu, train_cpu   2 nodes x 2 ranks sharing the GPU (MPI), 50 steps, replicas checked;
+#                    the same run on the CPU
+#   nccl_smoke       one rank, NCCL inside and between nodes
+#   speed, pytorch   gpt2-small training tokens/s against PyTorch eager on the same shapes
+#
 #   scripts/gpu-check.sh OUT_DIR
-#   scripts/gpu-check.sh --rehearse OUT_DIR   the same steps on the CPU, a small model for the
-#                                            speed runs: checks the script itself without a GPU
+#   scripts/gpu-check.sh --rehearse OUT_DIR   the same steps on the CPU (small speed model, no
+#       sanitizer or profiler): checks the script itself without a GPU; scripts/gpu-rehearsal.sh
+#       runs it in an environment shaped like the GPU machine's
+# Limits per step come from FLEXDEMO_GPU_CHECK_SCALE (default 1; 2 doubles every timeout).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
-device=cuda speed_model=gpt2-small
+device=cuda speed_model=gpt2-small bench_scale=1
 if [ "${1:-}" = "--rehearse" ]; then
   shift
-  device=cpu speed_model=gpt-nano
+  device=cpu speed_model=gpt-nano bench_scale=0.25
 fi
 out=${1:?usage: scripts/gpu-check.sh [--rehearse] OUT_DIR}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
+rm -f "$out"/failed-*.txt "$out/steps.tsv"
 log="$out/gpu-check.log"
 : > "$log"
 started=$SECONDS
 python=${PYTHON:-python3}
+scale=${FLEXDEMO_GPU_CHECK_SCALE:-1}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
 say() { echo "gpu-check: $* ($((SECONDS - started)) s)" | tee -a "$log"; }
-fail() { say "FAILED: $*"; exit 1; }
 
-# ====== 1. Dependencies: the machine's own first, the carried packages for the rest ======
-torch_root=$($python -c 'import os, torch; print(os.path.dirname(torch.__file__))') ||
-  fail "no torch in $python"
-prefix=/tmp/flexdemo-gpu-deps
-rm -rf "$prefix"
-mkdir -p "$prefix"
-if compgen -G ".gpu-deps/*.deb" > /dev/null; then
-  for f in .gpu-deps/*.deb; do dpkg -x "$f" "$prefix" || fail "unpacking $f"; done
+# ====== Steps and the report ======
+# step NAME SECONDS COMMAND...: runs COMMAND under a timeout with its output in the log, records
+# its exit status (124: timed out), keeps a failure's last lines, rewrites the report.
+step() {
+  local name=$1 limit=$(($2 * scale)) begin=$SECONDS rc
+  shift 2
+  say "$name: started (limit $limit s)"
+  timeout --kill-after=15 "$limit" "$@" > "$work/$name.txt" 2>&1
+  rc=$?
+  { echo "== $name (exit $rc)"; cat "$work/$name.txt"; } >> "$log"
+  [ $rc -ne 0 ] && tail -n 80 "$work/$name.txt" > "$out/failed-$name.txt"
+  printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - begin))" >> "$out/steps.tsv"
+  say "$name: exit $rc$([ $rc -eq 124 ] && echo ' (timed out)')"
+  report
+  return $rc
+}
+skip() {  # NAME WHY
+  printf '%s\tskipped\t0\n' "$1" >> "$out/steps.tsv"
+  say "$1: skipped ($2)"
+}
+report() {
+  $python scripts/gpu_check_report.py "$work" "$out" "$device" "$((SECONDS - started))" \
+    > /dev/null 2>> "$log" || say "report: failed (see $log)"
+}
+passed() {  # NAME: whether the step ran and exited 0
+  grep -q "^$1	0	" "$out/steps.tsv" 2> /dev/null
+}
+
+# ====== 1. What the machine is ======
+probe() {
+  command -v nvidia-smi > /dev/null &&
+    nvidia-smi --query-gpu=name,driver_version,memory.total,compute_mode --format=csv
+  $python -c 'import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())
+if torch.cuda.is_available():
+    print("nccl", ".".join(map(str, torch.cuda.nccl.version())))'
+  command -v nvcc > /dev/null && nvcc --version | tail -n 2
+  command -v mpirun > /dev/null && mpirun --version 2>&1 | head -n 1
+  cmake --version | head -n 1
+  echo "cores $(nproc)"
+  command -v nvcc cmake ninja mpirun mpicxx compute-sanitizer ncu || true
+}
+export python work device
+export -f probe
+step probe 60 bash -c probe
+
+# ====== 2. The Python package: torch, a compiler, CMake and nvcc are all it needs ======
+# --target: installed into the scratch folder only, never into the machine's Python.
+python_build() {
+  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) $python -m pip install -v --no-build-isolation --no-deps \
+    --target "$work/python" ./python || return 1
+  PYTHONPATH="$work/python" $python -c 'import sys, flexdemo.ops as o
+print("flexdemo ops: CUDA kernels built:", o.cuda_built())
+sys.exit(0 if o.cuda_built() else 1)'
+}
+export -f python_build
+if step python_build 900 bash -c python_build; then
+  step python_ops 300 env PYTHONPATH="$work/python" $python tests/python/test_gpu_ops.py
+  step python_bench 300 env PYTHONPATH="$work/python" OMP_NUM_THREADS=1 $python -m flexdemo.bench \
+    --device "$device" --scale $bench_scale --json "$work/python_bench.json"
 fi
+
+# ====== 3. The C++ build: the machine's own libraries first, the carried packages for the rest ==
+torch_root=$($python -c 'import os, torch; print(os.path.dirname(torch.__file__))')
+prefix=/tmp/flexdemo-gpu-deps
+unpack() {
+  rm -rf "$prefix"
+  mkdir -p "$prefix"
+  compgen -G ".gpu-deps/*.deb" > /dev/null || { echo "no .gpu-deps/*.deb"; return 0; }
+  for f in .gpu-deps/*.deb; do dpkg -x "$f" "$prefix" || return 1; done
+  # dpkg -x relocates files, not what points at them: absolute links (zlib1g-dev's libz.so ->
+  # /lib/...) and the pkg-config files' prefix=/usr are made to point into the prefix.
+  find "$prefix" -type l -lname '/*' | while read -r link; do
+    ln -sfn "$prefix$(readlink "$link")" "$link"
+  done
+  find "$prefix" -name '*.pc' -exec sed -i "s|^prefix=/usr|prefix=$prefix/usr|" {} +
+  echo "unpacked $(find .gpu-deps -name '*.deb' | wc -l) packages into $prefix"
+}
+export prefix
+export -f unpack
+step unpack 120 bash -c unpack
 libdir=$prefix/usr/lib/x86_64-linux-gnu
 export PATH="$PATH:$prefix/usr/bin"  # the machine's own tools win
 export PKG_CONFIG_PATH="$libdir/pkgconfig:$prefix/usr/share/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
 export LD_LIBRARY_PATH="$libdir:$libdir/openmpi/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-if [[ "$(command -v mpicxx)" == "$prefix"/* ]]; then
-  export OPAL_PREFIX=$prefix/usr  # the carried OpenMPI, relocated
-  say "OpenMPI: carried (Debian's, in $prefix)"
+# The machine's OpenMPI when it can build (mpicxx with its mpi.h), else the carried one, whole:
+# its compiler wrapper and its mpirun (dpkg -x runs no update-alternatives: named here), relocated.
+machine_mpi=false
+if command -v mpicxx > /dev/null; then
+  for dir in $(mpicxx --showme:incdirs 2> /dev/null); do
+    [ -f "$dir/mpi.h" ] && machine_mpi=true
+  done
+fi
+if ! $machine_mpi && [ -x "$prefix/usr/bin/mpicxx.openmpi" ]; then
+  mkdir -p "$prefix/bin"
+  for tool in mpicc mpicxx mpirun mpiexec orted; do
+    [ -e "$prefix/usr/bin/$tool.openmpi" ] && ln -sfn "$prefix/usr/bin/$tool.openmpi" "$prefix/bin/$tool"
+    [ -e "$prefix/usr/bin/$tool" ] && ln -sfn "$prefix/usr/bin/$tool" "$prefix/bin/$tool"
+  done
+  export PATH="$prefix/bin:$PATH"
+  export OPAL_PREFIX=$prefix/usr
+  say "OpenMPI: carried (Debian's, relocated to $prefix)"
 else
   say "OpenMPI: the machine's ($(command -v mpicxx || echo 'no mpicxx'))"
 fi
-{
-  echo "== probe"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  $python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
-  command -v nvcc cmake ninja mpirun mpicxx pkg-config
-} >> "$log" 2>&1
 
-# ====== 2. Build (ninja, every core) ======
 build="build-gpu"
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLEXDEMO_CUDA=ON \
-  -DTorch_DIR="$torch_root/share/cmake/Torch" -DCMAKE_PREFIX_PATH="$torch_root;$prefix/usr" \
-  >> "$log" 2>&1 || fail "configure (see $log)"
-cmake --build "$build" -j "$(nproc)" --target flexdemo_cli flexdemo_tokenize test_gpu \
-  >> "$log" 2>&1 || fail "build (see $log)"
-say "built"
+step configure 300 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLEXDEMO_CUDA=ON \
+  -DTorch_DIR="$torch_root/share/cmake/Torch" -DCMAKE_PREFIX_PATH="$torch_root;$prefix/usr" &&
+  step build 1200 cmake --build "$build" -j "$(nproc)" --target flexdemo_cli flexdemo_tokenize test_gpu
+{
+  echo "== nvcc command line of the kernels"
+  ninja -C "$build" -t commands flexdemo 2> /dev/null | grep -m 1 'nvcc.*\.cu'
+} >> "$log" 2>&1
+built=false
+passed build && built=true
 
-# ====== 3. Measurements ======
+# ====== 4. Kernels, then the training runs ======
 mpirun=(mpirun --allow-run-as-root --oversubscribe -x OMP_NUM_THREADS=1 -x LD_LIBRARY_PATH
         -x PATH)
 [ -n "${OPAL_PREFIX:-}" ] && mpirun+=(-x OPAL_PREFIX)
-work=$(mktemp -d)
 corpus=$work/corpus.txt  # real English text that every checkout has
 cat README.md docs/*.md ../shared/DESIGN.md 2> /dev/null > "$corpus"
 export FLEXDEMO_TOKENIZE=$PWD/$build/flexdemo-tokenize
 
-payload_identical=false
-if "$build/tests/test_gpu" > "$work/test_gpu.txt" 2>&1 && ! grep -q "SKIPPED" "$work/test_gpu.txt"; then
-  payload_identical=true  # passed, and not skipped (a skip means no GPU was seen)
-fi
-cat "$work/test_gpu.txt" >> "$log"
-say "payloads identical: $payload_identical"
-
-"$build/flexdemo" bench optimizer --device "$device" --scale 1 --topk 32 --chunk 64 --values bf16 \
-  --steps 20 --json > "$work/bench.json" 2>> "$log" || say "bench optimizer failed (see $log)"
-say "bench: $(cat "$work/bench.json")"
-
-# A small GPT on the corpus, 2 nodes x 2 ranks sharing the GPU (MPI: NCCL cannot put two ranks of
-# one communicator on one GPU); --check-replicas stops the run if any replica differs.
-small=(train --model gpt-nano --tokenizer bytes --data "$corpus" --seq 64 --batch 16 --steps 50
-       --eval-seqs 16 --check-replicas 10 --progress lines --ranks-per-node 2)
-train_2x2() {  # DEVICE -> its run folder
-  "${mpirun[@]}" -np 4 "$build/flexdemo" "${small[@]}" --device "$1" --intra-backend mpi \
-    --inter-backend mpi --out "$work/$1" >> "$log" 2>&1
-}
-train_2x2 "$device"; gpu_rc=$?
-train_2x2 cpu; cpu_rc=$?
-say "2x2 runs: $device exit $gpu_rc, cpu exit $cpu_rc"
-
-"${mpirun[@]}" -np 1 "$build/flexdemo" train --model gpt-nano --tokenizer bytes --data "$corpus" \
-  --seq 64 --batch 8 --steps 5 --eval-seqs 8 --progress lines --device "$device" --intra-backend nccl \
-  --inter-backend nccl --out "$work/nccl" >> "$log" 2>&1
-nccl_rc=$?
-say "NCCL smoke: exit $nccl_rc"
-
-big=(--seq 256 --batch 16)
-[ "$speed_model" = gpt-nano ] && big=(--seq 64 --batch 16)
-"$build/flexdemo" train --model "$speed_model" --tokenizer bytes --data "$corpus" "${big[@]}" \
-  --steps 30 --warmup 0 --eval-seqs 16 --optimizer adamw --device "$device" --progress lines \
-  --out "$work/speed" >> "$log" 2>&1 || say "$speed_model training failed (see $log)"
-vocab=$($python -c "import json; print(json.load(open('$work/speed/config.json'))['vocab_size'])" \
-  2> /dev/null || echo 257)
-shape=(--width 768 --layers 12 --heads 12 --context 1024)
-[ "$speed_model" = gpt-nano ] && shape=(--width 128 --layers 4 --heads 4 --context 128)
-$python bench/pytorch_gpt.py --device "$device" --vocab "$vocab" "${big[@]}" "${shape[@]}" \
-  --steps 30 > "$work/pytorch.json" 2>> "$log" || say "PyTorch baseline failed"
-say "speed runs done"
-
-# The Python package against this python's torch, installed into the scratch folder only.
-python_ops=false
-if $python -m pip install --no-build-isolation --no-deps --target "$work/python" ./python \
-    >> "$log" 2>&1; then
-  if PYTHONPATH="$work/python" $python tests/python/test_gpu_ops.py > "$work/python_ops.txt" 2>&1 &&
-    ! grep -q "SKIPPED" "$work/python_ops.txt"; then
-    python_ops=true
+if $built; then
+  step test_gpu 300 "$build/tests/test_gpu"
+  one_encoding=(--gtest_filter='*Bf16*:*bf16*')
+  if [ "$device" = cuda ] && command -v compute-sanitizer > /dev/null; then
+    step memcheck 300 compute-sanitizer --tool memcheck --error-exitcode 1 "$build/tests/test_gpu" \
+      "${one_encoding[@]}"
+    step racecheck 300 compute-sanitizer --tool racecheck --error-exitcode 1 \
+      "$build/tests/test_gpu" "${one_encoding[@]}"
+  else
+    skip memcheck "no GPU or no compute-sanitizer"
+    skip racecheck "no GPU or no compute-sanitizer"
   fi
-  cat "$work/python_ops.txt" >> "$log"
-  PYTHONPATH="$work/python" $python -m flexdemo.bench --device "$device" --scale 1 \
-    --json "$work/python_bench.json" >> "$log" 2>&1 || say "python bench failed (see $log)"
-else
-  say "python package: build failed (see $log)"
-fi
-say "python package: ops identical $python_ops"
+  if [ "$device" = cuda ] && command -v ncu > /dev/null; then
+    step ncu_encode 300 ncu --kernel-name regex:encode --launch-count 1 --set full -f \
+      -o "$out/encode" "$build/tests/test_gpu" "${one_encoding[@]}"
+  else
+    skip ncu_encode "no GPU or no ncu"
+  fi
+  step bench 300 sh -c "'$build/flexdemo' bench optimizer --device $device --scale $bench_scale --topk 32 \
+    --chunk 64 --values bf16 --steps 20 --json > '$work/bench.json'"
 
-# ====== 4. The report ======
-$python - "$work" "$payload_identical" "$gpu_rc" "$cpu_rc" "$nccl_rc" "$out/gpu-check.json" \
-  "$((SECONDS - started))" "$device" "$python_ops" << 'EOF'
-import json, os, sys
-work, identical, gpu_rc, cpu_rc, nccl_rc, path, seconds, device, python_ops = sys.argv[1:]
-def load(*parts):
-    try:
-        return json.load(open(os.path.join(work, *parts)))
-    except (OSError, ValueError):
-        return {}
-bench = load("bench.json")
-report = {
-    "payload_identical_cpu_gpu": identical == "true",
-    "demo_step_ms": bench.get("demo_ms"),
-    "adamw_fused_step_ms": bench.get("adamw_fused_ms"),
-    "adamw_step_ms": bench.get("adamw_ms"),
-    "demo_over_fused": bench.get("ratio_fused"),
-    "params": bench.get("params"),
-    "gpu_2x2": {"replicas_identical": gpu_rc == "0",
-                "final_val_loss": load(device, "summary.json").get("final_val_loss")},
-    "cpu_2x2": {"replicas_identical": cpu_rc == "0",
-                "final_val_loss": load("cpu", "summary.json").get("final_val_loss")},
-    "nccl_smoke": nccl_rc == "0",
-    "tokens_per_s": load("speed", "summary.json").get("tokens_per_s"),
-    "pytorch_tokens_per_s": load("pytorch.json").get("tokens_per_s"),
-    "python_gpu_ops_identical": python_ops == "true",
-    "python_bench": load("python_bench.json"),
-    "seconds": int(seconds),
-    "device": device,  # cpu: a rehearsal (--rehearse), no GPU measured
-}
-report["replicas_identical"] = report["gpu_2x2"]["replicas_identical"]
-json.dump(report, open(path, "w"), indent=2)
-print(json.dumps(report, indent=2))
-EOF
-rm -rf "$work"
-ok=$($python -c "import json; r = json.load(open('$out/gpu-check.json')); print(r['payload_identical_cpu_gpu'] and r['replicas_identical'] and r['nccl_smoke'] and (r['demo_step_ms'] or 1e9) <= 2.0)")
+  # A small GPT on the corpus, 2 nodes x 2 ranks sharing the GPU (MPI: NCCL cannot put two ranks
+  # of one communicator on one GPU); --check-replicas stops the run if any replica differs.
+  small=(train --model gpt-nano --tokenizer bytes --data "$corpus" --seq 64 --batch 16 --steps 50
+         --eval-seqs 16 --check-replicas 10 --progress lines --ranks-per-node 2 --comm-timeout 120)
+  step train_gpu 300 "${mpirun[@]}" -np 4 "$build/flexdemo" "${small[@]}" --device "$device" \
+    --intra-backend mpi --inter-backend mpi --out "$work/$device"
+  [ "$device" = cuda ] && step train_cpu 300 "${mpirun[@]}" -np 4 "$build/flexdemo" "${small[@]}" \
+    --device cpu --intra-backend mpi --inter-backend mpi --out "$work/cpu"
+  [ "$device" = cuda ] || skip nccl_smoke "no GPU"
+  [ "$device" = cuda ] && step nccl_smoke 180 "${mpirun[@]}" -np 1 "$build/flexdemo" train --model gpt-nano \
+    --tokenizer bytes --data "$corpus" --seq 64 --batch 8 --steps 5 --eval-seqs 8 \
+    --progress lines --device "$device" --intra-backend nccl --inter-backend nccl \
+    --comm-timeout 120 --out "$work/nccl"
+
+  big=(--seq 256 --batch 16)
+  shape=(--width 768 --layers 12 --heads 12 --context 1024)
+  if [ "$speed_model" = gpt-nano ]; then
+    big=(--seq 64 --batch 16)
+    shape=(--width 128 --layers 4 --heads 4 --context 128)
+  fi
+  if step speed 300 "$build/flexdemo" train --model "$speed_model" --tokenizer bytes \
+      --data "$corpus" "${big[@]}" --steps 30 --warmup 0 --eval-seqs 16 --optimizer adamw \
+      --device "$device" --progress lines --out "$work/speed"; then
+    vocab=$($python -c "import json; print(json.load(open('$work/speed/config.json'))['vocab_size'])")
+    step pytorch 300 sh -c "$python bench/pytorch_gpt.py --device $device --vocab $vocab \
+      ${big[*]} ${shape[*]} --steps 30 > '$work/pytorch.json'"
+  fi
+fi
+
+ok=$($python -c "import json; print(json.load(open('$out/gpu-check.json'))['passed'])" 2> /dev/null)
 say "done: $([ "$ok" = True ] && echo passed || echo 'NOT passed') (report: $out/gpu-check.json)"
 [ "$ok" = True ]

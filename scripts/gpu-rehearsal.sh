@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Rehearses scripts/gpu-check.sh here, in an environment shaped like the GPU machine's image, so
+# that the one short GPU lease is not spent on a build that fails. The environment (bubblewrap
+# over a Debian minbase root, made once with debootstrap and kept in FLEXDEMO_GPU_ROOT, default
+# /tmp/flexdemo-gpu-root) has only what that image has:
+#   a compiler, CMake, ninja, an OpenMPI runtime (mpirun; no MPI headers), python3 = PyPI's torch
+#   2.11 in a venv at /opt/torch/.venv (this checkout's .venv-cuda, from install-deps.sh --cuda),
+#   CUDA's toolkit at /usr/local/cuda (nvcc; no GPU), no Debian -dev package, no network
+# and a copy of this checkout as the device tool sends it (tracked and unignored files, plus
+# .gpu-deps/ from scripts/fetch-gpu-deps.sh). It runs gpu-check.sh --rehearse there and prints
+# the report, and the CPU seconds the whole rehearsal took (the build's share / 16 cores estimates
+# the real check's build time).
+#   scripts/gpu-rehearsal.sh OUT_DIR
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: scripts/gpu-rehearsal.sh OUT_DIR}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+root=${FLEXDEMO_GPU_ROOT:-/tmp/flexdemo-gpu-root}
+cuda=$(readlink -f /usr/local/cuda)
+venv=$PWD/.venv-cuda
+
+missing=()
+command -v debootstrap > /dev/null || missing+=(debootstrap)
+command -v bwrap > /dev/null || missing+=(bubblewrap)
+if [ ${#missing[@]} -gt 0 ]; then
+  apt-get install -y --no-install-recommends "${missing[@]}" > /dev/null
+fi
+[ -x "$venv/bin/python" ] || bash scripts/install-deps.sh --cuda
+[ -d .gpu-deps ] || bash scripts/fetch-gpu-deps.sh
+[ -x "$cuda/bin/nvcc" ] || { echo "gpu-rehearsal: no CUDA toolkit at /usr/local/cuda" >&2; exit 1; }
+
+# The root: Debian minbase with the image's tools only (made once).
+if [ ! -x "$root/usr/bin/ninja" ]; then
+  mirror=$(sed -n 's/^URIs: *\([^ ]*\).*/\1/p; s/^deb \(\[[^]]*\] \)\{0,1\}\([^ ]*\) .*/\2/p' \
+    /etc/apt/sources.list.d/*.sources /etc/apt/sources.list 2> /dev/null | head -n 1)
+  echo "gpu-rehearsal: making the root in $root (debootstrap minbase)"
+  rm -rf "$root"
+  debootstrap --variant=minbase --include=g++,make,cmake,ninja-build,openmpi-bin,python3 \
+    bookworm "$root" "$mirror" > "$out/debootstrap.log" 2>&1
+fi
+
+# The checkout as the device tool sends it.
+rm -rf "$root/work"
+mkdir -p "$root/work/flexdemo" "$root/work/out"
+git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$root/work/flexdemo"
+cp -r .gpu-deps "$root/work/flexdemo/"
+[ -f ../shared/DESIGN.md ] && mkdir -p "$root/work/shared" && cp ../shared/DESIGN.md "$root/work/shared/"
+
+# The venv's interpreter lives outside it (pyvenv.cfg's home): visible at the same path.
+home=$(sed -n 's/^home *= *//p' "$venv/pyvenv.cfg")
+base=$(dirname "$home")
+before=$(awk '{print $14 + $15 + $16 + $17}' /proc/$$/stat)
+set +e
+bwrap --bind "$root" / --dev /dev --proc /proc --tmpfs /tmp \
+  --ro-bind "$cuda" /usr/local/cuda --ro-bind "$venv" /opt/torch/.venv --ro-bind "$base" "$base" \
+  --bind "$out" /work/out --chdir /work/flexdemo --unshare-net --die-with-parent \
+  --setenv PATH /opt/torch/.venv/bin:/usr/local/cuda/bin:/usr/local/bin:/usr/bin:/bin \
+  --setenv HOME /tmp --unsetenv PYTHONPATH --unsetenv LD_LIBRARY_PATH \
+  bash scripts/gpu-check.sh --rehearse /work/out
+rc=$?
+set -e
+ticks=$(getconf CLK_TCK)
+after=$(awk '{print $14 + $15 + $16 + $17}' /proc/$$/stat)
+echo "gpu-rehearsal: exit $rc; CPU seconds of the whole rehearsal: $(((after - before) / ticks))"
+python3 -c "import json; r = json.load(open('$out/gpu-check.json')); \
+print('\n'.join('  {:<14} {:>8} {:>6} s'.format(n, str(s['exit']), s['seconds']) for n, s in r['steps'].items()))"
+exit $rc

@@ -1,0 +1,82 @@
+"""gpu-check.sh's report: OUT_DIR/gpu-check.json from what the steps have left so far (rewritten
+after every step, so a check cut short still reports what it measured).
+
+    python3 scripts/gpu_check_report.py WORK_DIR OUT_DIR DEVICE SECONDS
+"""
+
+import json
+import os
+import sys
+
+
+def main():
+    work, out, device, seconds = sys.argv[1:5]
+
+    def load(*parts):
+        try:
+            with open(os.path.join(work, *parts)) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return {}
+
+    def text(name):
+        try:
+            with open(os.path.join(work, name + ".txt")) as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    steps = {}
+    try:
+        with open(os.path.join(out, "steps.tsv")) as f:
+            for line in f:
+                name, rc, took = line.rstrip("\n").split("\t")
+                steps[name] = {"exit": rc if rc == "skipped" else int(rc), "seconds": int(took)}
+    except OSError:
+        pass
+
+    def ok(name):
+        return steps.get(name, {}).get("exit") == 0
+
+    def ran_on_gpu(name):  # passed, and not skipped for want of a GPU
+        return ok(name) and "SKIPPED" not in text(name)
+
+    bench = load("bench.json")
+    report = {
+        "device": device,  # cpu: a rehearsal (--rehearse), nothing measured on a GPU
+        "seconds": int(seconds),
+        "steps": steps,
+        "failed_steps": [n for n, s in steps.items() if s["exit"] not in (0, "skipped")],
+        "python_gpu_ops_identical": ran_on_gpu("python_ops"),
+        "python_bench": load("python_bench.json"),
+        "payload_identical_cpu_gpu": ran_on_gpu("test_gpu"),
+        "demo_step_ms": bench.get("demo_ms"),
+        "adamw_fused_step_ms": bench.get("adamw_fused_ms"),
+        "adamw_step_ms": bench.get("adamw_ms"),
+        "demo_over_fused": bench.get("ratio_fused"),
+        "params": bench.get("params"),
+        "gpu_2x2": {"replicas_identical": ok("train_gpu"),
+                    "final_val_loss": load(device, "summary.json").get("final_val_loss")},
+        "cpu_2x2": {"replicas_identical": ok("train_cpu"),
+                    "final_val_loss": load("cpu", "summary.json").get("final_val_loss")},
+        "nccl_smoke": ok("nccl_smoke"),
+        "tokens_per_s": load("speed", "summary.json").get("tokens_per_s"),
+        "pytorch_tokens_per_s": load("pytorch.json").get("tokens_per_s"),
+    }
+    report["replicas_identical"] = report["gpu_2x2"]["replicas_identical"]
+    if device == "cuda":
+        report["passed"] = bool(report["payload_identical_cpu_gpu"] and
+                                report["python_gpu_ops_identical"] and
+                                report["replicas_identical"] and report["nccl_smoke"] and
+                                (report["demo_step_ms"] or 1e9) <= 2.0)
+    else:  # a rehearsal passes when every step ran and none failed
+        needed = ["probe", "python_build", "python_ops", "python_bench", "unpack", "configure",
+                  "build", "test_gpu", "bench", "train_gpu", "speed", "pytorch"]
+        report["passed"] = all(ok(n) for n in needed) and not report["failed_steps"]
+    with open(os.path.join(out, "gpu-check.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
