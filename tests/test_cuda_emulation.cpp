@@ -35,8 +35,9 @@ class EmulatedGpuStep {
       kernels::cuda::TensorDesc& d = layout_.tensors[i];
       const kernels::Dct1d& rows = kernels::dct1d(plans[i].chunk_rows);
       const kernels::Dct1d& cols = kernels::dct1d(plans[i].chunk_cols);
-      d.basis_rows = rows.full, d.basis_rows_stride = rows.full_stride;
-      d.basis_cols = cols.full, d.basis_cols_stride = cols.full_stride;
+      d.basis_rows = rows.full, d.basis_rows_t = rows.full_t;
+      d.basis_cols = cols.full, d.basis_cols_t = cols.full_t;
+      d.basis_rows_stride = rows.full_stride, d.basis_cols_stride = cols.full_stride;
     }
   }
 
@@ -96,13 +97,13 @@ class EmulatedGpuStep {
   }
 
  private:
-  size_t shared_bytes() const { return 2 * size_t(layout_.max_chunk_numel) * sizeof(float); }
+  size_t shared_bytes() const { return size_t(layout_.shared_floats) * sizeof(float); }
   kernels::cuda::TensorTable table(const std::vector<kernels::cuda::TensorDesc>& descs) const {
     kernels::cuda::TensorTable b;
     b.tensors = descs.data();
     b.chunk_tensor = layout_.chunk_tensor.data();
     b.num_chunks = int64_t(layout_.chunk_tensor.size());
-    b.max_chunk_numel = layout_.max_chunk_numel;
+    b.shared_floats = layout_.shared_floats;
     b.encoding = encoding_;
     return b;
   }

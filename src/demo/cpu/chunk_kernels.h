@@ -34,6 +34,7 @@ struct Dct1d {
   const float* base_t = nullptr;  // its transpose [i][k]
   const float* full = nullptr;    // the dense DCT-II of size n, rows padded to a multiple of 8
   int full_stride = 0;            // (row k = basis vector k: the inverse of coefficient k)
+  const float* full_t = nullptr;  // its transpose [i][k], the same stride (the GPU's forward pass)
 };
 
 // A chunk of h x w coefficients; along_rows transforms columns (size h), along_cols rows (w).

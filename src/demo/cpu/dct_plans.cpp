@@ -82,7 +82,13 @@ std::unique_ptr<Dct1dStorage> build_dct1d(int n) {
   for (int k = 0; k < n; ++k) {
     for (int i = 0; i < n; ++i) full[size_t(k) * p.full_stride + i] = float(dct_entry(n, k, i));
   }
+  std::vector<float> full_t(full.size(), 0.0f);
+  for (int k = 0; k < n; ++k) {
+    for (int i = 0; i < n; ++i)
+      full_t[size_t(i) * p.full_stride + k] = full[size_t(k) * p.full_stride + i];
+  }
   p.full = s->keep(std::move(full));
+  p.full_t = s->keep(std::move(full_t));
   return s;
 }
 

@@ -17,24 +17,27 @@ void check(cudaError_t status, const char* what) {
   }
 }
 
-// Dynamic shared memory: two chunks of floats.
 size_t shared_bytes(const TensorTable& table) {
-  return size_t(2) * size_t(table.max_chunk_numel) * sizeof(float);
+  return size_t(table.shared_floats) * sizeof(float);
 }
 
 template <typename Kernel>
 void allow_shared(Kernel kernel, size_t bytes) {
   if (bytes > 48 * 1024) {
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
-          "shared memory for two chunks");
+          "shared memory for the largest chunk");
   }
 }
 
+// Hopper's (and Ampere's) most dynamic shared memory a block may opt in to.
+constexpr size_t kMaxSharedBytes = 227 * 1024;
+
 void check_table(const TensorTable& table) {
-  if (table.max_chunk_numel > kMaxChunkNumel) {
-    throw std::invalid_argument("GPU DeMo kernels: chunks of " +
-                                std::to_string(table.max_chunk_numel) + " coefficients; at most " +
-                                std::to_string(kMaxChunkNumel));
+  if (shared_bytes(table) > kMaxSharedBytes) {
+    throw std::invalid_argument("GPU DeMo kernels: a chunk needs " +
+                                std::to_string(shared_bytes(table)) +
+                                " bytes of shared memory; at most " +
+                                std::to_string(kMaxSharedBytes) + " (a smaller --chunk)");
   }
 }
 

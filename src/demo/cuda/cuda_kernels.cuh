@@ -22,6 +22,34 @@ namespace cm = chunk_math;
 namespace codec = demo::codec;
 
 constexpr int kThreads = 256;
+constexpr int kWarp = 32;
+// The transforms' register tiles: a warp computes 2 x 32 outputs along one axis (two per lane,
+// consecutive lanes on consecutive addresses) by kTile along the other (the same for the whole
+// warp, so those operands are broadcast, 8 at a time in two 16-byte loads). Every output is
+// still one dot product in chunk_math.h's order (fma32 from 0, index ascending).
+constexpr int kTile = 8;
+constexpr int kLanesSpan = 2 * kWarp;
+
+// p[0, kTile): 16-byte aligned on the device, where it is two vector loads.
+__device__ inline void load_tile(const float* p, float (&out)[kTile]) {
+#if defined(__CUDA_ARCH__)
+  const float4 a = reinterpret_cast<const float4*>(p)[0];
+  const float4 b = reinterpret_cast<const float4*>(p)[1];
+  out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
+  out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
+#else
+  for (int t = 0; t < kTile; ++t) out[t] = p[t];
+#endif
+}
+
+// A chunk's rows padded to whole tiles (the encode's chunk in shared memory).
+__device__ inline int padded_width(int w) {
+  return (w + kTile - 1) / kTile * kTile;
+}
+// An odd row stride of at least w: lanes writing one column of consecutive rows hit 32 banks.
+__device__ inline int odd_stride(int w) {
+  return w % 2 == 0 ? w + 1 : w;
+}
 
 // Where chunk `c` of tensor t lies: its rows and columns inside the tensor (the rest is padding).
 struct Place {
@@ -117,6 +145,59 @@ __device__ void chunk_topk(const float* x, int n, int k, uint32_t* hist, int* sc
   __syncthreads();
 }
 
+// The encode's transform of the chunk in x (h rows of stride xs, zero padding) along both axes:
+// y[u][j] = sum_i B_h[u][i] x[i][j] into yt (column-major: yt[j * h + u]), then
+// c[u][v] = sum_j B_w[v][j] y[u][j] into c (row stride cs). Lanes run over u in both passes;
+// each thread keeps 2 x kTile sums in registers. Ends with a barrier.
+__device__ void forward_transform(const TensorDesc& t, const float* x, int xs, float* yt, float* c,
+                                  int cs) {
+  const int h = t.chunk_h, w = t.chunk_w;
+  const int warp = int(threadIdx.x) / kWarp, lane = int(threadIdx.x) % kWarp;
+  const int warps = int(blockDim.x) / kWarp;
+  const int u_tiles = (h + kLanesSpan - 1) / kLanesSpan, w_tiles = (w + kTile - 1) / kTile;
+  // Along the columns: per i, x[i][j0, j0 + 8) broadcast, B_h^T[i][u] coalesced.
+  for (int tile = warp; tile < u_tiles * w_tiles; tile += warps) {
+    const int ua = tile / w_tiles * kLanesSpan + lane, ub = ua + kWarp;
+    const int j0 = tile % w_tiles * kTile;
+    float acc[2][kTile] = {};
+    for (int i = 0; i < h; ++i) {
+      float xs8[kTile];
+      load_tile(x + i * xs + j0, xs8);
+      const float* bt = t.basis_rows_t + i * t.basis_rows_stride;
+      const float ba = ua < h ? bt[ua] : 0.0f, bb = ub < h ? bt[ub] : 0.0f;
+      for (int q = 0; q < kTile; ++q) {
+        acc[0][q] = cm::fma32(ba, xs8[q], acc[0][q]);
+        acc[1][q] = cm::fma32(bb, xs8[q], acc[1][q]);
+      }
+    }
+    for (int q = 0; q < kTile && j0 + q < w; ++q) {
+      if (ua < h) yt[(j0 + q) * h + ua] = acc[0][q];
+      if (ub < h) yt[(j0 + q) * h + ub] = acc[1][q];
+    }
+  }
+  __syncthreads();
+  // Along the rows: per j, B_w^T[j][v0, v0 + 8) broadcast, y[u][j] (yt) consecutive.
+  for (int tile = warp; tile < u_tiles * w_tiles; tile += warps) {
+    const int ua = tile / w_tiles * kLanesSpan + lane, ub = ua + kWarp;
+    const int v0 = tile % w_tiles * kTile;
+    float acc[2][kTile] = {};
+    for (int j = 0; j < w; ++j) {
+      float b8[kTile];
+      load_tile(t.basis_cols_t + j * t.basis_cols_stride + v0, b8);
+      const float ya = ua < h ? yt[j * h + ua] : 0.0f, yb = ub < h ? yt[j * h + ub] : 0.0f;
+      for (int q = 0; q < kTile; ++q) {
+        acc[0][q] = cm::fma32(b8[q], ya, acc[0][q]);
+        acc[1][q] = cm::fma32(b8[q], yb, acc[1][q]);
+      }
+    }
+    for (int q = 0; q < kTile && v0 + q < w; ++q) {
+      if (ua < h) c[ua * cs + v0 + q] = acc[0][q];
+      if (ub < h) c[ub * cs + v0 + q] = acc[1][q];
+    }
+  }
+  __syncthreads();
+}
+
 __global__ void encode_kernel(TensorTable table, float beta, float alpha, uint8_t* payloads) {
   FLEXDEMO_DYNAMIC_SHARED(float, shared);
   __shared__ uint32_t hist[256];
@@ -127,29 +208,25 @@ __global__ void encode_kernel(TensorTable table, float beta, float alpha, uint8_
   const int64_t c = chunk - t.first_chunk;
   const int h = t.chunk_h, w = t.chunk_w, n = h * w, k = int(t.body.k);
   const Place place = place_of(t, c);
-  float* x = shared;                                  // the chunk, then its new residual
-  float* y = shared + n;                              // the transform along the columns
-  int32_t* selected = reinterpret_cast<int32_t*>(y);  // then the top-k's positions, ascending
+  const int xs = padded_width(w), cs = odd_stride(w);
+  float* a = shared;                                  // the chunk (stride xs), then its DCT (cs)
+  float* x = shared + int64_t(h) * (xs + 1);          // the transform along the columns, then
+  int32_t* selected = reinterpret_cast<int32_t*>(a);  // the new residual; the top-k's positions
   float* residual = t.residual + place.ci * h * t.padded_cols + place.cj * w;
 
   // 1. The chunk (zeros outside the tensor), transformed along each axis, folded into the residual.
   if (t.grad != nullptr) {
     const float* src = t.grad + place.ci * h * t.cols + place.cj * w;
-    for (int e = threadIdx.x; e < n; e += blockDim.x) {
-      const int i = e / w, j = e % w;
-      x[e] = i < place.valid_h && j < place.valid_w ? src[i * t.cols + j] : 0.0f;
+    for (int e = threadIdx.x; e < h * xs; e += blockDim.x) {
+      const int i = e / xs, j = e % xs;
+      a[e] = i < place.valid_h && j < place.valid_w ? src[i * t.cols + j] : 0.0f;
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < n; e += blockDim.x) {
-      const int u = e / w, j = e % w;
-      y[e] = cm::forward_dot(t.basis_rows, t.basis_rows_stride, u, x + j, w, h);
-    }
-    __syncthreads();
+    forward_transform(t, a, xs, x, a, cs);
     for (int e = threadIdx.x; e < n; e += blockDim.x) {
       const int u = e / w, v = e % w;
-      const float coeff = cm::forward_dot(t.basis_cols, t.basis_cols_stride, v, y + u * w, 1, w);
       float& r = residual[u * t.padded_cols + v];
-      r = cm::accumulate(beta, r, alpha, coeff);
+      r = cm::accumulate(beta, r, alpha, a[u * cs + v]);
       x[e] = r;
     }
   } else {  // a zero gradient scales the residual only (the CPU path's residual.mul_(beta))
@@ -187,14 +264,20 @@ __global__ void decode_step_kernel(TensorTable table, const uint8_t* gathered, i
                                    int replicas, float lr, float keep, cm::AdamWConstants adamw,
                                    bool use_adamw) {
   FLEXDEMO_DYNAMIC_SHARED(float, shared);
+  __shared__ int scan[kThreads];
   const int64_t chunk = blockIdx.x;
   const TensorDesc& t = table.tensors[table.chunk_tensor[chunk]];
   const int64_t c = chunk - t.first_chunk;
   const int h = t.chunk_h, w = t.chunk_w, n = h * w, k = int(t.body.k);
   const Place place = place_of(t, c);
   float* X = shared;                                          // sums, then the mean coefficients
-  uint32_t* count = reinterpret_cast<uint32_t*>(shared + n);  // then the inverse along the rows
-  float* rows_done = shared + n;
+  uint32_t* count = reinterpret_cast<uint32_t*>(shared + n);  // then the nonzeros' positions
+  int32_t* nonzero = reinterpret_cast<int32_t*>(count);
+  float* rows_done = shared + 2 * n;  // the inverse along the rows, of the rows holding any
+  int32_t* row_of = reinterpret_cast<int32_t*>(shared + 3 * n);  // by slot: its row
+  int32_t* row_start = row_of + h + 1;  // by slot: its first nonzero (then one past the last)
+  const int warp = int(threadIdx.x) / kWarp, lane = int(threadIdx.x) % kWarp;
+  const int warps = int(blockDim.x) / kWarp;
 
   // 1. Per coefficient, the sum over the replicas that sent it, rank by rank, and their count.
   for (int e = threadIdx.x; e < n; e += blockDim.x) X[e] = 0.0f, count[e] = 0;
@@ -211,21 +294,75 @@ __global__ void decode_step_kernel(TensorTable table, const uint8_t* gathered, i
   for (int e = threadIdx.x; e < n; e += blockDim.x) X[e] = cm::mean_of(X[e], count[e]);
   __syncthreads();
 
-  // 2. The inverse DCT along each axis, then the step on the parameters inside the tensor.
-  for (int e = threadIdx.x; e < n; e += blockDim.x) {
-    const int u = e / w, j = e % w;
-    rows_done[e] = cm::inverse_dot(t.basis_cols, t.basis_cols_stride, j, X + u * w, 1, w);
+  // 2. The nonzero coefficients' positions, ascending, and the rows they lie in. A zero adds
+  //    nothing to a dot product (fma(b, +-0, s) == s for the sums here, never -0), so the
+  //    inverse over the nonzeros alone is the dense inverse bit for bit.
+  int begin, end, total;
+  my_range(n, begin, end);
+  int mine = 0;
+  for (int e = begin; e < end; ++e) mine += X[e] != 0.0f;
+  int slot = exclusive_scan(mine, scan, &total);
+  for (int e = begin; e < end; ++e) {
+    if (X[e] != 0.0f) nonzero[slot++] = e;
+  }
+  const int nnz = total;
+  __syncthreads();
+  my_range(nnz, begin, end);
+  mine = 0;
+  for (int q = begin; q < end; ++q) mine += q == 0 || nonzero[q] / w != nonzero[q - 1] / w;
+  slot = exclusive_scan(mine, scan, &total);
+  for (int q = begin; q < end; ++q) {
+    if (q == 0 || nonzero[q] / w != nonzero[q - 1] / w) {
+      row_of[slot] = nonzero[q] / w;
+      row_start[slot++] = q;
+    }
+  }
+  const int rows = total;
+  if (threadIdx.x == 0) row_start[rows] = nnz;
+  __syncthreads();
+
+  // 3. Along the rows, for the rows holding coefficients: rows_done[s][j] = sum_v B_w[v][j] X[u][v]
+  //    over the row's nonzeros (v ascending); B_w[v][j] coalesced over j.
+  for (int s = warp; s < rows; s += warps) {
+    for (int j = lane; j < w; j += kWarp) {
+      float acc = 0.0f;
+      for (int q = row_start[s]; q < row_start[s + 1]; ++q) {
+        const int e = nonzero[q];
+        acc = cm::fma32(t.basis_cols[(e % w) * t.basis_cols_stride + j], X[e], acc);
+      }
+      rows_done[s * w + j] = acc;
+    }
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < n; e += blockDim.x) {
-    const int i = e / w, j = e % w;
-    if (i >= place.valid_h || j >= place.valid_w) continue;
-    const float x = cm::inverse_dot(t.basis_rows, t.basis_rows_stride, i, rows_done + j, w, h);
-    const int64_t at = (place.ci * h + i) * t.cols + place.cj * w + j;
-    if (use_adamw) {
-      cm::adamw_step(t.param[at], t.exp_avg[at], t.exp_avg_sq[at], x, adamw);
-    } else {
-      t.param[at] = cm::sign_step(t.param[at], x, keep, lr);
+
+  // 4. Along the columns, over those rows only (u ascending): x[i][j] = sum_u B_h[u][i] y[u][j];
+  //    lanes over j, B_h[u][i0, i0 + 8) broadcast; then the step on the parameters in the tensor.
+  const int i_tiles = (h + kTile - 1) / kTile, j_tiles = (w + kLanesSpan - 1) / kLanesSpan;
+  for (int tile = warp; tile < i_tiles * j_tiles; tile += warps) {
+    const int i0 = tile / j_tiles * kTile;
+    const int ja = tile % j_tiles * kLanesSpan + lane, jb = ja + kWarp;
+    float acc[kTile][2] = {};
+    for (int s = 0; s < rows; ++s) {
+      float b8[kTile];
+      load_tile(t.basis_rows + row_of[s] * t.basis_rows_stride + i0, b8);
+      const float ya = ja < w ? rows_done[s * w + ja] : 0.0f;
+      const float yb = jb < w ? rows_done[s * w + jb] : 0.0f;
+      for (int q = 0; q < kTile; ++q) {
+        acc[q][0] = cm::fma32(b8[q], ya, acc[q][0]);
+        acc[q][1] = cm::fma32(b8[q], yb, acc[q][1]);
+      }
+    }
+    for (int q = 0; q < kTile && i0 + q < place.valid_h; ++q) {
+      for (int side = 0; side < 2; ++side) {
+        const int j = side == 0 ? ja : jb;
+        if (j >= place.valid_w) continue;
+        const int64_t at = (place.ci * h + i0 + q) * t.cols + place.cj * w + j;
+        if (use_adamw) {
+          cm::adamw_step(t.param[at], t.exp_avg[at], t.exp_avg_sq[at], acc[q][side], adamw);
+        } else {
+          t.param[at] = cm::sign_step(t.param[at], acc[q][side], keep, lr);
+        }
+      }
     }
   }
 }

@@ -21,8 +21,12 @@ struct TensorDesc {
   float* param = nullptr;       // [rows, cols] row-major (decode)
   float* exp_avg = nullptr;     // [rows, cols] AdamW's moments, or null (decode)
   float* exp_avg_sq = nullptr;
-  const float* basis_rows = nullptr;  // DCT-II of size chunk_h, row stride basis_rows_stride
-  const float* basis_cols = nullptr;  // DCT-II of size chunk_w
+  // DCT-II of size chunk_h (rows) and chunk_w (cols), row k = basis vector k, and their
+  // transposes (row i = entry i of every basis vector), rows 16-byte aligned (stride % 8 == 0).
+  const float* basis_rows = nullptr;
+  const float* basis_cols = nullptr;
+  const float* basis_rows_t = nullptr;
+  const float* basis_cols_t = nullptr;
   int64_t basis_rows_stride = 0, basis_cols_stride = 0;
   int64_t rows = 0, cols = 0, padded_cols = 0;
   int chunk_h = 1, chunk_w = 1;
@@ -37,7 +41,7 @@ struct TensorTable {
   const TensorDesc* tensors = nullptr;
   const int32_t* chunk_tensor = nullptr;
   int64_t num_chunks = 0;
-  int max_chunk_numel = 1;  // sizes the kernels' shared memory
+  int64_t shared_floats = 1;  // the kernels' dynamic shared memory: chunk_shared_floats' maximum
   compress::ValueEncoding encoding = compress::ValueEncoding::Fp32;
 };
 
@@ -54,7 +58,18 @@ void decode_step(const TensorTable& table, const uint8_t* gathered, int64_t buck
                  int replicas, float lr, float keep, const chunk_math::AdamWConstants* adamw,
                  cudaStream_t stream);
 
-// The largest chunk (coefficients) the kernels take: their shared memory holds two chunks.
+// The largest chunk (coefficients) the kernels take: the decode's shared memory holds three.
 constexpr int kMaxChunkNumel = 16384;
+
+// Floats of dynamic shared memory the kernels need for a chunk of h x w: the encode's chunk
+// (rows padded to 8, then odd for the coefficients) and its transform; the decode's sums, counts
+// (then the nonzeros' positions), the inverse along the rows of the rows holding coefficients,
+// and those rows' numbers and starts.
+inline int64_t chunk_shared_floats(int h, int w) {
+  const int64_t n = int64_t(h) * w;
+  const int64_t encode = int64_t(h) * ((w + 7) / 8 * 8 + 1) + n;
+  const int64_t decode = 3 * n + 2 * (int64_t(h) + 1);
+  return encode > decode ? encode : decode;
+}
 
 }  // namespace flexdemo::kernels::cuda

@@ -45,7 +45,8 @@ cuda::HostTable cuda::host_table(const std::vector<dct::ChunkPlan>& plans, int64
     layout.chunk_tensor.insert(layout.chunk_tensor.end(), size_t(plan.num_chunks()), int32_t(i));
     layout.payload_bytes.push_back(compress::wire_payload_bytes(plan, k, encoding));
     layout.bytes += layout.payload_bytes.back();
-    layout.max_chunk_numel = std::max(layout.max_chunk_numel, int(plan.chunk_numel()));
+    layout.shared_floats = std::max(
+        layout.shared_floats, chunk_shared_floats(int(plan.chunk_rows), int(plan.chunk_cols)));
   }
   return layout;
 }
@@ -70,17 +71,17 @@ struct GpuStep::Impl {
   std::vector<cuda::TensorDesc> descs;  // host copy; the step's pointers are set per call
   at::Tensor descs_on_device;           // uint8, the descs
   at::Tensor chunk_tensor;              // int32 [chunks] on the device
-  std::map<int64_t, at::Tensor> bases;  // DCT-II of size n on the device, Dct1d::full's layout
+  // DCT-II of size n on the device, Dct1d::full's layout (and full_t's, transposed).
+  std::map<std::pair<int64_t, bool>, at::Tensor> bases;
   cuda::TensorTable table;
 
-  const float* basis(int64_t n, int64_t* stride) {
+  const float* basis(int64_t n, bool transposed, int64_t* stride) {
     const Dct1d& plan = dct1d(n);
     *stride = plan.full_stride;
-    at::Tensor& slot = bases[n];
+    at::Tensor& slot = bases[{n, transposed}];
     if (!slot.defined()) {
-      const at::Tensor host =
-          at::from_blob(const_cast<float*>(plan.full), {n * plan.full_stride}, at::kFloat);
-      slot = host.to(device);
+      const float* host = transposed ? plan.full_t : plan.full;
+      slot = at::from_blob(const_cast<float*>(host), {n * plan.full_stride}, at::kFloat).to(device);
     }
     return slot.data_ptr<float>();
   }
@@ -108,14 +109,16 @@ GpuStep::GpuStep(const std::vector<dct::ChunkPlan>& plans, int64_t k,
   cuda::HostTable layout = cuda::host_table(plans, k, encoding);
   for (size_t i = 0; i < plans.size(); ++i) {
     cuda::TensorDesc& d = layout.tensors[i];
-    d.basis_rows = m.basis(plans[i].chunk_rows, &d.basis_rows_stride);
-    d.basis_cols = m.basis(plans[i].chunk_cols, &d.basis_cols_stride);
+    d.basis_rows = m.basis(plans[i].chunk_rows, false, &d.basis_rows_stride);
+    d.basis_cols = m.basis(plans[i].chunk_cols, false, &d.basis_cols_stride);
+    d.basis_rows_t = m.basis(plans[i].chunk_rows, true, &d.basis_rows_stride);
+    d.basis_cols_t = m.basis(plans[i].chunk_cols, true, &d.basis_cols_stride);
     m.offsets.push_back(size_t(d.payload_offset));
   }
   m.descs = std::move(layout.tensors);
   m.sizes = std::move(layout.payload_bytes);
   m.bytes = layout.bytes;
-  m.table.max_chunk_numel = layout.max_chunk_numel;
+  m.table.shared_floats = layout.shared_floats;
   m.chunk_tensor =
       at::from_blob(layout.chunk_tensor.data(), {int64_t(layout.chunk_tensor.size())}, at::kInt)
           .to(device);

@@ -18,7 +18,7 @@ struct HostTable {
   std::vector<int32_t> chunk_tensor;  // per bucket chunk: its tensor
   std::vector<size_t> payload_bytes;  // per tensor
   size_t bytes = 0;                   // one replica's payloads, back to back
-  int max_chunk_numel = 1;
+  int64_t shared_floats = 1;          // chunk_shared_floats' maximum over the tensors
 };
 
 // Throws std::invalid_argument for chunks of more than kMaxChunkNumel coefficients.
