@@ -65,9 +65,11 @@ __device__ Place place_of(const TensorDesc& t, int64_t c) {
   return p;
 }
 
-// This thread's share [begin, end) of n positions, in position order across the block.
+// This thread's share [begin, end) of n positions, in position order across the block. Shares
+// are an odd number of positions long, so that lanes reading the q-th of their shares hit 32
+// different banks.
 __device__ void my_range(int n, int& begin, int& end) {
-  const int per = (n + blockDim.x - 1) / blockDim.x;
+  const int per = (n + int(blockDim.x) - 1) / int(blockDim.x) | 1;
   begin = min(n, int(threadIdx.x) * per);
   end = min(n, begin + per);
 }
@@ -89,29 +91,48 @@ __device__ int exclusive_scan(int v, int* scan, int* total) {
 }
 
 // ====== Encode ======
-// The k-th largest magnitude of x[0, n) by radix selection (8 bits a pass, from the top), and how
-// many entries equal to it belong to the top-k (those of lowest position).
-__device__ void kth_magnitude(const float* x, int n, int k, uint32_t* hist, uint32_t* threshold,
-                              int* take_equal) {
+// The k-th largest magnitude of x[0, n) by radix selection over its 31 bits, the exponent first
+// (bits 30-23, over whose bins a chunk's values spread; bits 31-24 would put them in a few and
+// serialise the histogram's atomics), then 22-15, 14-7 and 6-0; and how many entries equal to it
+// belong to the top-k (those of lowest position). The bin holding the k-th is found by a scan of
+// the bins' counts from the top, each thread summing its own bins.
+__device__ void kth_magnitude(const float* x, int n, int k, uint32_t* hist, int* scan,
+                              uint32_t* threshold, int* take_equal) {
   __shared__ uint32_t prefix;
   __shared__ int remaining;
   if (threadIdx.x == 0) prefix = 0, remaining = k;
   uint32_t mask = 0;
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+  const int shifts[4] = {23, 15, 7, 0};
+  for (int pass = 0; pass < 4; ++pass) {
+    const int shift = shifts[pass], bins = pass == 3 ? 128 : 256;
+    const uint32_t digit = uint32_t(bins - 1);
+    for (int b = threadIdx.x; b < bins; b += blockDim.x) hist[b] = 0;
     __syncthreads();
     for (int e = threadIdx.x; e < n; e += blockDim.x) {
       const uint32_t m = cm::magnitude_bits(x[e]);
-      if ((m & mask) == prefix) atomicAdd(&hist[(m >> shift) & 255u], 1u);
+      if ((m & mask) == prefix) atomicAdd(&hist[(m >> shift) & digit], 1u);
     }
     __syncthreads();
-    if (threadIdx.x == 0) {  // the bin holding the remaining-th largest, from the top
-      int above = 0, bin = 255;
-      for (; bin > 0 && above + int(hist[bin]) < remaining; --bin) above += int(hist[bin]);
-      remaining -= above;
-      prefix |= uint32_t(bin) << shift;
+    const int want = remaining;
+    const int per = (bins + int(blockDim.x) - 1) / int(blockDim.x);
+    const int top = bins - 1 - int(threadIdx.x) * per;  // this thread's bins: top, top - 1, ...
+    int mine = 0;
+    for (int q = 0; q < per && top - q >= 0; ++q) mine += int(hist[top - q]);
+    int total;
+    const int above = exclusive_scan(mine, scan, &total);
+    if (above < want && above + mine >= want) {  // exactly one thread: the bins holding the k-th
+      int acc = above;
+      for (int q = 0; q < per; ++q) {
+        const int b = top - q;
+        if (acc + int(hist[b]) >= want) {
+          remaining = want - acc;
+          prefix |= uint32_t(b) << shift;
+          break;
+        }
+        acc += int(hist[b]);
+      }
     }
-    mask |= 255u << shift;
+    mask |= digit << shift;
     __syncthreads();
   }
   *threshold = prefix;
@@ -124,7 +145,7 @@ __device__ void chunk_topk(const float* x, int n, int k, uint32_t* hist, int* sc
                            int32_t* selected) {
   uint32_t threshold;
   int take_equal;
-  kth_magnitude(x, n, k, hist, &threshold, &take_equal);
+  kth_magnitude(x, n, k, hist, scan, &threshold, &take_equal);
   int begin, end;
   my_range(n, begin, end);
   int equal = 0;
