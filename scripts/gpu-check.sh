@@ -14,6 +14,8 @@
 #   configure, build the C++ library, CLI and GPU tests against that torch, with what the machine
 #                    lacks taken from .gpu-deps/ (scripts/fetch-gpu-deps.sh, unpacked into a
 #                    prefix of its own); the nvcc command line of the kernels goes to the log
+#   model            the DeMo step's H200 time predicted per kernel by the CPU emulation
+#                    (flexdemo-gpu-model, GPT-2 small), printed beside the measured one
 #   test_gpu         the CUDA kernels' payloads, residuals and updates equal the CPU's portable
 #                    kernels' bit for bit (every value encoding)
 #   memcheck, racecheck   compute-sanitizer over one encoding's kernel test
@@ -159,7 +161,8 @@ fi
 build="build-gpu"
 step configure 300 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLEXDEMO_CUDA=ON \
   -DTorch_DIR="$torch_root/share/cmake/Torch" -DCMAKE_PREFIX_PATH="$torch_root;$prefix/usr" &&
-  step build 1200 cmake --build "$build" -j "$(nproc)" --target flexdemo_cli flexdemo_tokenize test_gpu
+  step build 1200 cmake --build "$build" -j "$(nproc)" --target flexdemo_cli flexdemo_tokenize test_gpu \
+    flexdemo_gpu_model
 {
   echo "== nvcc command line of the kernels"
   ninja -C "$build" -t commands flexdemo 2> /dev/null | grep -m 1 'nvcc.*\.cu'
@@ -176,6 +179,8 @@ cat README.md docs/*.md ../shared/DESIGN.md 2> /dev/null > "$corpus"
 export FLEXDEMO_TOKENIZE=$PWD/$build/flexdemo-tokenize
 
 if $built; then
+  # The kernels' predicted H200 time (the CPU emulation's model), next to what is measured below.
+  step model 300 "$build/flexdemo-gpu-model" --scale 1 --json "$work/model.json"
   step test_gpu 300 "$build/tests/test_gpu"
   one_encoding=(--gtest_filter='*Bf16*:*bf16*')
   if [ "$device" = cuda ] && command -v compute-sanitizer > /dev/null; then

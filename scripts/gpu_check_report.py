@@ -42,6 +42,7 @@ def main():
         return ok(name) and "SKIPPED" not in text(name)
 
     bench = load("bench.json")
+    model = load("model.json")
     report = {
         "device": device,  # cpu: a rehearsal (--rehearse), nothing measured on a GPU
         "seconds": int(seconds),
@@ -51,6 +52,9 @@ def main():
         "python_bench": load("python_bench.json"),
         "payload_identical_cpu_gpu": ran_on_gpu("test_gpu"),
         "demo_step_ms": bench.get("demo_ms"),
+        "predicted_demo_step_ms": model.get("demo_step_ms"),
+        "predicted_kernels_ms": model.get("kernels_ms"),
+        "model": model,
         "adamw_fused_step_ms": bench.get("adamw_fused_ms"),
         "adamw_step_ms": bench.get("adamw_ms"),
         "demo_over_fused": bench.get("ratio_fused"),
@@ -71,7 +75,7 @@ def main():
                                 (report["demo_step_ms"] or 1e9) <= 2.0)
     else:  # a rehearsal passes when every step ran and none failed
         needed = ["probe", "python_build", "python_ops", "python_bench", "unpack", "configure",
-                  "build", "test_gpu", "bench", "train_gpu", "speed", "pytorch"]
+                  "build", "model", "test_gpu", "bench", "train_gpu", "speed", "pytorch"]
         report["passed"] = all(ok(n) for n in needed) and not report["failed_steps"]
     with open(os.path.join(out, "gpu-check.json"), "w") as f:
         json.dump(report, f, indent=2)

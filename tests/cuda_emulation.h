@@ -3,7 +3,9 @@
 // interleaving the barriers allow can happen), blocks run one after another, __shared__ variables
 // are statics (one block at a time shares them), atomics are the compiler's. Not a simulator of
 // warps or memory models: it checks the kernels' logic (indexing, selection, scans, packing),
-// not their speed. Include before the kernels, in one translation unit.
+// not their speed; their speed is estimated from the accesses and multiply-adds it records (the
+// performance model below, used by bench/gpu_model.cpp). Include before the kernels, in one
+// translation unit.
 #pragma once
 
 #include <algorithm>
@@ -12,7 +14,9 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -68,24 +72,127 @@ inline Barrier& block_barrier() {
   return barrier;
 }
 
-// kernel(args...) on grid blocks of `threads` threads, with `shared_bytes` of dynamic shared
-// memory, blocks one after another.
+// ====== The performance model's records ======
+// Each thread records the accesses the kernels trace (FLEXDEMO_TRACE_*) and its multiply-adds.
+// After a block, the lanes of each warp (32 consecutive threads) that reach the same access site
+// for the same time form one request, as the hardware serves them: a global request touches so
+// many 32-byte sectors; a shared one takes so many wavefronts (the most distinct 4-byte words in
+// one of the 32 banks; an atomic, the most accesses to one bank, as they serialise). A warp's
+// FMA instructions are its busiest lane's multiply-adds.
+enum class Space { Shared, Global, Atomic };
+struct Access {
+  int site;
+  Space space;
+  uintptr_t address;
+  int bytes;
+};
+struct ThreadRecord {
+  std::vector<Access> accesses;
+  int64_t fma = 0;
+};
+struct Counts {
+  double fma_instructions = 0;
+  double shared_requests = 0, shared_wavefronts = 0;
+  double global_requests = 0, global_sectors = 0;
+  void add(const Counts& o, double weight) {
+    fma_instructions += weight * o.fma_instructions;
+    shared_requests += weight * o.shared_requests;
+    shared_wavefronts += weight * o.shared_wavefronts;
+    global_requests += weight * o.global_requests;
+    global_sectors += weight * o.global_sectors;
+  }
+};
+inline ThreadRecord*& my_record() {
+  thread_local ThreadRecord* record = nullptr;
+  return record;
+}
+inline void trace(int site, Space space, const void* p, int bytes) {
+  if (ThreadRecord* r = my_record()) r->accesses.push_back({site, space, uintptr_t(p), bytes});
+}
+inline void trace_fma(int count) {
+  if (ThreadRecord* r = my_record()) r->fma += count;
+}
+
+inline Counts count_block(const std::vector<ThreadRecord>& threads) {
+  Counts c;
+  for (size_t w0 = 0; w0 < threads.size(); w0 += 32) {
+    const size_t w1 = std::min(threads.size(), w0 + 32);
+    int64_t fma = 0;
+    std::map<std::pair<int, int>, std::vector<const Access*>> requests;  // (site, n-th time)
+    for (size_t lane = w0; lane < w1; ++lane) {
+      fma = std::max(fma, threads[lane].fma);
+      std::map<int, int> seen;
+      for (const Access& a : threads[lane].accesses) {
+        requests[{a.site, seen[a.site]++}].push_back(&a);
+      }
+    }
+    c.fma_instructions += double(fma);
+    for (const auto& request : requests) {
+      const std::vector<const Access*>& lanes = request.second;
+      if (lanes.front()->space == Space::Global) {
+        std::set<uintptr_t> sectors;
+        for (const Access* a : lanes) {
+          for (uintptr_t s = a->address / 32; s <= (a->address + a->bytes - 1) / 32; ++s) {
+            sectors.insert(s);
+          }
+        }
+        c.global_requests += 1;
+        c.global_sectors += double(sectors.size());
+        continue;
+      }
+      std::map<uintptr_t, std::set<uintptr_t>> words;  // bank -> distinct words
+      std::map<uintptr_t, int> hits;                   // bank -> accesses
+      for (const Access* a : lanes) {
+        for (uintptr_t w = a->address / 4; w < (a->address + a->bytes + 3) / 4; ++w) {
+          words[w % 32].insert(w);
+          hits[w % 32] += 1;
+        }
+      }
+      size_t wavefronts = 1;
+      for (const auto& bank : words) {
+        wavefronts =
+            std::max(wavefronts, lanes.front()->space == Space::Atomic ? size_t(hits[bank.first])
+                                                                       : bank.second.size());
+      }
+      c.shared_requests += 1;
+      c.shared_wavefronts += double(wavefronts);
+    }
+  }
+  return c;
+}
+
+// kernel(args...) on the given blocks of `threads` threads each, with `shared_bytes` of dynamic
+// shared memory, one block after another; with `counts`, every block's accesses are traced and
+// counted into it.
 template <typename Kernel, typename... Args>
-void launch(Kernel kernel, unsigned grid, unsigned threads, size_t shared_bytes, Args... args) {
+void launch_blocks(Kernel kernel, const std::vector<unsigned>& blocks, unsigned threads,
+                   size_t shared_bytes, Counts* counts, Args... args) {
   dynamic_shared_memory().assign(shared_bytes + 16, 0);
   block_dim().x = threads;
-  for (unsigned b = 0; b < grid; ++b) {
+  for (unsigned b : blocks) {
     block_index().x = b;
     block_barrier().reset(threads);
+    std::vector<ThreadRecord> records(counts != nullptr ? threads : 0);
     std::vector<std::thread> team;
     for (unsigned t = 0; t < threads; ++t) {
+      ThreadRecord* record = counts != nullptr ? &records[t] : nullptr;
       team.emplace_back([=] {
         thread_index().x = t;
+        my_record() = record;
         kernel(args...);
       });
     }
     for (std::thread& th : team) th.join();
+    if (counts != nullptr) counts->add(count_block(records), 1.0);
   }
+}
+
+// kernel(args...) on grid blocks, one after another.
+template <typename Kernel, typename... Args>
+void launch(Kernel kernel, unsigned grid, unsigned threads, size_t shared_bytes, Args... args) {
+  std::vector<unsigned> blocks(grid);
+  for (unsigned b = 0; b < grid; ++b) blocks[b] = b;
+  launch_blocks(kernel, blocks, threads, shared_bytes, nullptr, args...);
 }
 
 }  // namespace flexdemo::cuda_emulation
@@ -96,6 +203,15 @@ void launch(Kernel kernel, unsigned grid, unsigned threads, size_t shared_bytes,
 #define threadIdx (::flexdemo::cuda_emulation::thread_index())
 #define blockIdx (::flexdemo::cuda_emulation::block_index())
 #define blockDim (::flexdemo::cuda_emulation::block_dim())
+#define FLEXDEMO_TRACE_SHARED(p, bytes)                                                       \
+  ::flexdemo::cuda_emulation::trace(__LINE__, ::flexdemo::cuda_emulation::Space::Shared, (p), \
+                                    (bytes))
+#define FLEXDEMO_TRACE_GLOBAL(p, bytes)                                                       \
+  ::flexdemo::cuda_emulation::trace(__LINE__, ::flexdemo::cuda_emulation::Space::Global, (p), \
+                                    (bytes))
+#define FLEXDEMO_TRACE_ATOMIC(p) \
+  ::flexdemo::cuda_emulation::trace(__LINE__, ::flexdemo::cuda_emulation::Space::Atomic, (p), 4)
+#define FLEXDEMO_TRACE_FMA(count) ::flexdemo::cuda_emulation::trace_fma(count)
 #define FLEXDEMO_DYNAMIC_SHARED(T, name) \
   T* name = reinterpret_cast<T*>(::flexdemo::cuda_emulation::dynamic_shared_memory().data())
 

@@ -10,6 +10,16 @@
 
 #include <cstdint>
 
+// The emulation's performance model (tests/cuda_emulation.h, bench/gpu_model.cpp) records each
+// access of the kernels' hot paths, with its memory (shared, global, a shared atomic) and size,
+// and the multiply-adds; on a GPU these are nothing.
+#ifndef FLEXDEMO_TRACE_SHARED
+#define FLEXDEMO_TRACE_SHARED(p, bytes)
+#define FLEXDEMO_TRACE_GLOBAL(p, bytes)
+#define FLEXDEMO_TRACE_ATOMIC(p)
+#define FLEXDEMO_TRACE_FMA(count)
+#endif
+
 // A kernel's dynamic shared memory, as an array of T named `name`.
 #ifndef FLEXDEMO_DYNAMIC_SHARED
 #define FLEXDEMO_DYNAMIC_SHARED(T, name) extern __shared__ T name[]
@@ -31,6 +41,12 @@ constexpr int kTile = 8;
 constexpr int kLanesSpan = 2 * kWarp;
 
 // p[0, kTile): 16-byte aligned on the device, where it is two vector loads.
+#define FLEXDEMO_LOAD_TILE(space, p, out) \
+  do {                                    \
+    FLEXDEMO_TRACE_##space((p), 16);      \
+    FLEXDEMO_TRACE_##space((p) + 4, 16);  \
+    load_tile((p), (out));                \
+  } while (0)
 __device__ inline void load_tile(const float* p, float (&out)[kTile]) {
 #if defined(__CUDA_ARCH__)
   const float4 a = reinterpret_cast<const float4*>(p)[0];
@@ -109,8 +125,11 @@ __device__ void kth_magnitude(const float* x, int n, int k, uint32_t* hist, int*
     for (int b = threadIdx.x; b < bins; b += blockDim.x) hist[b] = 0;
     __syncthreads();
     for (int e = threadIdx.x; e < n; e += blockDim.x) {
+      FLEXDEMO_TRACE_SHARED(x + e, 4);
       const uint32_t m = cm::magnitude_bits(x[e]);
-      if ((m & mask) == prefix) atomicAdd(&hist[(m >> shift) & digit], 1u);
+      if ((m & mask) != prefix) continue;
+      FLEXDEMO_TRACE_ATOMIC(&hist[(m >> shift) & digit]);
+      atomicAdd(&hist[(m >> shift) & digit], 1u);
     }
     __syncthreads();
     const int want = remaining;
@@ -149,17 +168,22 @@ __device__ void chunk_topk(const float* x, int n, int k, uint32_t* hist, int* sc
   int begin, end;
   my_range(n, begin, end);
   int equal = 0;
-  for (int e = begin; e < end; ++e) equal += cm::magnitude_bits(x[e]) == threshold;
+  for (int e = begin; e < end; ++e) {
+    FLEXDEMO_TRACE_SHARED(x + e, 4);
+    equal += cm::magnitude_bits(x[e]) == threshold;
+  }
   int total;
   int equal_before = exclusive_scan(equal, scan, &total);
   int mine = 0;
   for (int e = begin; e < end; ++e) {
+    FLEXDEMO_TRACE_SHARED(x + e, 4);
     const uint32_t m = cm::magnitude_bits(x[e]);
     mine += m > threshold || (m == threshold && equal_before++ < take_equal);
   }
   int slot = exclusive_scan(mine, scan, &total);
   equal_before = exclusive_scan(equal, scan, &total);
   for (int e = begin; e < end; ++e) {
+    FLEXDEMO_TRACE_SHARED(x + e, 4);
     const uint32_t m = cm::magnitude_bits(x[e]);
     if (m > threshold || (m == threshold && equal_before++ < take_equal)) selected[slot++] = e;
   }
@@ -183,8 +207,11 @@ __device__ void forward_transform(const TensorDesc& t, const float* x, int xs, f
     float acc[2][kTile] = {};
     for (int i = 0; i < h; ++i) {
       float xs8[kTile];
-      load_tile(x + i * xs + j0, xs8);
+      FLEXDEMO_LOAD_TILE(SHARED, x + i * xs + j0, xs8);
       const float* bt = t.basis_rows_t + i * t.basis_rows_stride;
+      if (ua < h) FLEXDEMO_TRACE_GLOBAL(bt + ua, 4);
+      if (ub < h) FLEXDEMO_TRACE_GLOBAL(bt + ub, 4);
+      FLEXDEMO_TRACE_FMA(2 * kTile);
       const float ba = ua < h ? bt[ua] : 0.0f, bb = ub < h ? bt[ub] : 0.0f;
       for (int q = 0; q < kTile; ++q) {
         acc[0][q] = cm::fma32(ba, xs8[q], acc[0][q]);
@@ -192,6 +219,8 @@ __device__ void forward_transform(const TensorDesc& t, const float* x, int xs, f
       }
     }
     for (int q = 0; q < kTile && j0 + q < w; ++q) {
+      if (ua < h) FLEXDEMO_TRACE_SHARED(yt + (j0 + q) * h + ua, 4);
+      if (ub < h) FLEXDEMO_TRACE_SHARED(yt + (j0 + q) * h + ub, 4);
       if (ua < h) yt[(j0 + q) * h + ua] = acc[0][q];
       if (ub < h) yt[(j0 + q) * h + ub] = acc[1][q];
     }
@@ -204,7 +233,10 @@ __device__ void forward_transform(const TensorDesc& t, const float* x, int xs, f
     float acc[2][kTile] = {};
     for (int j = 0; j < w; ++j) {
       float b8[kTile];
-      load_tile(t.basis_cols_t + j * t.basis_cols_stride + v0, b8);
+      FLEXDEMO_LOAD_TILE(GLOBAL, t.basis_cols_t + j * t.basis_cols_stride + v0, b8);
+      if (ua < h) FLEXDEMO_TRACE_SHARED(yt + j * h + ua, 4);
+      if (ub < h) FLEXDEMO_TRACE_SHARED(yt + j * h + ub, 4);
+      FLEXDEMO_TRACE_FMA(2 * kTile);
       const float ya = ua < h ? yt[j * h + ua] : 0.0f, yb = ub < h ? yt[j * h + ub] : 0.0f;
       for (int q = 0; q < kTile; ++q) {
         acc[0][q] = cm::fma32(b8[q], ya, acc[0][q]);
@@ -212,6 +244,8 @@ __device__ void forward_transform(const TensorDesc& t, const float* x, int xs, f
       }
     }
     for (int q = 0; q < kTile && v0 + q < w; ++q) {
+      if (ua < h) FLEXDEMO_TRACE_SHARED(c + ua * cs + v0 + q, 4);
+      if (ub < h) FLEXDEMO_TRACE_SHARED(c + ub * cs + v0 + q, 4);
       if (ua < h) c[ua * cs + v0 + q] = acc[0][q];
       if (ub < h) c[ub * cs + v0 + q] = acc[1][q];
     }
@@ -240,6 +274,8 @@ __global__ void encode_kernel(TensorTable table, float beta, float alpha, uint8_
     const float* src = t.grad + place.ci * h * t.cols + place.cj * w;
     for (int e = threadIdx.x; e < h * xs; e += blockDim.x) {
       const int i = e / xs, j = e % xs;
+      if (i < place.valid_h && j < place.valid_w) FLEXDEMO_TRACE_GLOBAL(src + i * t.cols + j, 4);
+      FLEXDEMO_TRACE_SHARED(a + e, 4);
       a[e] = i < place.valid_h && j < place.valid_w ? src[i * t.cols + j] : 0.0f;
     }
     __syncthreads();
@@ -247,6 +283,10 @@ __global__ void encode_kernel(TensorTable table, float beta, float alpha, uint8_
     for (int e = threadIdx.x; e < n; e += blockDim.x) {
       const int u = e / w, v = e % w;
       float& r = residual[u * t.padded_cols + v];
+      FLEXDEMO_TRACE_GLOBAL(&r, 4);  // read, then written
+      FLEXDEMO_TRACE_GLOBAL(&r, 4);
+      FLEXDEMO_TRACE_SHARED(a + u * cs + v, 4);
+      FLEXDEMO_TRACE_SHARED(x + e, 4);
       r = cm::accumulate(beta, r, alpha, a[u * cs + v]);
       x[e] = r;
     }
@@ -307,6 +347,10 @@ __global__ void decode_step_kernel(TensorTable table, const uint8_t* gathered, i
     const uint8_t* body = gathered + r * bucket_bytes + t.payload_offset + codec::kHeaderBytes;
     for (int j = threadIdx.x; j < k; j += blockDim.x) {
       const int pos = int(codec::get_position(body, t.body, c, j));
+      FLEXDEMO_TRACE_SHARED(X + pos, 4);  // X and count read and written
+      FLEXDEMO_TRACE_SHARED(X + pos, 4);
+      FLEXDEMO_TRACE_SHARED(count + pos, 4);
+      FLEXDEMO_TRACE_SHARED(count + pos, 4);
       X[pos] += codec::get_value(body, t.body, table.encoding, c * k + j);
       count[pos] += 1;
     }
@@ -321,7 +365,10 @@ __global__ void decode_step_kernel(TensorTable table, const uint8_t* gathered, i
   int begin, end, total;
   my_range(n, begin, end);
   int mine = 0;
-  for (int e = begin; e < end; ++e) mine += X[e] != 0.0f;
+  for (int e = begin; e < end; ++e) {
+    FLEXDEMO_TRACE_SHARED(X + e, 4);
+    mine += X[e] != 0.0f;
+  }
   int slot = exclusive_scan(mine, scan, &total);
   for (int e = begin; e < end; ++e) {
     if (X[e] != 0.0f) nonzero[slot++] = e;
@@ -349,8 +396,13 @@ __global__ void decode_step_kernel(TensorTable table, const uint8_t* gathered, i
       float acc = 0.0f;
       for (int q = row_start[s]; q < row_start[s + 1]; ++q) {
         const int e = nonzero[q];
+        FLEXDEMO_TRACE_SHARED(nonzero + q, 4);
+        FLEXDEMO_TRACE_SHARED(X + e, 4);
+        FLEXDEMO_TRACE_GLOBAL(t.basis_cols + (e % w) * t.basis_cols_stride + j, 4);
+        FLEXDEMO_TRACE_FMA(1);
         acc = cm::fma32(t.basis_cols[(e % w) * t.basis_cols_stride + j], X[e], acc);
       }
+      FLEXDEMO_TRACE_SHARED(rows_done + s * w + j, 4);
       rows_done[s * w + j] = acc;
     }
   }
@@ -365,7 +417,11 @@ __global__ void decode_step_kernel(TensorTable table, const uint8_t* gathered, i
     float acc[kTile][2] = {};
     for (int s = 0; s < rows; ++s) {
       float b8[kTile];
-      load_tile(t.basis_rows + row_of[s] * t.basis_rows_stride + i0, b8);
+      FLEXDEMO_TRACE_SHARED(row_of + s, 4);
+      FLEXDEMO_LOAD_TILE(GLOBAL, t.basis_rows + row_of[s] * t.basis_rows_stride + i0, b8);
+      if (ja < w) FLEXDEMO_TRACE_SHARED(rows_done + s * w + ja, 4);
+      if (jb < w) FLEXDEMO_TRACE_SHARED(rows_done + s * w + jb, 4);
+      FLEXDEMO_TRACE_FMA(2 * kTile);
       const float ya = ja < w ? rows_done[s * w + ja] : 0.0f;
       const float yb = jb < w ? rows_done[s * w + jb] : 0.0f;
       for (int q = 0; q < kTile; ++q) {
@@ -378,6 +434,8 @@ __global__ void decode_step_kernel(TensorTable table, const uint8_t* gathered, i
         const int j = side == 0 ? ja : jb;
         if (j >= place.valid_w) continue;
         const int64_t at = (place.ci * h + i0 + q) * t.cols + place.cj * w + j;
+        FLEXDEMO_TRACE_GLOBAL(t.param + at, 4);  // read, then written
+        FLEXDEMO_TRACE_GLOBAL(t.param + at, 4);
         if (use_adamw) {
           cm::adamw_step(t.param[at], t.exp_avg[at], t.exp_avg_sq[at], acc[q][side], adamw);
         } else {

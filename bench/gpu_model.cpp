@@ -1,0 +1,219 @@
+// `flexdemo-gpu-model`: the DeMo step's time on an H200, predicted before a GPU is lent. The CUDA
+// kernels (cuda_kernels.cuh, unchanged) run under the CPU emulation on GPT-2 small's chunk grid
+// (one sampled chunk or two per distinct tensor shape, weighted by its chunks), which records
+// every traced access and multiply-add (tests/cuda_emulation.h): per kernel the warp FMA
+// instructions, the shared-memory wavefronts (bank conflicts included), the global sectors per
+// warp request, and the DRAM bytes each kernel must move. Each becomes a time at the H200's
+// rates; a kernel takes the longest of them (a roofline), plus its launch. The host's part of a
+// step (the payloads' checksums, sealed and validated on the host, and their copies) is measured
+// here on this CPU and added, said as such.
+//   flexdemo-gpu-model [--scale 1] [--topk 32] [--chunk 64] [--values bf16] [--replicas 1]
+//                      [--json FILE]
+#include "emulated_gpu_step.h"  // first: the CUDA words the kernels use
+
+#include "flexdemo/names.h"
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+using namespace flexdemo;
+using cuda_emulation::Counts;
+
+namespace {
+
+// The H200 (SXM): 132 SMs at 1.98 GHz; per SM and clock 4 warp FMA instructions (128 lanes) and
+// 128 bytes through the shared-memory/L1 pipe (one wavefront, or four 32-byte sectors); DRAM at
+// the 4.3 TB/s a copy reached on the lent machine (4.8 TB/s peak); a launch about 4 us.
+constexpr double kSms = 132, kClock = 1.98e9, kDram = 4.3e12, kLaunch = 4e-6;
+// Host <-> device copies of the payloads over PCIe 5 (a conservative rate, not measured there).
+constexpr double kCopy = 25e9;
+
+struct Shape {
+  std::vector<int64_t> dims;
+  int tensors = 0;  // how many of GPT-2 small's tensors have it
+};
+
+// GPT-2 small (vocab 50304, width 768, context 1024, 12 layers): 124M parameters.
+std::vector<Shape> gpt2_shapes(double scale) {
+  const int64_t vocab = std::llround(50304 * scale), d = std::llround(768 * scale);
+  const int64_t context = std::llround(1024 * scale);
+  const int layers = std::max(1, int(12 * scale));
+  std::map<std::vector<int64_t>, int> count;
+  count[{vocab, d}] += 1;
+  count[{context, d}] += 1;
+  for (int l = 0; l < layers; ++l) {
+    for (const std::vector<int64_t>& s : std::vector<std::vector<int64_t>>{{d},
+                                                                           {d},
+                                                                           {3 * d, d},
+                                                                           {3 * d},
+                                                                           {d, d},
+                                                                           {d},
+                                                                           {d},
+                                                                           {d},
+                                                                           {4 * d, d},
+                                                                           {4 * d},
+                                                                           {d, 4 * d},
+                                                                           {d}}) {
+      count[s] += 1;
+    }
+  }
+  count[{d}] += 2;
+  std::vector<Shape> shapes;
+  for (const auto& [dims, n] : count) shapes.push_back({dims, n});
+  return shapes;
+}
+
+struct Kernel {
+  std::string name;
+  Counts counts;
+  double dram_bytes = 0;
+  double t_fma() const { return counts.fma_instructions / (4 * kSms * kClock); }
+  double t_lsu() const {
+    return (counts.shared_wavefronts + counts.global_sectors / 4) / (kSms * kClock);
+  }
+  double t_dram() const { return dram_bytes / kDram; }
+  double predicted() const { return std::max({t_fma(), t_lsu(), t_dram()}) + kLaunch; }
+  nlohmann::json json() const {
+    return {{"fma_instructions", counts.fma_instructions},
+            {"shared_requests", counts.shared_requests},
+            {"shared_wavefronts", counts.shared_wavefronts},
+            {"global_requests", counts.global_requests},
+            {"global_sectors", counts.global_sectors},
+            {"dram_bytes", dram_bytes},
+            {"fma_ms", t_fma() * 1e3},
+            {"lsu_ms", t_lsu() * 1e3},
+            {"dram_ms", t_dram() * 1e3},
+            {"predicted_ms", predicted() * 1e3}};
+  }
+};
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"The DeMo step's H200 time predicted from the CUDA kernels under the CPU emulation"};
+  double scale = 1.0;
+  int64_t topk = 32, chunk = 64;
+  int replicas = 1;
+  std::string values = "bf16", json_path;
+  app.add_option("--scale", scale, "GPT-2 small's shapes scaled by this")
+      ->check(CLI::Range(0.01, 1.0));
+  app.add_option("--topk", topk, "coefficients kept per chunk")->check(CLI::Range(1, 16384));
+  app.add_option("--chunk", chunk, "target chunk edge (divisor mode)")->check(CLI::Range(1, 128));
+  app.add_option("--values", values, "wire encoding of the values")
+      ->check(CLI::IsMember(names_of<compress::ValueEncoding>()));
+  app.add_option("--replicas", replicas, "replicas whose payloads are decoded")
+      ->check(CLI::Range(1, 1024));
+  app.add_option("--json", json_path, "also write the model to this file");
+  CLI11_PARSE(app, argc, argv);
+  const auto encoding = parse_name<compress::ValueEncoding>(values);
+
+  const std::vector<Shape> shapes = gpt2_shapes(scale);
+  std::vector<dct::ChunkPlan> plans;
+  int64_t params = 0;
+  for (const Shape& s : shapes) {
+    plans.push_back(dct::make_chunk_plan(s.dims, chunk, dct::ChunkMode::Divisor));
+    params += plans.back().numel() * s.tensors;
+  }
+  const cuda_emulation::EmulatedGpuStep step(plans, topk, encoding, kernels::cuda::kThreads);
+
+  at::manual_seed(0);
+  std::vector<at::Tensor> grads, residuals, weights;
+  for (const dct::ChunkPlan& plan : plans) {
+    grads.push_back(at::randn({plan.rows, plan.cols}) * 1e-3);
+    residuals.push_back(at::zeros({plan.padded_numel()}));
+    weights.push_back(at::randn({plan.rows, plan.cols}) * 0.02);
+  }
+  at::Tensor send = at::empty({int64_t(step.bytes())}, at::kByte);
+
+  // Sampled chunks: the first and the middle one of each shape, weighted to all its chunks.
+  Kernel encode, decode;
+  encode.name = "encode";
+  decode.name = "decode_step";
+  const auto start = std::chrono::steady_clock::now();
+  double bucket_bytes = 0;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const kernels::cuda::TensorDesc& d = step.layout().tensors[i];
+    const int64_t chunks = plans[i].num_chunks();
+    std::vector<unsigned> blocks = {unsigned(d.first_chunk)};
+    if (chunks > 2) blocks.push_back(unsigned(d.first_chunk + chunks / 2));
+    const double weight = double(shapes[i].tensors) * double(chunks) / double(blocks.size());
+    Counts counts;
+    step.encode(grads, residuals, 0.0, 1.0, send, &blocks, &counts);
+    encode.counts.add(counts, weight);
+    at::Tensor gathered = send.repeat({replicas});
+    counts = Counts{};
+    step.decode_step(gathered, replicas, weights, {}, {}, kernels::AdamWHyper{}, &blocks, &counts);
+    decode.counts.add(counts, weight);
+    const double n = double(shapes[i].tensors);
+    const double payload = double(step.layout().payload_bytes[i]) * n;
+    bucket_bytes += payload;
+    // What each kernel must move through DRAM: the gradient read, the residual read and written,
+    // the payload written; the replicas' payloads read, the parameters read and written.
+    encode.dram_bytes +=
+        n * (4.0 * double(plans[i].numel()) + 8.0 * double(plans[i].padded_numel())) + payload;
+    decode.dram_bytes += n * 8.0 * double(plans[i].numel()) + replicas * payload;
+  }
+  const double emulated_s = seconds_since(start);
+
+  // The host's part, measured here: sealing the bucket (checksums) and validating each replica's.
+  std::vector<uint8_t> host(step.bytes());
+  std::memcpy(host.data(), send.data_ptr<uint8_t>(), step.bytes());
+  const int repeats = 5;
+  const auto seal_start = std::chrono::steady_clock::now();
+  for (int r = 0; r < repeats; ++r) step.seal(host.data());  // one payload per distinct shape
+  const double crc_rate = repeats * double(step.bytes()) / seconds_since(seal_start);
+  const double host_crc = bucket_bytes * (1 + replicas) / crc_rate;
+  const double copies = bucket_bytes * (2 + replicas) / kCopy;
+
+  const double kernels_s = encode.predicted() + decode.predicted();
+  std::printf(
+      "GPT-2 small x %.2f: %lld parameters, %zu distinct shapes, chunk %lld, top-k %lld, %s, %d "
+      "replica(s); bucket %.2f MB\n",
+      scale, (long long)params, shapes.size(), (long long)chunk, (long long)topk, values.c_str(),
+      replicas, bucket_bytes / 1e6);
+  std::printf("%-12s %10s %12s %12s %10s %8s %8s %8s %10s\n", "kernel", "FMA Ginst", "shared Mwave",
+              "global Msect", "DRAM MB", "fma ms", "lsu ms", "dram ms", "predicted");
+  for (const Kernel* k : {&encode, &decode}) {
+    std::printf("%-12s %10.3f %12.2f %12.2f %10.1f %8.3f %8.3f %8.3f %9.3f ms\n", k->name.c_str(),
+                k->counts.fma_instructions / 1e9, k->counts.shared_wavefronts / 1e6,
+                k->counts.global_sectors / 1e6, k->dram_bytes / 1e6, k->t_fma() * 1e3,
+                k->t_lsu() * 1e3, k->t_dram() * 1e3, k->predicted() * 1e3);
+  }
+  std::printf("kernels: %.3f ms predicted on an H200\n", kernels_s * 1e3);
+  std::printf(
+      "host: checksums %.3f ms (sealing, and validating %d replica(s), at %.2f GB/s measured on "
+      "this CPU), copies %.3f ms (at %.0f GB/s assumed)\n",
+      host_crc * 1e3, replicas, crc_rate / 1e9, copies * 1e3, kCopy / 1e9);
+  std::printf("demo step: %.3f ms predicted (kernels + host), emulated in %.0f s\n",
+              (kernels_s + host_crc + copies) * 1e3, emulated_s);
+  if (!json_path.empty()) {
+    nlohmann::json report = {{"params", params},
+                             {"scale", scale},
+                             {"topk", topk},
+                             {"chunk", chunk},
+                             {"values", values},
+                             {"replicas", replicas},
+                             {"bucket_bytes", bucket_bytes},
+                             {"encode", encode.json()},
+                             {"decode_step", decode.json()},
+                             {"kernels_ms", kernels_s * 1e3},
+                             {"host_checksum_ms", host_crc * 1e3},
+                             {"host_copies_ms", copies * 1e3},
+                             {"demo_step_ms", (kernels_s + host_crc + copies) * 1e3}};
+    std::ofstream(json_path) << report.dump(2) << "\n";
+  }
+  return 0;
+}

@@ -1,0 +1,123 @@
+// kernels::GpuStep's interface over CPU tensors, with the CUDA kernels (cuda_kernels.cuh,
+// unchanged) launched by the emulation (cuda_emulation.h): what test_cuda_emulation checks bit for
+// bit against the CPU's kernels and what bench/gpu_model.cpp traces. Include once per program.
+#pragma once
+
+#include "cuda_emulation.h"  // first: the CUDA words the kernels use
+
+#include "demo/cpu/chunk_kernels.h"
+#include "demo/cuda/cuda_kernels.cuh"
+#include "demo/cuda/host_table.h"
+#include "flexdemo/compress.h"
+#include "flexdemo/kernels.h"
+
+#include <ATen/ATen.h>
+
+#include <cstring>
+#include <vector>
+
+namespace flexdemo::cuda_emulation {
+
+class EmulatedGpuStep {
+ public:
+  EmulatedGpuStep(const std::vector<dct::ChunkPlan>& plans, int64_t k,
+                  compress::ValueEncoding encoding, unsigned threads)
+      : plans_(plans),
+        k_(k),
+        encoding_(encoding),
+        threads_(threads),
+        layout_(kernels::cuda::host_table(plans, k, encoding)) {
+    for (size_t i = 0; i < plans.size(); ++i) {
+      kernels::cuda::TensorDesc& d = layout_.tensors[i];
+      const kernels::Dct1d& rows = kernels::dct1d(plans[i].chunk_rows);
+      const kernels::Dct1d& cols = kernels::dct1d(plans[i].chunk_cols);
+      d.basis_rows = rows.full, d.basis_rows_t = rows.full_t;
+      d.basis_cols = cols.full, d.basis_cols_t = cols.full_t;
+      d.basis_rows_stride = rows.full_stride, d.basis_cols_stride = cols.full_stride;
+    }
+  }
+
+  size_t bytes() const { return layout_.bytes; }
+  size_t offset(size_t i) const { return size_t(layout_.tensors.at(i).payload_offset); }
+
+  // Every chunk, or only `blocks` (the bucket's chunk numbers), traced into `counts` if given.
+  void encode(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& residuals,
+              double beta, double alpha, const at::Tensor& send,
+              const std::vector<unsigned>* blocks = nullptr, Counts* counts = nullptr) const {
+    std::vector<kernels::cuda::TensorDesc> descs = layout_.tensors;
+    std::vector<at::Tensor> inputs;
+    for (size_t i = 0; i < descs.size(); ++i) {
+      descs[i].residual = residuals[i].data_ptr<float>();
+      if (grads[i].defined()) {
+        inputs.push_back(grads[i].to(at::kFloat).contiguous());
+        descs[i].grad = inputs.back().data_ptr<float>();
+      }
+    }
+    std::memset(send.data_ptr(), 0, bytes());
+    launch_blocks(kernels::cuda::encode_kernel, blocks != nullptr ? *blocks : all_blocks(),
+                  threads_, shared_bytes(), counts, table(descs), float(beta), float(alpha),
+                  send.data_ptr<uint8_t>());
+  }
+
+  void seal(uint8_t* payloads) const {
+    for (size_t i = 0; i < plans_.size(); ++i) {
+      compress::seal_payload(plans_[i], k_, encoding_, payloads + offset(i));
+    }
+  }
+
+  void validate(const uint8_t* gathered, int replicas) const {
+    for (int r = 0; r < replicas; ++r) {
+      for (size_t i = 0; i < plans_.size(); ++i) {
+        compress::validate_payload(gathered + r * bytes() + offset(i), layout_.payload_bytes[i],
+                                   plans_[i], k_, encoding_);
+      }
+    }
+  }
+
+  void decode_step(const at::Tensor& gathered, int replicas, const std::vector<at::Tensor>& params,
+                   const std::vector<at::Tensor>& exp_avg,
+                   const std::vector<at::Tensor>& exp_avg_sq, const kernels::AdamWHyper& hyper,
+                   const std::vector<unsigned>* blocks = nullptr, Counts* counts = nullptr) const {
+    std::vector<kernels::cuda::TensorDesc> descs = layout_.tensors;
+    const bool adamw = !exp_avg.empty();
+    for (size_t i = 0; i < descs.size(); ++i) {
+      descs[i].param = params[i].data_ptr<float>();
+      if (adamw) {
+        descs[i].exp_avg = exp_avg[i].data_ptr<float>();
+        descs[i].exp_avg_sq = exp_avg_sq[i].data_ptr<float>();
+      }
+    }
+    launch_blocks(kernels::cuda::decode_step_kernel, blocks != nullptr ? *blocks : all_blocks(),
+                  threads_, shared_bytes(), counts, table(descs),
+                  static_cast<const uint8_t*>(gathered.data_ptr<uint8_t>()), int64_t(bytes()),
+                  replicas, float(hyper.lr), float(1.0 - hyper.lr * hyper.weight_decay),
+                  kernels::adamw_constants(hyper), adamw);
+  }
+
+  const kernels::cuda::HostTable& layout() const { return layout_; }
+
+ private:
+  std::vector<unsigned> all_blocks() const {
+    std::vector<unsigned> blocks(layout_.chunk_tensor.size());
+    for (size_t b = 0; b < blocks.size(); ++b) blocks[b] = unsigned(b);
+    return blocks;
+  }
+  size_t shared_bytes() const { return size_t(layout_.shared_floats) * sizeof(float); }
+  kernels::cuda::TensorTable table(const std::vector<kernels::cuda::TensorDesc>& descs) const {
+    kernels::cuda::TensorTable b;
+    b.tensors = descs.data();
+    b.chunk_tensor = layout_.chunk_tensor.data();
+    b.num_chunks = int64_t(layout_.chunk_tensor.size());
+    b.shared_floats = layout_.shared_floats;
+    b.encoding = encoding_;
+    return b;
+  }
+
+  std::vector<dct::ChunkPlan> plans_;
+  int64_t k_;
+  compress::ValueEncoding encoding_;
+  unsigned threads_;
+  kernels::cuda::HostTable layout_;
+};
+
+}  // namespace flexdemo::cuda_emulation
