@@ -181,7 +181,7 @@ export FLEXDEMO_TOKENIZE=$PWD/$build/flexdemo-tokenize
 if $built; then
   # The kernels' predicted H200 time (the CPU emulation's model), next to what is measured below.
   step model 300 "$build/flexdemo-gpu-model" --scale 1 --json "$work/model.json"
-  step test_gpu 300 "$build/tests/test_gpu"
+  step test_gpu 300 env FLEXDEMO_MISMATCH_DIR="$out" "$build/tests/test_gpu"
   one_encoding=(--gtest_filter='*Bf16*:*bf16*')
   if [ "$device" = cuda ] && command -v compute-sanitizer > /dev/null; then
     step memcheck 300 compute-sanitizer --tool memcheck --error-exitcode 1 "$build/tests/test_gpu" \

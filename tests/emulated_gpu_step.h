@@ -65,6 +65,59 @@ class EmulatedGpuStep {
     }
   }
 
+  // The headers and checksums by the kernels (GpuStep::seal_on_device), into send.
+  void seal_on_device(const at::Tensor& send, Counts* counts = nullptr) const {
+    const std::vector<kernels::cuda::TensorDesc> descs = layout_.tensors;
+    std::vector<uint32_t> crcs(std::max<size_t>(1, layout_.segment_tensor.size()));
+    launch_blocks(kernels::cuda::crc_segments_kernel, blocks_for(layout_.segment_tensor.size()),
+                  threads_, 0, counts, table(descs), static_cast<const uint8_t*>(send.data_ptr()),
+                  int64_t(0), 1, crcs.data());
+    launch_blocks(kernels::cuda::crc_finish_kernel, first(descs.size()), threads_, 0, counts,
+                  table(descs), send.data_ptr<uint8_t>(), int64_t(0),
+                  static_cast<const uint32_t*>(crcs.data()), static_cast<uint32_t*>(nullptr));
+  }
+
+  // The kernels' check (GpuStep::validate_on_device): per replica and tensor its error bits.
+  // The checksums' part, then the positions' (only `blocks`, replica * chunks + chunk, if given).
+  std::vector<uint32_t> check_on_device(const at::Tensor& gathered, int replicas,
+                                        Counts* counts = nullptr) const {
+    std::vector<uint32_t> errors = check_checksums(gathered, replicas, counts);
+    check_positions(gathered, replicas, errors, nullptr, counts);
+    return errors;
+  }
+  std::vector<uint32_t> check_checksums(const at::Tensor& gathered, int replicas,
+                                        Counts* counts = nullptr) const {
+    const std::vector<kernels::cuda::TensorDesc> descs = layout_.tensors;
+    const size_t segments = size_t(replicas) * layout_.segment_tensor.size();
+    std::vector<uint32_t> crcs(std::max<size_t>(1, segments));
+    std::vector<uint32_t> errors(size_t(replicas) * descs.size(), 0);
+    uint8_t* data = gathered.data_ptr<uint8_t>();
+    launch_blocks(kernels::cuda::crc_segments_kernel, blocks_for(segments), threads_, 0, counts,
+                  table(descs), static_cast<const uint8_t*>(data), int64_t(bytes()), replicas,
+                  crcs.data());
+    launch_blocks(kernels::cuda::crc_finish_kernel, first(size_t(replicas) * descs.size()),
+                  threads_, 0, counts, table(descs), data, int64_t(bytes()),
+                  static_cast<const uint32_t*>(crcs.data()), errors.data());
+    return errors;
+  }
+  void check_positions(const at::Tensor& gathered, int replicas, std::vector<uint32_t>& errors,
+                       const std::vector<unsigned>* blocks, Counts* counts = nullptr) const {
+    const std::vector<kernels::cuda::TensorDesc> descs = layout_.tensors;
+    launch_blocks(
+        kernels::cuda::validate_positions_kernel,
+        blocks != nullptr ? *blocks : first(size_t(replicas) * layout_.chunk_tensor.size()),
+        threads_, sizeof(int64_t) * size_t(layout_.max_k), counts, table(descs),
+        static_cast<const uint8_t*>(gathered.data_ptr<uint8_t>()), int64_t(bytes()), errors.data());
+  }
+  void validate_on_device(const at::Tensor& gathered, int replicas) const {
+    for (uint32_t e : check_on_device(gathered, replicas)) {
+      if (e != 0) {
+        validate(gathered.data_ptr<uint8_t>(), replicas);
+        throw compress::WireFormatError("the kernels' check found a payload wrong");
+      }
+    }
+  }
+
   void validate(const uint8_t* gathered, int replicas) const {
     for (int r = 0; r < replicas; ++r) {
       for (size_t i = 0; i < plans_.size(); ++i) {
@@ -97,6 +150,14 @@ class EmulatedGpuStep {
   const kernels::cuda::HostTable& layout() const { return layout_; }
 
  private:
+  static std::vector<unsigned> first(size_t n) {
+    std::vector<unsigned> blocks(n);
+    for (size_t b = 0; b < n; ++b) blocks[b] = unsigned(b);
+    return blocks;
+  }
+  std::vector<unsigned> blocks_for(size_t threads) const {  // one thread each
+    return first((threads + threads_ - 1) / threads_);
+  }
   std::vector<unsigned> all_blocks() const {
     std::vector<unsigned> blocks(layout_.chunk_tensor.size());
     for (size_t b = 0; b < blocks.size(); ++b) blocks[b] = unsigned(b);
@@ -110,6 +171,10 @@ class EmulatedGpuStep {
     b.num_chunks = int64_t(layout_.chunk_tensor.size());
     b.shared_floats = layout_.shared_floats;
     b.encoding = encoding_;
+    b.num_tensors = int64_t(descs.size());
+    b.segment_tensor = layout_.segment_tensor.data();
+    b.num_segments = int64_t(layout_.segment_tensor.size());
+    b.max_k = layout_.max_k;
     return b;
   }
 

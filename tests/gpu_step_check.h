@@ -3,6 +3,7 @@
 // portable kernels, which compute every element with the same arithmetic (chunk_math.h).
 #pragma once
 
+#include "demo/codec.h"
 #include "flexdemo/compress.h"
 #include "flexdemo/kernels.h"
 #include "isa.h"
@@ -10,12 +11,64 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace flexdemo::gpu_step_check {
 
 using compress::ValueEncoding;
+
+// Where two buckets first differ, for a mismatch's message: the tensor, the part of its payload
+// (header; the body's positions, scales or values, and the chunk) and how many bytes differ in
+// all; both buckets are written to $FLEXDEMO_MISMATCH_DIR (default: the working folder) as
+// mismatch-gpu.bin and mismatch-cpu.bin.
+inline std::string describe_mismatch(const uint8_t* gpu, const uint8_t* cpu, size_t bytes,
+                                     const std::vector<dct::ChunkPlan>& plans,
+                                     const std::vector<size_t>& offsets, int64_t k,
+                                     ValueEncoding encoding) {
+  size_t first = bytes, differ = 0;
+  for (size_t b = 0; b < bytes; ++b) {
+    if (gpu[b] != cpu[b]) {
+      first = std::min(first, b);
+      ++differ;
+    }
+  }
+  if (differ == 0) return "equal";
+  size_t i = 0;
+  while (i + 1 < offsets.size() && offsets[i + 1] <= first) ++i;
+  const int64_t at = int64_t(first - offsets[i]);
+  const demo::codec::Layout l =
+      demo::codec::layout(plans[i].num_chunks(), plans[i].chunk_numel(), k, encoding);
+  std::string where;
+  const int64_t body = at - demo::codec::kHeaderBytes;
+  if (body < 0) {
+    where = "header byte " + std::to_string(at);
+  } else if (body < l.scales_at) {
+    const int64_t per_chunk = l.index_bytes > 0 ? l.k * l.index_bytes : l.record_bytes;
+    where = "positions of chunk " + std::to_string(body / std::max<int64_t>(1, per_chunk));
+  } else if (body < l.values_at) {
+    where = "scales (body byte " + std::to_string(body) + ")";
+  } else {
+    where = "values (body byte " + std::to_string(body) + ")";
+  }
+  const char* dir = std::getenv("FLEXDEMO_MISMATCH_DIR");
+  const std::string folder = dir != nullptr ? dir : ".";
+  for (const auto& [name, data] : {std::pair{"gpu", gpu}, std::pair{"cpu", cpu}}) {
+    std::FILE* f = std::fopen((folder + "/mismatch-" + name + ".bin").c_str(), "wb");
+    if (f != nullptr) {
+      std::fwrite(data, 1, bytes, f);
+      std::fclose(f);
+    }
+  }
+  return "first difference at byte " + std::to_string(first) + ": tensor " + std::to_string(i) +
+         ", " + where + "; " + std::to_string(differ) + " of " + std::to_string(bytes) +
+         " bytes differ (both buckets written to " + folder + "/mismatch-{gpu,cpu}.bin)";
+}
 
 // Shapes that exercise whole chunks, padded chunks, awkward divisors and vectors.
 inline std::vector<dct::ChunkPlan> test_plans() {
@@ -91,10 +144,13 @@ void expect_gpu_step_equals_cpu(const Step& subject, const std::vector<dct::Chun
       const at::Tensor send =
           at::empty({int64_t(subject.bytes())}, at::device(gpu).dtype(at::kByte));
       subject.encode(on_gpu, gpu_residuals[r], 0.9, 0.01, send);
+      subject.seal_on_device(send);  // headers and checksums by the kernels, as the CPU's
       at::Tensor host = send.cpu();
-      subject.seal(host.data_ptr<uint8_t>());
       ASSERT_EQ(std::memcmp(host.data_ptr<uint8_t>(), cpu[r].payloads.data(), subject.bytes()), 0)
-          << "payloads differ: replica " << r << " step " << step << " " << name_of(encoding);
+          << "payloads differ: replica " << r << " step " << step << " " << name_of(encoding)
+          << ": "
+          << describe_mismatch(host.data_ptr<uint8_t>(), cpu[r].payloads.data(), subject.bytes(),
+                               plans, offsets, k, encoding);
       for (size_t i = 0; i < plans.size(); ++i) {
         ASSERT_TRUE(bit_equal(gpu_residuals[r][i], cpu[r].residuals[i]))
             << "residual " << i << " replica " << r << " step " << step;
@@ -104,6 +160,14 @@ void expect_gpu_step_equals_cpu(const Step& subject, const std::vector<dct::Chun
     }
   }
   subject.validate(gathered_cpu.data_ptr<uint8_t>(), replicas);
+  subject.validate_on_device(gathered_cpu.to(gpu), replicas);
+  // A flipped bit in the last replica's last body, or in a header: the kernels' check refuses both.
+  for (const size_t at : {subject.bytes() * replicas - 3, subject.offset(1) + 9}) {
+    at::Tensor bad = gathered_cpu.clone();
+    bad.data_ptr<uint8_t>()[at] ^= 0x10;
+    EXPECT_THROW(subject.validate_on_device(bad.to(gpu), replicas), compress::WireFormatError)
+        << "byte " << at << " corrupted";
+  }
 
   // Decode and step: sign-SGD, then AdamW (with and without sign), against the CPU's.
   for (int variant = 0; variant < 3; ++variant) {

@@ -52,4 +52,23 @@ TEST(EmulatedKernels, Chunks128NeedingTheSharedMemoryOptIn) {
   gpu_step_check::expect_gpu_step_equals_cpu(step, plans, 32, ValueEncoding::Bf16, at::kCPU, true);
 }
 
+// A mismatch names the tensor, the part of its payload and how many bytes differ.
+TEST(EmulatedKernels, AMismatchSaysWhere) {
+  const std::vector<dct::ChunkPlan> plans = gpu_step_check::test_plans();
+  const EmulatedGpuStep step(plans, 6, ValueEncoding::Bf16, 32);
+  std::vector<size_t> offsets;
+  for (size_t i = 0; i < plans.size(); ++i) offsets.push_back(step.offset(i));
+  std::vector<uint8_t> a(step.bytes(), 0), b(step.bytes(), 0);
+  const demo::codec::Layout l =
+      demo::codec::layout(plans[2].num_chunks(), plans[2].chunk_numel(), 6, ValueEncoding::Bf16);
+  b[offsets[2] + size_t(demo::codec::kHeaderBytes + l.values_at) + 1] = 1;
+  b[offsets[3] + 2] = 1;
+  setenv("FLEXDEMO_MISMATCH_DIR", testing::TempDir().c_str(), 1);
+  const std::string message = gpu_step_check::describe_mismatch(b.data(), a.data(), a.size(), plans,
+                                                                offsets, 6, ValueEncoding::Bf16);
+  EXPECT_NE(message.find("tensor 2, values"), std::string::npos) << message;
+  EXPECT_NE(message.find("2 of " + std::to_string(a.size()) + " bytes differ"), std::string::npos)
+      << message;
+}
+
 }  // namespace

@@ -90,13 +90,20 @@ class GpuStep {
   size_t offset(size_t i) const;  // of tensor i's payload
   // For every tensor: residual = beta * residual + alpha * DCT(grad) (grads: plan.numel()
   // elements on the device, undefined = zero; residuals: float32 block layout on the device),
-  // top-k, error feedback, and the payload's body into send (uint8 [bytes()] on the device). The
-  // headers and checksums are written on the host: seal() on a copy.
+  // top-k, error feedback, and the payload's body into send (uint8 [bytes()] on the device); then
+  // seal_on_device (or seal() on a host copy) writes the headers and checksums.
   void encode(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& residuals,
               double beta, double alpha, const at::Tensor& send) const;
   void seal(uint8_t* payloads) const;  // host memory, bytes(): headers and checksums
   // Throws compress::WireFormatError unless each of `replicas` buckets (host) is intact.
   void validate(const uint8_t* gathered, int replicas) const;
+  // The same two on the device, by kernels on the current stream: seal_on_device writes the
+  // headers and checksums into send (uint8 [bytes()] on the device); validate_on_device checks
+  // `replicas` buckets (uint8 on the device) and waits only for the kernels' verdict, a few bytes
+  // (on a failure a host copy is checked again, for the precise message), and throws
+  // compress::WireFormatError as validate does.
+  void seal_on_device(const at::Tensor& send) const;
+  void validate_on_device(const at::Tensor& gathered, int replicas) const;
   // From `replicas` validated buckets (uint8 on the device, rank order): per coefficient the mean
   // of the replicas that sent it, the inverse DCT, and the sign-SGD step (lr, weight decay from
   // hyper; exp_avg empty) or AdamW's on each params[i] (float32 [rows, cols], contiguous).

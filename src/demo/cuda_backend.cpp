@@ -1,8 +1,8 @@
 // The DeMo step on a GPU behind backend.h: kernels::GpuStep encodes a bucket of every tensor in
 // one launch and decodes and updates it in another. The headers and checksums are written, and
-// the received payloads validated, on the host; the bucket's buffers lie in pinned host memory
-// (an MPI replica group) or on the device (NCCL). Built in every build: without CUDA, GpuStep's
-// constructor says why it cannot run.
+// the received payloads validated, by kernels too (the host waits only for the verdict); the
+// bucket's buffers lie in pinned host memory (an MPI replica group) or on the device (NCCL). Built
+// in every build: without CUDA, GpuStep's constructor says why it cannot run.
 #include "backend.h"
 
 #include "flexdemo/dct.h"
@@ -58,12 +58,12 @@ class CudaBackend final : public Backend {
       throw std::logic_error("DeMo on a GPU: one bucket of every tensor a step");
     }
     const kernels::GpuStep& gpu = kernels_for(b.topk, b.values);
-    const at::Tensor encoded = at::empty({int64_t(b.bytes)}, at::dtype(at::kByte).device(device_));
+    const bool in_place = b.send.device() == device_;  // NCCL: the bucket lies on this GPU
+    const at::Tensor encoded =
+        in_place ? b.send : at::empty({int64_t(b.bytes)}, at::dtype(at::kByte).device(device_));
     gpu.encode(grads, residuals_, options_.decay, lr, encoded);
-    at::Tensor host = b.send.is_cpu() ? b.send : staging(b.send.numel());
-    host.copy_(encoded);  // waits for the kernel
-    gpu.seal(host.data_ptr<uint8_t>());
-    if (!b.send.is_cpu()) b.send.copy_(host);
+    gpu.seal_on_device(encoded);
+    if (!in_place) b.send.copy_(encoded);  // MPI: to the pinned host bucket (waits for it)
   }
 
   void decode(const Bucket& b, const at::Tensor& gathered, int replicas,
@@ -82,15 +82,9 @@ class CudaBackend final : public Backend {
         exp_avg_sq.push_back(u->exp_avg_sq);
       }
     }
-    at::Tensor on_device = gathered;
-    if (gathered.is_cpu()) {
-      gpu.validate(gathered.data_ptr<uint8_t>(), replicas);
-      on_device = gathered.to(device_, /*non_blocking=*/true);
-    } else {
-      const at::Tensor host = staging(gathered.numel());
-      host.copy_(gathered);
-      gpu.validate(host.data_ptr<uint8_t>(), replicas);
-    }
+    const at::Tensor on_device =
+        gathered.device() == device_ ? gathered : gathered.to(device_, /*non_blocking=*/true);
+    gpu.validate_on_device(on_device, replicas);
     if (params.empty()) return;
     gpu.decode_step(on_device, replicas, params, exp_avg, exp_avg_sq, updates.fused.front()->hyper);
   }
@@ -102,20 +96,12 @@ class CudaBackend final : public Backend {
     if (!slot) slot = std::make_unique<kernels::GpuStep>(plans_, topk, values, device_);
     return *slot;
   }
-  // Pinned host bytes for the headers and the validation, reused while large enough.
-  at::Tensor staging(int64_t bytes) {
-    if (!staging_.defined() || staging_.numel() < bytes) {
-      staging_ = at::empty({bytes}, at::dtype(at::kByte).pinned_memory(true));
-    }
-    return staging_.narrow(0, 0, bytes);
-  }
 
   std::vector<dct::ChunkPlan> plans_;
   optim::OptimizerOptions options_;
   std::vector<at::Tensor> residuals_;  // handles: the replicator's tensors
   at::Device device_, replica_device_;
   at::Tensor scratch_;  // float32 on the device, for accumulate's DCT
-  at::Tensor staging_;
   std::map<std::pair<int64_t, compress::ValueEncoding>, std::unique_ptr<kernels::GpuStep>> kernels_;
 };
 

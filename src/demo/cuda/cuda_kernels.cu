@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -15,6 +16,20 @@ void check(cudaError_t status, const char* what) {
   if (status != cudaSuccess) {
     throw std::runtime_error(std::string("CUDA: ") + what + ": " + cudaGetErrorString(status));
   }
+}
+
+// FLEXDEMO_CUDA_SYNC=1: every launch waited for and checked at once, so that a kernel's fault is
+// reported by that kernel's name rather than by the next copy.
+bool sync_every_launch() {
+  static const bool on = [] {
+    const char* v = std::getenv("FLEXDEMO_CUDA_SYNC");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return on;
+}
+void launched(const char* what, cudaStream_t stream) {
+  check(cudaGetLastError(), what);
+  if (sync_every_launch()) check(cudaStreamSynchronize(stream), what);
 }
 
 size_t shared_bytes(const TensorTable& table) {
@@ -52,7 +67,41 @@ void encode(const TensorTable& table, float beta, float alpha, uint8_t* payloads
   allow_shared(encode_kernel, bytes);
   encode_kernel<<<unsigned(table.num_chunks), kThreads, bytes, stream>>>(table, beta, alpha,
                                                                          payloads);
-  check(cudaGetLastError(), "encode kernel launch");
+  launched("encode kernel launch", stream);
+}
+
+void seal(const TensorTable& table, uint8_t* payloads, uint32_t* scratch, cudaStream_t stream) {
+  if (table.num_tensors == 0) return;
+  if (table.num_segments > 0) {
+    crc_segments_kernel<<<unsigned((table.num_segments + kThreads - 1) / kThreads), kThreads, 0,
+                          stream>>>(table, payloads, 0, 1, scratch);
+    launched("checksum segments kernel launch", stream);
+  }
+  crc_finish_kernel<<<unsigned(table.num_tensors), kThreads, 0, stream>>>(table, payloads, 0,
+                                                                          scratch, nullptr);
+  launched("seal kernel launch", stream);
+}
+
+void validate(const TensorTable& table, const uint8_t* gathered, int64_t bucket_bytes, int replicas,
+              uint32_t* scratch, uint32_t* errors, cudaStream_t stream) {
+  check(cudaMemsetAsync(errors, 0, sizeof(uint32_t) * size_t(replicas * table.num_tensors), stream),
+        "zeroing the validation's errors");
+  if (table.num_tensors == 0) return;
+  uint8_t* buckets = const_cast<uint8_t*>(gathered);  // crc_finish_kernel only reads it here
+  if (table.num_segments > 0) {
+    const int64_t segments = replicas * table.num_segments;
+    crc_segments_kernel<<<unsigned((segments + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+        table, buckets, bucket_bytes, replicas, scratch);
+    launched("checksum segments kernel launch", stream);
+  }
+  crc_finish_kernel<<<unsigned(replicas * table.num_tensors), kThreads, 0, stream>>>(
+      table, buckets, bucket_bytes, scratch, errors);
+  launched("validation kernel launch", stream);
+  const size_t bytes = sizeof(int64_t) * size_t(table.max_k);
+  allow_shared(validate_positions_kernel, bytes);
+  validate_positions_kernel<<<unsigned(replicas * table.num_chunks), kThreads, bytes, stream>>>(
+      table, gathered, bucket_bytes, errors);
+  launched("positions validation kernel launch", stream);
 }
 
 void decode_step(const TensorTable& table, const uint8_t* gathered, int64_t bucket_bytes,
@@ -65,7 +114,7 @@ void decode_step(const TensorTable& table, const uint8_t* gathered, int64_t buck
   decode_step_kernel<<<unsigned(table.num_chunks), kThreads, bytes, stream>>>(
       table, gathered, bucket_bytes, replicas, lr, keep,
       adamw != nullptr ? *adamw : chunk_math::AdamWConstants{}, adamw != nullptr);
-  check(cudaGetLastError(), "decode kernel launch");
+  launched("decode kernel launch", stream);
 }
 
 }  // namespace flexdemo::kernels::cuda

@@ -446,5 +446,136 @@ __global__ void decode_step_kernel(TensorTable table, const uint8_t* gathered, i
   }
 }
 
+// ====== Checksums (zlib's CRC-32) and validation ======
+constexpr uint32_t kCrcPoly = 0xedb88320u;  // zlib's polynomial, reflected
+
+// The byte-at-a-time table, built by the block. Ends with a barrier.
+__device__ void crc_table(uint32_t* table) {
+  for (int b = threadIdx.x; b < 256; b += blockDim.x) {
+    uint32_t c = uint32_t(b);
+    for (int i = 0; i < 8; ++i) c = c & 1u ? (c >> 1) ^ kCrcPoly : c >> 1;
+    table[b] = c;
+  }
+  __syncthreads();
+}
+// a * b modulo the polynomial (zlib's multmodp).
+__device__ uint32_t multmodp(uint32_t a, uint32_t b) {
+  uint32_t m = 1u << 31, p = 0;
+  while (a != 0) {
+    if (a & m) {
+      p ^= b;
+      if ((a & (m - 1)) == 0) break;
+    }
+    m >>= 1;
+    b = b & 1u ? (b >> 1) ^ kCrcPoly : b >> 1;
+  }
+  return p;
+}
+// crc(A B) from crc(A), crc(B) and |B| (zlib's crc32_combine); x2n[k] = x^(2^k) mod p.
+__device__ uint32_t crc_combine(uint32_t a, uint32_t b, int64_t b_bytes, const uint32_t* x2n) {
+  uint32_t shift = 1u << 31;  // x^(8 |B|)
+  for (int k = 3; b_bytes != 0; b_bytes >>= 1, ++k) {
+    if (b_bytes & 1) shift = multmodp(x2n[k & 31], shift);
+  }
+  return multmodp(shift, a) ^ b;
+}
+
+// Each thread one segment (kChecksumSegment bytes of a body, the last one shorter) of one
+// replica's bucket: its CRC-32 into crcs[replica * num_segments + segment].
+__global__ void crc_segments_kernel(TensorTable table, const uint8_t* buckets, int64_t bucket_bytes,
+                                    int replicas, uint32_t* crcs) {
+  __shared__ uint32_t crc8[256];
+  crc_table(crc8);
+  const int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (g >= replicas * table.num_segments) return;
+  const int64_t r = g / table.num_segments, s = g % table.num_segments;
+  const TensorDesc& t = table.tensors[table.segment_tensor[s]];
+  const int64_t start = (s - t.first_segment) * kChecksumSegment;
+  const int64_t len = min(kChecksumSegment, t.body.body_bytes - start);
+  const uint8_t* p = buckets + r * bucket_bytes + t.payload_offset + codec::kHeaderBytes + start;
+  uint32_t c = 0xffffffffu;
+  for (int64_t i = 0; i < len; ++i) {
+    FLEXDEMO_TRACE_GLOBAL(p + i, 1);
+    FLEXDEMO_TRACE_SHARED(crc8 + ((c ^ p[i]) & 255u), 4);
+    c = crc8[(c ^ p[i]) & 255u] ^ (c >> 8);
+  }
+  crcs[g] = c ^ 0xffffffffu;
+}
+
+// One block per (replica, tensor): the body's CRC-32 from its segments' (each thread combines a
+// run of them, then the runs pairwise), then the header written with it (errors == nullptr: seal)
+// or compared with the received one (errors[r * tensors + i] |= 1 for the header, 2 for the
+// checksum).
+__global__ void crc_finish_kernel(TensorTable table, uint8_t* buckets, int64_t bucket_bytes,
+                                  const uint32_t* crcs, uint32_t* errors) {
+  __shared__ uint32_t x2n[32];
+  __shared__ uint32_t part[kThreads];
+  __shared__ int64_t part_bytes[kThreads];
+  const int64_t r = blockIdx.x / table.num_tensors, i = blockIdx.x % table.num_tensors;
+  const TensorDesc& t = table.tensors[i];
+  if (threadIdx.x == 0) {
+    x2n[0] = 1u << 30;  // x
+    for (int k = 1; k < 32; ++k) x2n[k] = multmodp(x2n[k - 1], x2n[k - 1]);
+  }
+  __syncthreads();
+  const int64_t segments = (t.body.body_bytes + kChecksumSegment - 1) / kChecksumSegment;
+  const int64_t per = (segments + blockDim.x - 1) / blockDim.x;
+  const int64_t a = min(segments, int64_t(threadIdx.x) * per), b = min(segments, a + per);
+  uint32_t c = 0;  // the CRC-32 of nothing
+  int64_t bytes = 0;
+  for (int64_t s = a; s < b; ++s) {
+    const int64_t len = min(kChecksumSegment, t.body.body_bytes - s * kChecksumSegment);
+    c = crc_combine(c, crcs[r * table.num_segments + t.first_segment + s], len, x2n);
+    bytes += len;
+  }
+  part[threadIdx.x] = c;
+  part_bytes[threadIdx.x] = bytes;
+  __syncthreads();
+  for (unsigned stride = 1; stride < blockDim.x; stride <<= 1) {
+    if (threadIdx.x % (2 * stride) == 0 && threadIdx.x + stride < blockDim.x) {
+      part[threadIdx.x] = crc_combine(part[threadIdx.x], part[threadIdx.x + stride],
+                                      part_bytes[threadIdx.x + stride], x2n);
+      part_bytes[threadIdx.x] += part_bytes[threadIdx.x + stride];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x != 0) return;
+  uint8_t* payload = buckets + r * bucket_bytes + t.payload_offset;
+  const uint32_t crc = part[0];
+  if (errors == nullptr) {
+    for (int q = 0; q < 32; ++q) payload[q] = t.header[q];
+    for (int q = 0; q < 4; ++q) payload[32 + q] = uint8_t(crc >> (8 * q));
+    return;
+  }
+  uint32_t bad = 0;
+  for (int q = 0; q < 32; ++q) bad |= payload[q] != t.header[q] ? 1u : 0u;
+  uint32_t stored = 0;
+  for (int q = 0; q < 4; ++q) stored |= uint32_t(payload[32 + q]) << (8 * q);
+  if (stored != crc) bad |= 2u;
+  if (bad != 0) atomicOr(&errors[r * table.num_tensors + i], bad);
+}
+
+// One block per (replica, chunk): the chunk's positions must be k, strictly ascending, inside the
+// chunk (errors[r * tensors + i] |= 4 if not), so that the decode never writes outside a chunk.
+__global__ void validate_positions_kernel(TensorTable table, const uint8_t* gathered,
+                                          int64_t bucket_bytes, uint32_t* errors) {
+  FLEXDEMO_DYNAMIC_SHARED(float, shared);
+  int64_t* positions = reinterpret_cast<int64_t*>(shared);
+  __shared__ int64_t held;
+  const int64_t r = blockIdx.x / table.num_chunks, chunk = blockIdx.x % table.num_chunks;
+  const int32_t i = table.chunk_tensor[chunk];
+  const TensorDesc& t = table.tensors[i];
+  const int64_t c = chunk - t.first_chunk;
+  const uint8_t* body = gathered + r * bucket_bytes + t.payload_offset + codec::kHeaderBytes;
+  if (threadIdx.x == 0) held = codec::get_positions(body, t.body, c, positions);
+  __syncthreads();
+  bool bad = held != t.body.k && threadIdx.x == 0;
+  for (int64_t j = threadIdx.x; held == t.body.k && j < t.body.k; j += blockDim.x) {
+    bad = bad || positions[j] < 0 || positions[j] >= t.body.chunk_numel ||
+          (j > 0 && positions[j] <= positions[j - 1]);
+  }
+  if (bad) atomicOr(&errors[r * table.num_tensors + i], 4u);
+}
+
 }  // namespace
 }  // namespace flexdemo::kernels::cuda

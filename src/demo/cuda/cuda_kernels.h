@@ -34,7 +34,13 @@ struct TensorDesc {
   int64_t first_chunk = 0;     // the bucket-wide number of its chunk 0
   int64_t payload_offset = 0;  // bytes from the start of a replica's bucket to its payload
   demo::codec::Layout body;    // the payload's body (k: top-k per chunk), after the header
+  int64_t first_segment = 0;   // the bucket-wide number of its body's first checksum segment
+  uint8_t header[32] = {};     // the payload's header before its checksum (the same every step)
 };
+
+// The payload bodies' CRC-32 (zlib's) is computed in segments of this many bytes, in parallel,
+// then combined per payload (crc(A B) = x^(8|B|) crc(A) + crc(B) over GF(2)).
+constexpr int64_t kChecksumSegment = 256;
 
 // The whole bucket: tensors and chunk_tensor (per bucket chunk: its tensor) in device memory.
 struct TensorTable {
@@ -42,6 +48,10 @@ struct TensorTable {
   const int32_t* chunk_tensor = nullptr;
   int64_t num_chunks = 0;
   int64_t shared_floats = 1;  // the kernels' dynamic shared memory: chunk_shared_floats' maximum
+  int64_t num_tensors = 0;
+  const int32_t* segment_tensor = nullptr;  // per checksum segment: its tensor
+  int64_t num_segments = 0;
+  int max_k = 1;  // the largest top-k (the validation's shared memory)
   compress::ValueEncoding encoding = compress::ValueEncoding::Fp32;
 };
 
@@ -50,6 +60,17 @@ struct TensorTable {
 // are the host's: compress::seal_payload). payloads holds bucket_bytes, zeroed first.
 void encode(const TensorTable& table, float beta, float alpha, uint8_t* payloads,
             int64_t bucket_bytes, cudaStream_t stream);
+
+// Seal: every payload's header and its body's checksum, written into payloads (one bucket).
+// scratch: num_segments uint32.
+void seal(const TensorTable& table, uint8_t* payloads, uint32_t* scratch, cudaStream_t stream);
+
+// Validate `replicas` buckets back to back: per replica and tensor, errors[r * tensors + i] gets
+// bit 1 for a header that differs from this layout's, 2 for a checksum mismatch, 4 for a chunk
+// whose positions are not k strictly ascending ones inside the chunk (zeroed first). scratch:
+// replicas * num_segments uint32.
+void validate(const TensorTable& table, const uint8_t* gathered, int64_t bucket_bytes, int replicas,
+              uint32_t* scratch, uint32_t* errors, cudaStream_t stream);
 
 // Decode and step: `replicas` buckets of payloads back to back (each bucket_bytes, validated),
 // per coefficient the mean of the replicas that sent it (in rank order), its inverse DCT, and the

@@ -9,13 +9,13 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstring>
 #include <stdexcept>
 
 #if defined(FLEXDEMO_CUDA)
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include <cstring>
 #include <map>
 #endif
 
@@ -41,6 +41,15 @@ cuda::HostTable cuda::host_table(const std::vector<dct::ChunkPlan>& plans, int64
     d.first_chunk = int64_t(layout.chunk_tensor.size());
     d.payload_offset = int64_t(layout.bytes);
     d.body = demo::codec::layout(plan.num_chunks(), plan.chunk_numel(), k, encoding);
+    d.first_segment = int64_t(layout.segment_tensor.size());
+    const int64_t segments = (d.body.body_bytes + kChecksumSegment - 1) / kChecksumSegment;
+    layout.segment_tensor.insert(layout.segment_tensor.end(), size_t(segments), int32_t(i));
+    layout.max_k = std::max(layout.max_k, int(d.body.k));
+    {  // the header (the same every step), as the host writes it
+      std::vector<uint8_t> payload(compress::wire_payload_bytes(plan, k, encoding), 0);
+      compress::seal_payload(plan, k, encoding, payload.data());
+      std::memcpy(d.header, payload.data(), sizeof(d.header));
+    }
     layout.tensors.push_back(d);
     layout.chunk_tensor.insert(layout.chunk_tensor.end(), size_t(plan.num_chunks()), int32_t(i));
     layout.payload_bytes.push_back(compress::wire_payload_bytes(plan, k, encoding));
@@ -71,6 +80,8 @@ struct GpuStep::Impl {
   std::vector<cuda::TensorDesc> descs;  // host copy; the step's pointers are set per call
   at::Tensor descs_on_device;           // uint8, the descs
   at::Tensor chunk_tensor;              // int32 [chunks] on the device
+  at::Tensor segment_tensor;            // int32 [checksum segments] on the device
+  int64_t num_segments = 0;
   // DCT-II of size n on the device, Dct1d::full's layout (and full_t's, transposed).
   std::map<std::pair<int64_t, bool>, at::Tensor> bases;
   cuda::TensorTable table;
@@ -127,6 +138,14 @@ GpuStep::GpuStep(const std::vector<dct::ChunkPlan>& plans, int64_t k,
   m.table.chunk_tensor = m.chunk_tensor.data_ptr<int32_t>();
   m.table.num_chunks = int64_t(layout.chunk_tensor.size());
   m.table.encoding = encoding;
+  m.num_segments = int64_t(layout.segment_tensor.size());
+  m.segment_tensor =
+      at::from_blob(layout.segment_tensor.data(), {m.num_segments}, at::kInt).to(device);
+  m.table.segment_tensor = m.segment_tensor.data_ptr<int32_t>();
+  m.table.num_segments = m.num_segments;
+  m.table.num_tensors = int64_t(m.descs.size());
+  m.table.max_k = layout.max_k;
+  m.upload();  // the layout's fields (headers, segments) before any step sets the pointers
 }
 
 GpuStep::~GpuStep() = default;
@@ -196,6 +215,56 @@ void GpuStep::validate(const uint8_t* gathered, int replicas) const {
   }
 }
 
+namespace {
+
+void check_buckets(const at::Tensor& t, size_t bytes, int replicas, at::Device device,
+                   const char* what) {
+  if (t.scalar_type() != at::kByte || t.device() != device || !t.is_contiguous() ||
+      size_t(t.numel()) != bytes * size_t(replicas)) {
+    throw std::invalid_argument("GpuStep: " + std::string(what) + " must be " +
+                                std::to_string(replicas) + " x " + std::to_string(bytes) +
+                                " contiguous bytes on " + device.str());
+  }
+}
+
+}  // namespace
+
+void GpuStep::seal_on_device(const at::Tensor& send) const {
+  Impl& m = *impl_;
+  const c10::cuda::CUDAGuard guard(m.device);
+  check_buckets(send, m.bytes, 1, m.device, "send");
+  const at::Tensor scratch =
+      at::empty({std::max<int64_t>(1, m.num_segments)}, at::dtype(at::kInt).device(m.device));
+  cuda::seal(m.table, send.data_ptr<uint8_t>(), reinterpret_cast<uint32_t*>(scratch.data_ptr()),
+             c10::cuda::getCurrentCUDAStream(m.device.index()).stream());
+}
+
+void GpuStep::validate_on_device(const at::Tensor& gathered, int replicas) const {
+  Impl& m = *impl_;
+  const c10::cuda::CUDAGuard guard(m.device);
+  check_buckets(gathered, m.bytes, replicas, m.device, "gathered");
+  const auto on_device = at::dtype(at::kInt).device(m.device);
+  const at::Tensor scratch =
+      at::empty({std::max<int64_t>(1, replicas * m.num_segments)}, on_device);
+  const int64_t tensors = int64_t(m.descs.size());
+  const at::Tensor errors = at::empty({std::max<int64_t>(1, replicas * tensors)}, on_device);
+  cuda::validate(m.table, gathered.data_ptr<uint8_t>(), int64_t(m.bytes), replicas,
+                 reinterpret_cast<uint32_t*>(scratch.data_ptr()),
+                 reinterpret_cast<uint32_t*>(errors.data_ptr()),
+                 c10::cuda::getCurrentCUDAStream(m.device.index()).stream());
+  const at::Tensor verdict = errors.to(at::kCPU);  // waits for the kernels
+  const int32_t* flags = verdict.data_ptr<int32_t>();
+  for (int64_t e = 0; e < replicas * tensors; ++e) {
+    if (flags[e] == 0) continue;
+    const at::Tensor host = gathered.to(at::kCPU);  // the precise message, from the host's check
+    validate(host.data_ptr<uint8_t>(), replicas);
+    const char* what = flags[e] & 1 ? "header" : flags[e] & 2 ? "checksum" : "positions";
+    throw compress::WireFormatError("payload of tensor " + std::to_string(e % tensors) +
+                                    " from replica " + std::to_string(e / tensors) +
+                                    ": the GPU's check found its " + what + " wrong");
+  }
+}
+
 void GpuStep::decode_step(const at::Tensor& gathered, int replicas,
                           const std::vector<at::Tensor>& params,
                           const std::vector<at::Tensor>& exp_avg,
@@ -257,6 +326,8 @@ void GpuStep::encode(const std::vector<at::Tensor>&, const std::vector<at::Tenso
                      const at::Tensor&) const {}
 void GpuStep::seal(uint8_t*) const {}
 void GpuStep::validate(const uint8_t*, int) const {}
+void GpuStep::seal_on_device(const at::Tensor&) const {}
+void GpuStep::validate_on_device(const at::Tensor&, int) const {}
 void GpuStep::decode_step(const at::Tensor&, int, const std::vector<at::Tensor>&,
                           const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
                           const AdamWHyper&) const {}
