@@ -68,6 +68,11 @@ def main():
         "pytorch_tokens_per_s": load("pytorch.json").get("tokens_per_s"),
     }
     report["replicas_identical"] = report["gpu_2x2"]["replicas_identical"]
+    # Per kernel: the model's prediction beside the CUDA events' measurement (bench's phases).
+    report["kernels_predicted_vs_measured_ms"] = {
+        name: {"predicted": model.get(name, {}).get("predicted_ms"),
+               "measured": bench.get("phases", {}).get(name, {}).get("ms")}
+        for name in ("encode", "seal", "validate", "decode_step")}
     if device == "cuda":
         report["passed"] = bool(report["payload_identical_cpu_gpu"] and
                                 report["python_gpu_ops_identical"] and

@@ -16,7 +16,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <stdexcept>
+#include <string>
 
 namespace flexdemo::bench {
 
@@ -153,7 +155,10 @@ int run_bench_optimizer(const OptimizerBenchArgs& args) {
   optim::Optimizer demo(demo_params, options);
   torch::optim::AdamW adamw(adamw_params, torch::optim::AdamWOptions(1e-3).weight_decay(0.0));
 
+  if (device.is_cuda()) kernels::set_gpu_phase_timing(true);
   const double demo_ms = median_step_ms(args.steps, device, [&] { demo.step(); });
+  const std::map<std::string, kernels::GpuPhase> phases = kernels::gpu_phase_times();
+  kernels::set_gpu_phase_timing(false);
   const double adamw_ms = median_step_ms(args.steps, device, [&] { adamw.step(); });
   const double fused_ms = device.is_cuda() ? fused_adamw_step_ms(adamw_params, args.steps) : 0.0;
   const optim::ExchangeTraffic t = demo.traffic();
@@ -167,6 +172,14 @@ int run_bench_optimizer(const OptimizerBenchArgs& args) {
   if (device.is_cuda()) {
     out["adamw_fused_ms"] = fused_ms;
     out["ratio_fused"] = demo_ms / fused_ms;
+  }
+  // Per phase of the DeMo step on the GPU (CUDA events, every timed step and its warm-ups):
+  // milliseconds a launch, and the DRAM bandwidth and multiply-add rate that implies.
+  for (const auto& [name, p] : phases) {
+    const double seconds = p.ms / 1e3;
+    out["phases"][name] = {{"ms", p.ms / double(std::max<int64_t>(1, p.launches))},
+                           {"gb_per_s", seconds > 0 ? p.bytes / seconds / 1e9 : 0.0},
+                           {"gflop_per_s", seconds > 0 ? 2.0 * p.fmas / seconds / 1e9 : 0.0}};
   }
   out["wire_bytes"] = t.wire_bytes;
   out["kept_coefficients"] = t.kept_coefficients;
@@ -183,6 +196,13 @@ int run_bench_optimizer(const OptimizerBenchArgs& args) {
     if (device.is_cuda()) {
       fmt::print("adamw_fused_ms     {:.2f}   (LibTorch's fused CUDA AdamW)\n", fused_ms);
       fmt::print("ratio_fused        {:.2f}   (demo_ms / adamw_fused_ms)\n", demo_ms / fused_ms);
+    }
+    for (const auto& [name, p] : phases) {
+      const double seconds = p.ms / 1e3;
+      fmt::print("phase {:<12} {:.3f} ms   {:.0f} GB/s   {:.0f} GFLOP/s\n", name,
+                 p.ms / double(std::max<int64_t>(1, p.launches)),
+                 seconds > 0 ? p.bytes / seconds / 1e9 : 0.0,
+                 seconds > 0 ? 2.0 * p.fmas / seconds / 1e9 : 0.0);
     }
     fmt::print("device             {}\n", device.str());
     fmt::print("wire_bytes         {}\n", t.wire_bytes);

@@ -11,6 +11,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -76,6 +77,19 @@ void idct_sparse_adamw_step(const compress::SparseChunks& coeffs, const dct::Chu
 // are built on the device once.
 bool cuda_built();      // this build has the CUDA kernels (FLEXDEMO_CUDA)
 bool cuda_available();  // ... and this process sees a GPU
+
+// GPU time per phase of GpuStep (CUDA events around each launch), for benchmarks: off until
+// enabled. gpu_phase_times() waits for the launches recorded since the last call and returns, per
+// phase (encode, seal, validate, decode_step), their milliseconds summed, how many there were and
+// the bytes they must move through DRAM (and, for the encode, the transforms' multiply-adds).
+struct GpuPhase {
+  double ms = 0.0;
+  int64_t launches = 0;
+  double bytes = 0.0;
+  double fmas = 0.0;
+};
+void set_gpu_phase_timing(bool on);
+std::map<std::string, GpuPhase> gpu_phase_times();
 
 class GpuStep {
  public:

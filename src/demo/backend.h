@@ -89,9 +89,18 @@ std::unique_ptr<Backend> make_plain_backend(const std::vector<dct::ChunkPlan>& p
 std::unique_ptr<Backend> make_cpu_backend(const std::vector<dct::ChunkPlan>& plans,
                                           const optim::OptimizerOptions& options,
                                           const std::vector<at::Tensor>& residuals);
+// On a GPU: the CUDA kernels, after a check on this GPU (once per process) that they agree with
+// the CPU's portable kernels bit for bit; if they do not (or FLEXDEMO_GPU_FALLBACK=1), one
+// warning line and the host-staged backend instead.
 std::unique_ptr<Backend> make_cuda_backend(const std::vector<dct::ChunkPlan>& plans,
                                            const optim::OptimizerOptions& options,
                                            const std::vector<at::Tensor>& residuals,
                                            at::Device device, at::Device replica_device);
+// The CPU's backend (fast or plain path) for tensors on another device: gradients, residuals,
+// payloads and updated tensors cross to the host and back every step. Slow; the GPU's fallback.
+std::unique_ptr<Backend> make_host_staged_backend(const std::vector<dct::ChunkPlan>& plans,
+                                                  const optim::OptimizerOptions& options,
+                                                  const std::vector<at::Tensor>& residuals,
+                                                  at::Device replica_device);
 
 }  // namespace flexdemo::demo

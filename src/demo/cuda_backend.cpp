@@ -5,12 +5,19 @@
 // in every build: without CUDA, GpuStep's constructor says why it cannot run.
 #include "backend.h"
 
+#include "flexdemo/comm.h"
+#include "flexdemo/compress.h"
 #include "flexdemo/dct.h"
+#include "flexdemo/kernels.h"
 
 #include <ATen/ATen.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <map>
+#include <mutex>
 #include <stdexcept>
+#include <string>
 #include <utility>
 
 namespace flexdemo::demo {
@@ -105,12 +112,179 @@ class CudaBackend final : public Backend {
   std::map<std::pair<int64_t, compress::ValueEncoding>, std::unique_ptr<kernels::GpuStep>> kernels_;
 };
 
+// The CUDA kernels against the CPU's portable ones on a small bucket (two tensors: whole 64 x 64
+// chunks, and a padded vector): encode, seal and a sign-SGD decode. "" when every byte and bit
+// agrees; else what differs first.
+std::string kernels_disagree(at::Device device) {
+  const std::vector<dct::ChunkPlan> plans = {
+      dct::make_chunk_plan({128, 192}, 64, dct::ChunkMode::Divisor),
+      dct::make_chunk_plan({1000}, 64, dct::ChunkMode::Padded)};
+  const int64_t k = 8;
+  const compress::ValueEncoding values = compress::ValueEncoding::Bf16;
+  const kernels::GpuStep gpu(plans, k, values, device);
+  std::vector<at::Tensor> grads, cpu_residuals, gpu_residuals, cpu_params, gpu_params;
+  for (const dct::ChunkPlan& p : plans) {  // deterministic data, no random generator touched
+    const at::Tensor x = at::arange(p.numel(), at::kFloat);
+    grads.push_back(
+        (at::sin(x * 0.37f) * 0.01f + at::cos(x * 0.011f) * 0.003f).view({p.rows, p.cols}));
+    cpu_residuals.push_back(at::zeros({p.padded_rows, p.padded_cols}));
+    gpu_residuals.push_back(cpu_residuals.back().to(device));
+    cpu_params.push_back((at::cos(x * 0.07f) * 0.02f).view({p.rows, p.cols}));
+    gpu_params.push_back(cpu_params.back().to(device));
+  }
+  std::vector<uint8_t> expected(gpu.bytes(), 0);
+  std::vector<compress::SparseChunks> coeffs;
+  const kernels::Isa saved = kernels::active_isa();
+  kernels::set_active_isa(kernels::Isa::Portable);
+  for (size_t i = 0; i < plans.size(); ++i) {
+    compress::TopK topk =
+        kernels::dct_accumulate_topk(grads[i], plans[i], 0.0, 1.0, cpu_residuals[i], k);
+    compress::encode_payload(plans[i], topk, values, expected.data() + gpu.offset(i));
+    compress::add_selected(cpu_residuals[i], plans[i], topk, -1.0f);
+    const uint8_t* payload = expected.data() + gpu.offset(i);
+    coeffs.push_back(compress::decode_mean_sparse(
+        {payload}, compress::wire_payload_bytes(plans[i], k, values), plans[i], k, values));
+    kernels::idct_sparse_sign_step(coeffs.back(), plans[i], {cpu_params[i], 0.01f, 1.0f});
+  }
+  kernels::set_active_isa(saved);
+
+  std::vector<at::Tensor> on_device;
+  for (const at::Tensor& g : grads) on_device.push_back(g.to(device));
+  const at::Tensor send = at::empty({int64_t(gpu.bytes())}, at::dtype(at::kByte).device(device));
+  gpu.encode(on_device, gpu_residuals, 0.0, 1.0, send);
+  gpu.seal_on_device(send);
+  const at::Tensor got = send.cpu();
+  for (size_t b = 0; b < expected.size(); ++b) {
+    if (got.data_ptr<uint8_t>()[b] != expected[b]) {
+      return "payload byte " + std::to_string(b) + " of " + std::to_string(expected.size());
+    }
+  }
+  kernels::AdamWHyper hyper;
+  hyper.lr = 0.01;
+  gpu.decode_step(send, 1, gpu_params, {}, {}, hyper);
+  for (size_t i = 0; i < plans.size(); ++i) {
+    if (!at::equal(gpu_residuals[i].cpu(), cpu_residuals[i])) {
+      return "residual of tensor " + std::to_string(i);
+    }
+    if (!at::equal(gpu_params[i].cpu(), cpu_params[i])) {
+      return "sign-SGD update of tensor " + std::to_string(i);
+    }
+  }
+  return "";
+}
+
+// The DeMo step on the CPU's backend for tensors elsewhere (make_host_staged_backend).
+class HostStagedBackend final : public Backend {
+ public:
+  HostStagedBackend(const std::vector<dct::ChunkPlan>& plans,
+                    const optim::OptimizerOptions& options,
+                    const std::vector<at::Tensor>& residuals, at::Device replica_device)
+      : residuals_(residuals), replica_device_(replica_device) {
+    for (const at::Tensor& r : residuals) host_residuals_.push_back(r.to(at::kCPU).clone());
+    inner_ = options.fast_path ? make_cpu_backend(plans, options, host_residuals_)
+                               : make_plain_backend(plans, options, host_residuals_);
+  }
+
+  at::Tensor buffer(int64_t bytes) const override {
+    if (replica_device_.is_cuda()) {
+      return at::empty({bytes}, at::dtype(at::kByte).device(replica_device_));
+    }
+    return at::empty({bytes}, at::kByte);
+  }
+  bool partial_buckets() const override { return false; }
+
+  void accumulate(size_t i, const at::Tensor& grad, double lr) override {
+    inner_->accumulate(i, grad.defined() ? grad.to(at::kCPU) : grad, lr);
+    residuals_[i].copy_(host_residuals_[i]);
+  }
+
+  void encode(Bucket& b, const std::vector<at::Tensor>& grads, double lr) override {
+    std::vector<at::Tensor> host_grads;
+    for (const at::Tensor& g : grads) host_grads.push_back(g.defined() ? g.to(at::kCPU) : g);
+    Bucket host = on_host(b);
+    host.send = b.send.is_cpu() ? b.send : at::empty({int64_t(b.bytes)}, at::kByte);
+    inner_->encode(host, host_grads, lr);
+    if (!b.send.is_cpu()) b.send.copy_(host.send);
+    for (size_t i : b.tensors) residuals_[i].copy_(host_residuals_[i]);
+  }
+
+  void decode(const Bucket& b, const at::Tensor& gathered, int replicas,
+              const Updates& updates) override {
+    Updates host = updates;
+    for (std::optional<Update>& u : host.fused) {
+      if (!u) continue;
+      u->param = u->param.to(at::kCPU).contiguous();
+      if (u->exp_avg.defined()) u->exp_avg = u->exp_avg.to(at::kCPU).contiguous();
+      if (u->exp_avg_sq.defined()) u->exp_avg_sq = u->exp_avg_sq.to(at::kCPU).contiguous();
+    }
+    host.apply = [&updates](size_t i, const at::Tensor& direction) {
+      updates.apply(i, direction.to(updates.fused.size() > i && updates.fused[i]
+                                        ? updates.fused[i]->param.device()
+                                        : direction.device()));
+    };
+    inner_->decode(on_host(b), gathered.to(at::kCPU), replicas, host);
+    for (size_t i = 0; i < updates.fused.size(); ++i) {
+      if (!updates.fused[i]) continue;
+      updates.fused[i]->param.copy_(host.fused[i]->param);
+      if (host.fused[i]->exp_avg.defined()) updates.fused[i]->exp_avg.copy_(host.fused[i]->exp_avg);
+      if (host.fused[i]->exp_avg_sq.defined()) {
+        updates.fused[i]->exp_avg_sq.copy_(host.fused[i]->exp_avg_sq);
+      }
+    }
+  }
+
+ private:
+  static Bucket on_host(const Bucket& b) {
+    Bucket h;
+    h.tensors = b.tensors;
+    h.offsets = b.offsets;
+    h.bytes = b.bytes;
+    h.topk = b.topk;
+    h.values = b.values;
+    return h;
+  }
+
+  std::vector<at::Tensor> residuals_;  // the replicator's, on their device
+  std::vector<at::Tensor> host_residuals_;
+  at::Device replica_device_;
+  std::unique_ptr<Backend> inner_;
+};
+
 }  // namespace
+
+std::unique_ptr<Backend> make_host_staged_backend(const std::vector<dct::ChunkPlan>& plans,
+                                                  const optim::OptimizerOptions& options,
+                                                  const std::vector<at::Tensor>& residuals,
+                                                  at::Device replica_device) {
+  return std::make_unique<HostStagedBackend>(plans, options, residuals, replica_device);
+}
 
 std::unique_ptr<Backend> make_cuda_backend(const std::vector<dct::ChunkPlan>& plans,
                                            const optim::OptimizerOptions& options,
                                            const std::vector<at::Tensor>& residuals,
                                            at::Device device, at::Device replica_device) {
+  static std::mutex mutex;
+  static std::map<int, std::string> verdicts;  // per GPU: what disagrees ("" nothing)
+  std::string disagree;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = verdicts.find(device.index());
+    if (it == verdicts.end()) {
+      const char* forced = std::getenv("FLEXDEMO_GPU_FALLBACK");
+      std::string verdict = forced != nullptr && std::string(forced) == "1"
+                                ? "FLEXDEMO_GPU_FALLBACK=1"
+                                : kernels_disagree(device);
+      if (!verdict.empty()) {
+        std::fprintf(stderr,
+                     "flexdemo: warning: the GPU kernels disagree with the CPU's on %s (%s); "
+                     "DeMo's step runs on the CPU's kernels instead (slower)\n",
+                     device.str().c_str(), verdict.c_str());
+      }
+      it = verdicts.emplace(device.index(), verdict).first;
+    }
+    disagree = it->second;
+  }
+  if (!disagree.empty()) return make_host_staged_backend(plans, options, residuals, replica_device);
   return std::make_unique<CudaBackend>(plans, options, residuals, device, replica_device);
 }
 

@@ -15,8 +15,11 @@
 #if defined(FLEXDEMO_CUDA)
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
 
 #include <map>
+#include <mutex>
+#include <string>
 #endif
 
 namespace flexdemo::kernels {
@@ -66,6 +69,84 @@ bool cuda_built() {
   return true;
 }
 
+namespace {
+
+// The launches timed since the last gpu_phase_times(), and their events.
+struct PhaseTimer {
+  struct Pending {
+    std::string phase;
+    cudaEvent_t start, stop;
+    GpuPhase work;
+  };
+  std::mutex mutex;
+  bool on = false;
+  std::vector<Pending> pending;
+};
+PhaseTimer& phase_timer() {
+  static PhaseTimer timer;
+  return timer;
+}
+
+// Times what is launched on `stream` during its life as one launch of `phase` (when enabled).
+class PhaseScope {
+ public:
+  PhaseScope(const char* phase, cudaStream_t stream, double bytes, double fmas = 0.0)
+      : stream_(stream) {
+    PhaseTimer& t = phase_timer();
+    std::lock_guard<std::mutex> lock(t.mutex);
+    if (!t.on) return;
+    entry_.phase = phase;
+    entry_.work.bytes = bytes;
+    entry_.work.fmas = fmas;
+    entry_.work.launches = 1;
+    cudaEventCreate(&entry_.start);
+    cudaEventCreate(&entry_.stop);
+    cudaEventRecord(entry_.start, stream_);
+    timing_ = true;
+  }
+  ~PhaseScope() {
+    if (!timing_) return;
+    cudaEventRecord(entry_.stop, stream_);
+    PhaseTimer& t = phase_timer();
+    std::lock_guard<std::mutex> lock(t.mutex);
+    t.pending.push_back(entry_);
+  }
+  PhaseScope(const PhaseScope&) = delete;
+  PhaseScope& operator=(const PhaseScope&) = delete;
+
+ private:
+  cudaStream_t stream_;
+  PhaseTimer::Pending entry_{};
+  bool timing_ = false;
+};
+
+}  // namespace
+
+void set_gpu_phase_timing(bool on) {
+  PhaseTimer& t = phase_timer();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  t.on = on;
+}
+
+std::map<std::string, GpuPhase> gpu_phase_times() {
+  PhaseTimer& t = phase_timer();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  std::map<std::string, GpuPhase> out;
+  for (PhaseTimer::Pending& p : t.pending) {
+    float ms = 0.0f;
+    if (cudaEventSynchronize(p.stop) == cudaSuccess) cudaEventElapsedTime(&ms, p.start, p.stop);
+    cudaEventDestroy(p.start);
+    cudaEventDestroy(p.stop);
+    GpuPhase& phase = out[p.phase];
+    phase.ms += ms;
+    phase.launches += 1;
+    phase.bytes += p.work.bytes;
+    phase.fmas += p.work.fmas;
+  }
+  t.pending.clear();
+  return out;
+}
+
 bool cuda_available() {
   return at::hasCUDA();
 }
@@ -78,9 +159,11 @@ struct GpuStep::Impl {
   std::vector<size_t> offsets, sizes;  // per tensor, in one replica's bucket
   size_t bytes = 0;
   std::vector<cuda::TensorDesc> descs;  // host copy; the step's pointers are set per call
-  at::Tensor descs_on_device;           // uint8, the descs
-  at::Tensor chunk_tensor;              // int32 [chunks] on the device
-  at::Tensor segment_tensor;            // int32 [checksum segments] on the device
+  // What each kernel must move through DRAM, and the encode's transforms' multiply-adds.
+  double param_bytes = 0, residual_bytes = 0, encode_fmas = 0;
+  at::Tensor descs_on_device;  // uint8, the descs
+  at::Tensor chunk_tensor;     // int32 [chunks] on the device
+  at::Tensor segment_tensor;   // int32 [checksum segments] on the device
   int64_t num_segments = 0;
   // DCT-II of size n on the device, Dct1d::full's layout (and full_t's, transposed).
   std::map<std::pair<int64_t, bool>, at::Tensor> bases;
@@ -97,11 +180,14 @@ struct GpuStep::Impl {
     return slot.data_ptr<float>();
   }
 
-  // The descs with this call's pointers, to the device; the launch's table.
+  // The descs with this call's pointers, to the device, on the current stream without a host
+  // sync: from a pinned copy that the caching host allocator keeps until the copy has run; the
+  // launch's table.
   const cuda::TensorTable& upload() {
-    const at::Tensor host =
-        at::from_blob(descs.data(), {int64_t(descs.size() * sizeof(cuda::TensorDesc))}, at::kByte);
-    descs_on_device.copy_(host);  // synchronous from pageable memory: descs may change after
+    const int64_t size = int64_t(descs.size() * sizeof(cuda::TensorDesc));
+    const at::Tensor host = at::empty({size}, at::dtype(at::kByte).pinned_memory(true));
+    std::memcpy(host.data_ptr(), descs.data(), size_t(size));
+    descs_on_device.copy_(host, /*non_blocking=*/true);
     table.tensors = reinterpret_cast<const cuda::TensorDesc*>(descs_on_device.data_ptr());
     return table;
   }
@@ -125,6 +211,12 @@ GpuStep::GpuStep(const std::vector<dct::ChunkPlan>& plans, int64_t k,
     d.basis_rows_t = m.basis(plans[i].chunk_rows, true, &d.basis_rows_stride);
     d.basis_cols_t = m.basis(plans[i].chunk_cols, true, &d.basis_cols_stride);
     m.offsets.push_back(size_t(d.payload_offset));
+  }
+  for (const dct::ChunkPlan& plan : plans) {
+    m.param_bytes += 4.0 * double(plan.numel());
+    m.residual_bytes += 4.0 * double(plan.padded_numel());
+    m.encode_fmas += double(plan.num_chunks()) * double(plan.chunk_numel()) *
+                     double(plan.chunk_rows + plan.chunk_cols);
   }
   m.descs = std::move(layout.tensors);
   m.sizes = std::move(layout.payload_bytes);
@@ -193,8 +285,12 @@ void GpuStep::encode(const std::vector<at::Tensor>& grads, const std::vector<at:
     throw std::invalid_argument("GpuStep: send must be " + std::to_string(m.bytes) +
                                 " contiguous bytes on " + m.device.str());
   }
-  cuda::encode(m.upload(), float(beta), float(alpha), send.data_ptr<uint8_t>(), int64_t(m.bytes),
-               c10::cuda::getCurrentCUDAStream(m.device.index()).stream());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(m.device.index()).stream();
+  const cuda::TensorTable& table = m.upload();
+  const PhaseScope timed("encode", stream, m.param_bytes + 2 * m.residual_bytes + double(m.bytes),
+                         m.encode_fmas);
+  cuda::encode(table, float(beta), float(alpha), send.data_ptr<uint8_t>(), int64_t(m.bytes),
+               stream);
   for (const at::Tensor& r : residuals) r.unsafeGetTensorImpl()->bump_version();
 }
 
@@ -235,8 +331,10 @@ void GpuStep::seal_on_device(const at::Tensor& send) const {
   check_buckets(send, m.bytes, 1, m.device, "send");
   const at::Tensor scratch =
       at::empty({std::max<int64_t>(1, m.num_segments)}, at::dtype(at::kInt).device(m.device));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(m.device.index()).stream();
+  const PhaseScope timed("seal", stream, 2.0 * double(m.bytes));
   cuda::seal(m.table, send.data_ptr<uint8_t>(), reinterpret_cast<uint32_t*>(scratch.data_ptr()),
-             c10::cuda::getCurrentCUDAStream(m.device.index()).stream());
+             stream);
 }
 
 void GpuStep::validate_on_device(const at::Tensor& gathered, int replicas) const {
@@ -248,10 +346,13 @@ void GpuStep::validate_on_device(const at::Tensor& gathered, int replicas) const
       at::empty({std::max<int64_t>(1, replicas * m.num_segments)}, on_device);
   const int64_t tensors = int64_t(m.descs.size());
   const at::Tensor errors = at::empty({std::max<int64_t>(1, replicas * tensors)}, on_device);
-  cuda::validate(m.table, gathered.data_ptr<uint8_t>(), int64_t(m.bytes), replicas,
-                 reinterpret_cast<uint32_t*>(scratch.data_ptr()),
-                 reinterpret_cast<uint32_t*>(errors.data_ptr()),
-                 c10::cuda::getCurrentCUDAStream(m.device.index()).stream());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(m.device.index()).stream();
+  {
+    const PhaseScope timed("validate", stream, 2.0 * double(m.bytes) * replicas);
+    cuda::validate(m.table, gathered.data_ptr<uint8_t>(), int64_t(m.bytes), replicas,
+                   reinterpret_cast<uint32_t*>(scratch.data_ptr()),
+                   reinterpret_cast<uint32_t*>(errors.data_ptr()), stream);
+  }
   const at::Tensor verdict = errors.to(at::kCPU);  // waits for the kernels
   const int32_t* flags = verdict.data_ptr<int32_t>();
   for (int64_t e = 0; e < replicas * tensors; ++e) {
@@ -286,10 +387,15 @@ void GpuStep::decode_step(const at::Tensor& gathered, int replicas,
                                 std::to_string(m.bytes) + " contiguous bytes on " + m.device.str());
   }
   const chunk_math::AdamWConstants constants = adamw_constants(hyper);
-  cuda::decode_step(m.upload(), gathered.data_ptr<uint8_t>(), int64_t(m.bytes), replicas,
-                    float(hyper.lr), float(1.0 - hyper.lr * hyper.weight_decay),
-                    adamw ? &constants : nullptr,
-                    c10::cuda::getCurrentCUDAStream(m.device.index()).stream());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(m.device.index()).stream();
+  const cuda::TensorTable& table = m.upload();
+  {
+    const PhaseScope timed("decode_step", stream,
+                           (adamw ? 6.0 : 2.0) * m.param_bytes + double(m.bytes) * replicas);
+    cuda::decode_step(table, gathered.data_ptr<uint8_t>(), int64_t(m.bytes), replicas,
+                      float(hyper.lr), float(1.0 - hyper.lr * hyper.weight_decay),
+                      adamw ? &constants : nullptr, stream);
+  }
   for (size_t i = 0; i < m.plans.size(); ++i) {  // written by the kernel, as ATen's ops would
     params[i].unsafeGetTensorImpl()->bump_version();
     if (adamw) {
@@ -303,6 +409,12 @@ void GpuStep::decode_step(const at::Tensor& gathered, int replicas,
 
 bool cuda_built() {
   return false;
+}
+
+void set_gpu_phase_timing(bool) {}
+
+std::map<std::string, GpuPhase> gpu_phase_times() {
+  return {};
 }
 
 bool cuda_available() {
