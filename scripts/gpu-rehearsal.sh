@@ -32,12 +32,16 @@ fi
 
 # The root: Debian minbase with the image's tools only (made once).
 if [ ! -x "$root/usr/bin/ninja" ]; then
-  mirror=$(sed -n 's/^URIs: *\([^ ]*\).*/\1/p; s/^deb \(\[[^]]*\] \)\{0,1\}\([^ ]*\) .*/\2/p' \
-    /etc/apt/sources.list.d/*.sources /etc/apt/sources.list 2> /dev/null | head -n 1)
+  # The archive this machine's apt uses (deb822 .sources or a one-line sources.list).
+  mirror=$(cat /etc/apt/sources.list.d/*.sources /etc/apt/sources.list 2> /dev/null |
+    sed -n 's/^URIs: *\([^ ]*\).*/\1/p; s/^deb \(\[[^]]*\] \)\{0,1\}\([^ ]*\) .*/\2/p' |
+    head -n 1 || true)
+  [ -n "$mirror" ] || { echo "gpu-rehearsal: no Debian archive found in apt's sources" >&2; exit 1; }
   echo "gpu-rehearsal: making the root in $root (debootstrap minbase)"
   rm -rf "$root"
   debootstrap --variant=minbase --include=g++,make,cmake,ninja-build,openmpi-bin,python3 \
-    bookworm "$root" "$mirror" > "$out/debootstrap.log" 2>&1
+    bookworm "$root" "$mirror" > "$out/debootstrap.log" 2>&1 ||
+    { tail -n 20 "$out/debootstrap.log" >&2; exit 1; }
 fi
 
 # The checkout as the device tool sends it.
