@@ -217,10 +217,8 @@ class HostStagedBackend final : public Backend {
       if (u->exp_avg.defined()) u->exp_avg = u->exp_avg.to(at::kCPU).contiguous();
       if (u->exp_avg_sq.defined()) u->exp_avg_sq = u->exp_avg_sq.to(at::kCPU).contiguous();
     }
-    host.apply = [&updates](size_t i, const at::Tensor& direction) {
-      updates.apply(i, direction.to(updates.fused.size() > i && updates.fused[i]
-                                        ? updates.fused[i]->param.device()
-                                        : direction.device()));
+    host.apply = [&](size_t i, const at::Tensor& direction) {
+      updates.apply(i, direction.to(residuals_[i].device()));  // where the tensor lies
     };
     inner_->decode(on_host(b), gathered.to(at::kCPU), replicas, host);
     for (size_t i = 0; i < updates.fused.size(); ++i) {

@@ -263,6 +263,17 @@ float* device_floats(const at::Tensor& t, int64_t numel, at::Device device, cons
   return t.data_ptr<float>();
 }
 
+// t as `replicas` buckets of `bytes` on the device (uint8, contiguous).
+void check_buckets(const at::Tensor& t, size_t bytes, int replicas, at::Device device,
+                   const char* what) {
+  if (t.scalar_type() != at::kByte || t.device() != device || !t.is_contiguous() ||
+      size_t(t.numel()) != bytes * size_t(replicas)) {
+    throw std::invalid_argument("GpuStep: " + std::string(what) + " must be " +
+                                std::to_string(replicas) + " x " + std::to_string(bytes) +
+                                " contiguous bytes on " + device.str());
+  }
+}
+
 }  // namespace
 
 void GpuStep::encode(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& residuals,
@@ -280,11 +291,7 @@ void GpuStep::encode(const std::vector<at::Tensor>& grads, const std::vector<at:
       d.grad = device_floats(inputs.back(), plan.numel(), m.device, "a gradient");
     }
   }
-  if (send.scalar_type() != at::kByte || send.device() != m.device || !send.is_contiguous() ||
-      size_t(send.numel()) != m.bytes) {
-    throw std::invalid_argument("GpuStep: send must be " + std::to_string(m.bytes) +
-                                " contiguous bytes on " + m.device.str());
-  }
+  check_buckets(send, m.bytes, 1, m.device, "send");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(m.device.index()).stream();
   const cuda::TensorTable& table = m.upload();
   const PhaseScope timed("encode", stream, m.param_bytes + 2 * m.residual_bytes + double(m.bytes),
@@ -310,20 +317,6 @@ void GpuStep::validate(const uint8_t* gathered, int replicas) const {
     }
   }
 }
-
-namespace {
-
-void check_buckets(const at::Tensor& t, size_t bytes, int replicas, at::Device device,
-                   const char* what) {
-  if (t.scalar_type() != at::kByte || t.device() != device || !t.is_contiguous() ||
-      size_t(t.numel()) != bytes * size_t(replicas)) {
-    throw std::invalid_argument("GpuStep: " + std::string(what) + " must be " +
-                                std::to_string(replicas) + " x " + std::to_string(bytes) +
-                                " contiguous bytes on " + device.str());
-  }
-}
-
-}  // namespace
 
 void GpuStep::seal_on_device(const at::Tensor& send) const {
   Impl& m = *impl_;
@@ -381,11 +374,7 @@ void GpuStep::decode_step(const at::Tensor& gathered, int replicas,
     d.exp_avg = adamw ? device_floats(exp_avg.at(i), numel, m.device, "exp_avg") : nullptr;
     d.exp_avg_sq = adamw ? device_floats(exp_avg_sq.at(i), numel, m.device, "exp_avg_sq") : nullptr;
   }
-  if (gathered.scalar_type() != at::kByte || gathered.device() != m.device ||
-      !gathered.is_contiguous() || size_t(gathered.numel()) != m.bytes * size_t(replicas)) {
-    throw std::invalid_argument("GpuStep: gathered must be " + std::to_string(replicas) + " x " +
-                                std::to_string(m.bytes) + " contiguous bytes on " + m.device.str());
-  }
+  check_buckets(gathered, m.bytes, replicas, m.device, "gathered");
   const chunk_math::AdamWConstants constants = adamw_constants(hyper);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(m.device.index()).stream();
   const cuda::TensorTable& table = m.upload();
