@@ -26,9 +26,9 @@ function(flexdemo_add_demo_step)
   set_source_files_properties(${src}/demo/cpu/portable_kernels.cpp
     TARGET_DIRECTORY ${ARG_TARGET} PROPERTIES COMPILE_OPTIONS -ffp-contract=off)
   # The chunk kernels, compiled once per instruction set (Debian builds for baseline x86-64; the
-  # AVX2 + FMA copy is chosen at run time where the CPU has it). No LibTorch in them: they build
-  # fast.
-  foreach(isa baseline avx2)
+  # AVX-512 or else the AVX2 + FMA copy is chosen at run time where the CPU has it). No LibTorch
+  # in them: they build fast.
+  foreach(isa baseline avx2 avx512)
     set(objects ${ARG_TARGET}_kernels_${isa})
     add_library(${objects} OBJECT ${src}/demo/cpu/chunk_kernels.cpp)
     target_include_directories(${objects} PRIVATE ${src})
@@ -39,6 +39,7 @@ function(flexdemo_add_demo_step)
     target_sources(${ARG_TARGET} PRIVATE $<TARGET_OBJECTS:${objects}>)
   endforeach()
   target_compile_options(${ARG_TARGET}_kernels_avx2 PRIVATE -mavx2 -mfma)
+  target_compile_options(${ARG_TARGET}_kernels_avx512 PRIVATE -mavx2 -mfma -mavx512f -mavx512vl)
   # at::parallel_for is a header template: compiled without OpenMP, our own loops (top-k, decode,
   # the DCT bands) would run serially whatever the thread count. GCC's runtime (libgomp) is the
   # one LibTorch uses; other compilers (the clang sanitizer build) keep those loops serial.

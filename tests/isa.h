@@ -9,7 +9,8 @@ namespace flexdemo::isa_testing {
 
 inline std::vector<kernels::Isa> supported_isas() {
   std::vector<kernels::Isa> isas;
-  for (kernels::Isa isa : {kernels::Isa::Baseline, kernels::Isa::Avx2, kernels::Isa::Portable}) {
+  for (kernels::Isa isa :
+       {kernels::Isa::Baseline, kernels::Isa::Avx2, kernels::Isa::Avx512, kernels::Isa::Portable}) {
     if (kernels::supported(isa)) isas.push_back(isa);
   }
   return isas;

@@ -18,8 +18,8 @@
 
 namespace flexdemo::kernels {
 
-enum class Isa { Baseline, Avx2, Portable };
-std::string to_string(Isa isa);          // "baseline" "avx2" "portable"
+enum class Isa { Baseline, Avx2, Avx512, Portable };
+std::string to_string(Isa isa);          // "baseline" "avx2" "avx512" "portable"
 Isa parse_isa(const std::string& name);  // inverse of to_string
 bool supported(Isa isa);                 // whether this CPU runs it
 // The instruction set the kernels use: at start the best supported one, or FLEXDEMO_ISA when set.

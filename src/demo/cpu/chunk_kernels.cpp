@@ -25,16 +25,46 @@ namespace {
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
+typedef float v16 __attribute__((vector_size(64)));
 
-inline v8 load(const float* p) {
-  return *reinterpret_cast<const v8u*>(p);
+// Loads and stores of any float vector type V at any float's alignment.
+template <typename V>
+struct Unaligned {
+  typedef V type __attribute__((aligned(4), may_alias));
+};
+template <typename V = v8>
+inline V load(const float* p) {
+  return *reinterpret_cast<const typename Unaligned<V>::type*>(p);
 }
-inline void store(float* p, v8 v) {
-  *reinterpret_cast<v8u*>(p) = v;
+template <typename V>
+inline void store(float* p, V v) {
+  *reinterpret_cast<typename Unaligned<V>::type*>(p) = v;
 }
-inline v8 splat(float s) {
-  return v8{s, s, s, s, s, s, s, s};
+template <typename V = v8>
+inline V splat(float s) {
+  return -V{} + s;  // -0 + s is s for every s (+0 + s is not, for s = -0): one broadcast
+}
+template <typename V>
+constexpr int lanes_of = int(sizeof(V) / sizeof(float));
+
+// The widest vector this copy's instruction set has: 16 lanes with AVX-512, else 8. A chunk's
+// rows stay whole multiples of 8 lanes in every copy (the same layout, the same results per
+// lane); the AVX-512 copy walks them 16 at a time and the last 8 alone.
+#if defined(__AVX512F__)
+typedef v16 vwide;
+#else
+typedef v8 vwide;
+#endif
+
+// Calls body(g, V{}) over lanes [g, g + lanes_of<V>) covering [0, L), L a multiple of 8: the
+// widest vectors first, then one of 8.
+template <typename Body>
+[[gnu::always_inline]] inline void over_lanes(int64_t L, Body body) {
+  int64_t g = 0;
+  if constexpr (lanes_of < vwide >> 8) {
+    for (; g + lanes_of<vwide> <= L; g += lanes_of<vwide>) body(g, vwide{});
+  }
+  for (; g < L; g += 8) body(g, v8{});
 }
 inline v8i splat_i(int32_t s) {
   return v8i{s, s, s, s, s, s, s, s};
@@ -53,49 +83,71 @@ inline int round8(int n) {
 }
 
 // ====== Small matrix products over rows of lanes ======
-// out[i] = sum_j mat[i * cols + j] * in[j] for i < rows: in rows at in + j * in_stride, out rows
-// at out + i * out_stride, L lanes each. Blocks of R rows x G vectors keep their sums in registers.
-template <int R, int G>
-[[gnu::always_inline]] inline void matvec_block(const float* mat, int cols, const float* in,
+// out[i] = sum_j M(i, j) * in[j] for i < rows: in rows at in + j * in_stride, out rows at
+// out + i * out_stride, L lanes each; M(i, j) = mat(i, j), a callable. Blocks of R rows x G
+// vectors of type V keep their sums in registers.
+template <typename V, int R, int G, typename Mat>
+[[gnu::always_inline]] inline void matvec_block(const Mat& mat, int cols, const float* in,
                                                 int64_t in_stride, float* out, int64_t out_stride,
-                                                int i, int g) {
-  v8 acc[R][G];  // in registers once inlined (no memset, no stack round trip)
+                                                int i, int64_t g) {
+  constexpr int W = lanes_of<V>;
+  V acc[R][G];  // in registers once inlined (no memset, no stack round trip)
   for (int r = 0; r < R; ++r) {
-    for (int q = 0; q < G; ++q) acc[r][q] = v8{};
+    for (int q = 0; q < G; ++q) acc[r][q] = V{};
   }
   for (int j = 0; j < cols; ++j) {
-    v8 x[G];
-    for (int q = 0; q < G; ++q) x[q] = load(in + j * in_stride + g + 8 * q);
+    V x[G];
+    for (int q = 0; q < G; ++q) x[q] = load<V>(in + j * in_stride + g + W * q);
     for (int r = 0; r < R; ++r) {
-      const v8 m = splat(mat[(i + r) * cols + j]);
+      const V m = splat<V>(mat(i + r, j));
       for (int q = 0; q < G; ++q) acc[r][q] += m * x[q];
     }
   }
   for (int r = 0; r < R; ++r) {
-    for (int q = 0; q < G; ++q) store(out + (i + r) * out_stride + g + 8 * q, acc[r][q]);
+    for (int q = 0; q < G; ++q) store(out + (i + r) * out_stride + g + W * q, acc[r][q]);
   }
 }
 
-template <int R>
-[[gnu::always_inline]] inline void matvec_rows(const float* mat, int cols, const float* in,
+// Lanes in blocks of 2 x G and then G of the widest vectors, then what is left one vector at a
+// time.
+template <int R, int G, typename Mat>
+[[gnu::always_inline]] inline void matvec_rows(const Mat& mat, int cols, const float* in,
                                                int64_t in_stride, float* out, int64_t out_stride,
-                                               int i, int L) {
-  int g = 0;
-  for (; g + 16 <= L; g += 16) {
-    matvec_block<R, 2>(mat, cols, in, in_stride, out, out_stride, i, g);
+                                               int i, int64_t L) {
+  constexpr int W = lanes_of<vwide>;
+  int64_t g = 0;
+  for (; g + 2 * G * W <= L; g += 2 * G * W) {
+    matvec_block<vwide, R, 2 * G>(mat, cols, in, in_stride, out, out_stride, i, g);
   }
-  if (g < L) matvec_block<R, 1>(mat, cols, in, in_stride, out, out_stride, i, g);
+  if (g + G * W <= L) {
+    matvec_block<vwide, R, G>(mat, cols, in, in_stride, out, out_stride, i, g);
+    g += G * W;
+  }
+  over_lanes(L - g, [&](int64_t h, auto v) {
+    matvec_block<decltype(v), R, 1>(mat, cols, in, in_stride, out, out_stride, i, g + h);
+  });
 }
 
-void matvec(const float* mat, int rows, int cols, const float* in, int64_t in_stride, float* out,
-            int64_t out_stride, int L) {
+template <typename Mat>
+void matvec_of(const Mat& mat, int rows, int cols, const float* in, int64_t in_stride, float* out,
+               int64_t out_stride, int L) {
+  // Blocks of 4 rows x 2 G vectors: 4 x 4 sums of 16 lanes (a whole row of a 64-wide chunk) fit
+  // AVX-512's 32 registers, 4 x 2 of 8 lanes AVX2's 16.
+  constexpr int G = lanes_of < vwide >> 8 ? 2 : 1;
   int i = 0;
-  for (; i + 4 <= rows; i += 4) matvec_rows<4>(mat, cols, in, in_stride, out, out_stride, i, L);
+  for (; i + 4 <= rows; i += 4) matvec_rows<4, G>(mat, cols, in, in_stride, out, out_stride, i, L);
   if (i + 2 <= rows) {
-    matvec_rows<2>(mat, cols, in, in_stride, out, out_stride, i, L);
+    matvec_rows<2, G>(mat, cols, in, in_stride, out, out_stride, i, L);
     i += 2;
   }
-  if (i < rows) matvec_rows<1>(mat, cols, in, in_stride, out, out_stride, i, L);
+  if (i < rows) matvec_rows<1, G>(mat, cols, in, in_stride, out, out_stride, i, L);
+}
+
+// With M a row-major rows x cols matrix.
+void matvec(const float* mat, int rows, int cols, const float* in, int64_t in_stride, float* out,
+            int64_t out_stride, int L) {
+  matvec_of([mat, cols](int i, int j) { return mat[i * cols + j]; }, rows, cols, in, in_stride, out,
+            out_stride, L);
 }
 
 // ====== 1-D transforms along rows ======
@@ -105,16 +157,16 @@ const float kSqrt2 = 1.41421356237309505f;
 // The m rows at z + i * stride hold the orthonormal DCT-II Z of scaled differences; replaced by
 // the DCT-IV they give: Z'[i] + Z'[i+1], with Z'[0] = sqrt(2) Z[0] and Z'[m] = 0.
 void odd_from_dct2(float* z, int64_t stride, int m, int L) {
-  const v8 r2 = splat(kSqrt2);
   for (int i = 0; i < m; ++i) {
     float* row = z + i * stride;
     const float* next = i + 1 < m ? row + stride : nullptr;
-    for (int g = 0; g < L; g += 8) {
-      v8 v = load(row + g);
-      if (i == 0) v *= r2;
-      if (next != nullptr) v += load(next + g);
+    over_lanes(L, [&](int64_t g, auto v) {
+      using V = decltype(v);
+      v = load<V>(row + g);
+      if (i == 0) v *= kSqrt2;
+      if (next != nullptr) v += load<V>(next + g);
       store(row + g, v);
-    }
+    });
   }
 }
 
@@ -132,19 +184,19 @@ void forward(const Dct1d& p, int level, const float* src, int64_t src_stride, fl
     return;
   }
   const int m = n / 2;
-  const v8 s = splat(kHalfSqrt2);
   const float* f = p.lee[level] ? p.lee_scale[level] : nullptr;
   for (int i = 0; i < m; ++i) {
     const float* sa = src + i * src_stride;
     const float* sb = src + (n - 1 - i) * src_stride;
     float* a = in + i * in_stride;
     float* b = in + (n - 1 - i) * in_stride;
-    const v8 fi = f != nullptr ? splat(f[i]) : s;
-    for (int g = 0; g < L; g += 8) {
-      const v8 x = load(sa + g), y = load(sb + g);
-      store(a + g, (x + y) * s);
+    const float fi = f != nullptr ? f[i] : kHalfSqrt2;
+    over_lanes(L, [&](int64_t g, auto v) {
+      using V = decltype(v);
+      const V x = load<V>(sa + g), y = load<V>(sb + g);
+      store(a + g, (x + y) * kHalfSqrt2);
       store(b + g, (x - y) * fi);
-    }
+    });
   }
   // The differences sit in rows n-1, n-2, ..., m.
   if (p.lee[level]) {
@@ -172,15 +224,15 @@ void inverse(const Dct1d& p, int level, const float* X, int64_t x_stride, float*
   matvec(p.inverse_odd[level], m, m, X + x_stride, 2 * x_stride, out + m * out_stride, out_stride,
          L);
   inverse(p, level + 1, X, 2 * x_stride, out, out_stride, L);
-  const v8 s = splat(kHalfSqrt2);
   for (int i = 0; i < m; ++i) {
     float* a = out + i * out_stride;
     float* b = out + (n - 1 - i) * out_stride;
-    for (int q = 0; q < L; q += 8) {
-      const v8 x = load(a + q), y = load(b + q);
-      store(a + q, (x + y) * s);
-      store(b + q, (x - y) * s);
-    }
+    over_lanes(L, [&](int64_t g, auto v) {
+      using V = decltype(v);
+      const V x = load<V>(a + g), y = load<V>(b + g);
+      store(a + g, (x + y) * kHalfSqrt2);
+      store(b + g, (x - y) * kHalfSqrt2);
+    });
   }
 }
 
@@ -242,18 +294,19 @@ void dct_accumulate(const ChunkShape& shape, const float* src, int64_t src_strid
   transpose(y, H8, W8, yt);                                  // yt: W8 rows x H8 lanes
   forward(*shape.along_cols, 0, yt, H8, yt, H8, y, H8, H8);  // y: the row transform, transposed
   transpose(y, W8, H8, yt);  // yt: H8 rows x W8 lanes, the chunk's DCT
-  const v8 va = splat(alpha), vb = splat(beta);
   for (int u = 0; u < h; ++u) {
     float* o = out + u * out_stride;
     const float* z = yt + int64_t(u) * W8;
     float* f = fresh != nullptr ? fresh + int64_t(u) * w : nullptr;
-    int v = 0;
-    for (; v + 8 <= w; v += 8) {
-      const v8 r = beta == 0.0f ? va * load(z + v) : vb * load(o + v) + va * load(z + v);
+    const int whole = w / 8 * 8;
+    over_lanes(whole, [&](int64_t v, auto lanes) {
+      using V = decltype(lanes);
+      const V r =
+          beta == 0.0f ? alpha * load<V>(z + v) : beta * load<V>(o + v) + alpha * load<V>(z + v);
       store(o + v, r);
       if (f != nullptr) store(f + v, r);
-    }
-    for (; v < w; ++v) {
+    });
+    for (int v = whole; v < w; ++v) {
       const float r = beta == 0.0f ? alpha * z[v] : beta * o[v] + alpha * z[v];
       o[v] = r;
       if (f != nullptr) f[v] = r;
@@ -311,10 +364,21 @@ constexpr PackedLanes kPackedLanes{};
 #endif
 
 // Positions of the entries whose magnitude is >= t, ascending; returns how many. positions
-// needs room for n + 8 (whole vectors are stored).
+// needs room for n (whole vectors are stored, but never past the entries read so far).
 int64_t collect_at_least(const float* x, int64_t n, uint32_t t, int32_t* positions) {
   const v8i vt = splat_i(int32_t(t));
   int64_t count = 0, i = 0;
+#if defined(__AVX512F__)  // 16 at a time: the hits' positions packed by one compress
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (; i + 16 <= n; i += 16) {
+    const __m512i mag = _mm512_and_si512(_mm512_loadu_si512(x + i), _mm512_set1_epi32(0x7fffffff));
+    const __mmask16 hits = _mm512_cmpge_epi32_mask(mag, _mm512_set1_epi32(int32_t(t)));
+    _mm512_storeu_si512(
+        positions + count,
+        _mm512_maskz_compress_epi32(hits, _mm512_add_epi32(iota, _mm512_set1_epi32(int32_t(i)))));
+    count += __builtin_popcount(hits);
+  }
+#endif
   for (; i + 8 <= n; i += 8) {
     const unsigned bits = lane_mask(magnitudes(x + i) >= vt);
 #if defined(__AVX2__)  // without a branch per hit: store the packed lanes, count them
@@ -365,19 +429,22 @@ uint32_t sampled_rank(const float* x, int64_t n, int r) {
 // Marks in `chosen` (a bitmap over positions) the k largest of count distinct keys, by counting
 // for each key how many are larger: count^2 comparisons, but vectorised and without the
 // mispredicted branches of a partition, which cost more for the few dozen candidates here.
+// keys needs room for count rounded up to 8.
 void choose_by_rank(uint64_t* keys, int64_t count, int64_t k, uint64_t* chosen) {
-  typedef int64_t v4l __attribute__((vector_size(32)));
-  typedef int64_t v4lu __attribute__((vector_size(32), aligned(8), may_alias));
-  const int64_t padded = (count + 3) / 4 * 4;
+  constexpr int K = lanes_of<vwide> / 2;  // keys a vector
+  typedef int64_t vk __attribute__((vector_size(8 * K)));
+  typedef int64_t vku __attribute__((vector_size(8 * K), aligned(8), may_alias));
+  const int64_t padded = (count + K - 1) / K * K;
   for (int64_t j = count; j < padded; ++j) keys[j] = 0;  // below every key (keys are > 0)
   for (int64_t i = 0; i < count; ++i) {
-    const int64_t key = int64_t(keys[i]);  // < 2^63: magnitudes have no sign bit
-    const v4l mine = {key, key, key, key};
-    v4l larger = {};
-    for (int64_t j = 0; j < padded; j += 4) {
-      larger += *reinterpret_cast<const v4lu*>(keys + j) > mine;  // true lanes are -1
+    const vk mine = vk{} + int64_t(keys[i]);  // < 2^63: magnitudes have no sign bit
+    vk larger = {};
+    for (int64_t j = 0; j < padded; j += K) {
+      larger += *reinterpret_cast<const vku*>(keys + j) > mine;  // true lanes are -1
     }
-    const int64_t rank = -(larger[0] + larger[1] + larger[2] + larger[3]);
+    int64_t rank = 0;
+    for (int q = 0; q < K; ++q) rank -= larger[q];
+    const int64_t key = int64_t(keys[i]);
     const uint64_t pos = 0xffffffffu - (uint64_t(key) & 0xffffffffu);
     chosen[pos / 64] |= uint64_t(rank < k) << (pos % 64);
   }
@@ -389,9 +456,9 @@ void choose_by_rank(uint64_t* keys, int64_t count, int64_t k, uint64_t* chosen) 
 // chosen positions puts them in ascending order.
 void select_topk(const float* values, int64_t n, int64_t k, int64_t* positions, float* selected,
                  uint64_t* scratch) {
-  uint64_t* keys = scratch;                                           // n + 4
-  int32_t* candidates = reinterpret_cast<int32_t*>(scratch + n + 4);  // n + 8
-  uint64_t* chosen = scratch + n + 4 + (n + 9) / 2;                   // n bits
+  uint64_t* keys = scratch;                                           // n + 8
+  int32_t* candidates = reinterpret_cast<int32_t*>(scratch + n + 8);  // n + 8
+  uint64_t* chosen = scratch + n + 8 + (n + 9) / 2;                   // n bits
   int64_t count = 0;
   if (n >= 256 && k * 8 <= n) {
     for (int r = int((3 * k + 31) / 32); r <= 16; r *= 2) {  // 1/16 sampled: ~1.5k pass
@@ -429,19 +496,19 @@ void select_topk(const float* values, int64_t n, int64_t k, int64_t* positions, 
 // p = keep * p - lr * sign(x) over the update's rows and columns (sign(0) = sign(NaN) = 0).
 void sign_step(const float* x, int64_t x_stride, const StepUpdate& update, float* p,
                int64_t p_stride) {
-  const v8 keep = splat(update.keep);
-  const v8i lr = (v8i)splat(update.lr);
-  const v8 zero = {};
   for (int u = 0; u < update.valid_h; ++u) {
     const float* xr = x + u * x_stride;
     float* pr = p + u * p_stride;
-    int v = 0;
-    for (; v + 8 <= update.valid_w; v += 8) {
-      const v8 d = load(xr + v);
-      const v8 up = (v8)((d > zero) & lr), down = (v8)((d < zero) & lr);
-      store(pr + v, keep * load(pr + v) - up + down);
-    }
-    for (; v < update.valid_w; ++v) {
+    const int whole = update.valid_w / 8 * 8;
+    over_lanes(whole, [&](int64_t v, auto lanes) {
+      using V = decltype(lanes);
+      typedef int32_t Vi __attribute__((vector_size(sizeof(V))));
+      const V d = load<V>(xr + v);
+      const Vi lr = (Vi)splat<V>(update.lr);
+      const V up = (V)((d > 0.0f) & lr), down = (V)((d < 0.0f) & lr);
+      store(pr + v, update.keep * load<V>(pr + v) - up + down);
+    });
+    for (int v = whole; v < update.valid_w; ++v) {
       const float step = update.lr * float((xr[v] > 0.0f) - (xr[v] < 0.0f));
       pr[v] = update.keep * pr[v] - step;
     }
@@ -485,7 +552,7 @@ void idct_sparse(const ChunkShape& shape, const int32_t* positions, const float*
   const bool halves = h % 2 == 0;
   float* t = scratch;
   float* x = scratch + block;        // the result (h rows of W8 lanes) unless it goes to out
-  float* mat = scratch + 2 * block;  // the column pass restricted to the rows used
+  float* mat = scratch + 2 * block;  // every row of X B_w, for the factorised inverse
   int32_t* slot_of = reinterpret_cast<int32_t*>(mat + int64_t(h) * std::max(h, W8));
   int32_t* row_of = slot_of + h;  // by slot
   int even = 0, odd = 0;
@@ -499,8 +566,11 @@ void idct_sparse(const ChunkShape& shape, const int32_t* positions, const float*
     }
     float* row = t + int64_t(slot_of[u]) * W8;
     const float* basis = cols.full + int64_t(v) * cols.full_stride;
-    const v8 c = splat(values[e]);
-    for (int g = 0; g < W8; g += 8) store(row + g, load(row + g) + c * load(basis + g));
+    const float c = values[e];
+    over_lanes(W8, [&](int64_t g, auto v) {
+      using V = decltype(v);
+      store(row + g, load<V>(row + g) + c * load<V>(basis + g));
+    });
   }
   const int used = even + odd;
   // Straight into out when whole vectors fit its rows; otherwise (or for a step) through x.
@@ -515,30 +585,27 @@ void idct_sparse(const ChunkShape& shape, const int32_t* positions, const float*
     std::memcpy(dst, t, sizeof(float) * size_t(W8));
   } else if (halves && int64_t(used) * h / 2 <= rows.inverse_cost) {
     // x[i] = E[i] + O[i], x[h-1-i] = E[i] - O[i] (i < h/2), E and O the even and odd rows' sums.
+    // The matrices read straight from the basis: entry (i, r) is row u's basis function at i.
     const int m = h / 2;
-    float* me = mat;
-    float* mo = mat + m * even;
-    for (int i = 0; i < m; ++i) {
-      for (int r = 0; r < even; ++r) me[i * even + r] = basis[row_of[r] * bs + i];
-      for (int r = 0; r < odd; ++r) mo[i * odd + r] = basis[row_of[h - 1 - r] * bs + i];
-    }
-    matvec(me, m, even, t, W8, dst, dst_stride, W8);
+    const int32_t* odd_rows = row_of + h - 1;  // by slot, from the bottom
+    matvec_of([=](int i, int r) { return basis[row_of[r] * bs + i]; }, m, even, t, W8, dst,
+              dst_stride, W8);
     float* last = dst + (h - 1) * dst_stride;
-    matvec(mo, m, odd, t + int64_t(h - 1) * W8, -W8, last, -dst_stride, W8);
+    matvec_of([=](int i, int r) { return basis[odd_rows[-r] * bs + i]; }, m, odd,
+              t + int64_t(h - 1) * W8, -W8, last, -dst_stride, W8);
     for (int i = 0; i < m; ++i) {
       float* a = dst + i * dst_stride;
       float* b = dst + (h - 1 - i) * dst_stride;
-      for (int g = 0; g < W8; g += 8) {
-        const v8 e = load(a + g), o = load(b + g);
+      over_lanes(W8, [&](int64_t g, auto v) {
+        using V = decltype(v);
+        const V e = load<V>(a + g), o = load<V>(b + g);
         store(a + g, e + o);
         store(b + g, e - o);
-      }
+      });
     }
   } else if (!halves && int64_t(used) * h <= rows.inverse_cost) {
-    for (int i = 0; i < h; ++i) {
-      for (int r = 0; r < used; ++r) mat[i * used + r] = basis[row_of[r] * bs + i];
-    }
-    matvec(mat, h, used, t, W8, dst, dst_stride, W8);
+    matvec_of([=](int i, int r) { return basis[row_of[r] * bs + i]; }, h, used, t, W8, dst,
+              dst_stride, W8);
   } else {
     float* full = mat;  // every row of X B_w, zeros where no coefficient
     std::memset(full, 0, sizeof(float) * size_t(h) * size_t(W8));

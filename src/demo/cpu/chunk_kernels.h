@@ -1,7 +1,7 @@
 // The per-chunk CPU kernels of DeMo's fast path, free of ATen: the chunked 2-D DCT fused with the
 // residual update, top-k by partial selection, and the inverse DCT of sparse coefficients.
-// chunk_kernels.cpp is compiled once per instruction set (baseline x86-64, AVX2 + FMA), each
-// copy in its own namespace; kernels.cpp picks the best one this CPU runs (runtime dispatch).
+// chunk_kernels.cpp is compiled once per instruction set (baseline x86-64, AVX2 + FMA, AVX-512),
+// each copy in its own namespace; kernels.cpp picks the best one this CPU runs (runtime dispatch).
 #pragma once
 
 #include "demo/chunk_math.h"
@@ -59,7 +59,7 @@ struct StepUpdate {
 
 // Entries of scratch select_topk needs for n values.
 inline int64_t select_scratch(int64_t n) {
-  return n + 4 + (n + 9) / 2 + (n + 63) / 64;
+  return n + 8 + (n + 9) / 2 + (n + 63) / 64;
 }
 
 // Floats of scratch the kernels need per thread for a chunk shape (32-byte aligned).
@@ -91,6 +91,9 @@ namespace baseline {
 extern const KernelTable table;
 }
 namespace avx2 {
+extern const KernelTable table;
+}
+namespace avx512 {  // the avx2 copy's code, 16 lanes at a time
 extern const KernelTable table;
 }
 namespace portable {  // chunk_math.h's arithmetic, as the CUDA kernels run it

@@ -22,6 +22,8 @@ std::string to_string(Isa isa) {
   switch (isa) {
     case Isa::Avx2:
       return "avx2";
+    case Isa::Avx512:
+      return "avx512";
     case Isa::Portable:
       return "portable";
     case Isa::Baseline:
@@ -31,17 +33,26 @@ std::string to_string(Isa isa) {
 }
 
 Isa parse_isa(const std::string& name) {
-  for (Isa isa : {Isa::Baseline, Isa::Avx2, Isa::Portable}) {
+  for (Isa isa : {Isa::Baseline, Isa::Avx2, Isa::Avx512, Isa::Portable}) {
     if (name == to_string(isa)) return isa;
   }
   throw std::invalid_argument("unknown instruction set '" + name +
-                              "'; accepted: baseline, avx2, portable");
+                              "'; accepted: baseline, avx2, avx512, portable");
 }
 
 bool supported(Isa isa) {
-  if (isa != Isa::Avx2) return true;
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  switch (isa) {
+    case Isa::Avx2:
+      return avx2;
+    case Isa::Avx512:
+      return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+    case Isa::Baseline:
+    case Isa::Portable:
+      break;
+  }
+  return true;
 }
 
 namespace {
@@ -54,7 +65,10 @@ Isa initial_isa() {
     }
     return isa;
   }
-  return supported(Isa::Avx2) ? Isa::Avx2 : Isa::Baseline;
+  for (Isa isa : {Isa::Avx512, Isa::Avx2}) {
+    if (supported(isa)) return isa;
+  }
+  return Isa::Baseline;
 }
 
 std::atomic<Isa>& isa_setting() {
@@ -66,6 +80,8 @@ const KernelTable& table() {
   switch (active_isa()) {
     case Isa::Avx2:
       return avx2::table;
+    case Isa::Avx512:
+      return avx512::table;
     case Isa::Portable:
       return portable::table;
     case Isa::Baseline:
