@@ -9,7 +9,8 @@
 #   MODEL (default gpt-micro), STEPS (default 500), NP (MPI ranks, default 4), RANKS_PER_NODE
 #   (default 2; a run whose options name --ranks-per-node keeps its own), GRID (a file of lines
 #   "RUN-NAME OPTIONS...", default: the built-in grid below; RUN-NAME starts with the optimizer),
-#   ONLY (a regular expression: train only the runs it matches; the table lists all kept runs).
+#   ONLY (a regular expression: train only the runs it matches; the table lists all kept runs),
+#   EVAL_EVERY (validation every N steps, default 50).
 #   Extra arguments go to every `flexdemo train`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,7 +58,7 @@ while read -r name options; do
   topology=(--ranks-per-node "$ranks_per_node")  # unless the run sets its own
   if [[ " $options " == *" --ranks-per-node "* ]]; then topology=(); fi
   mpirun $root_flag --oversubscribe -np "$np" build/flexdemo train --model "$model" \
-    "${topology[@]}" --steps "$steps" --eval-every 50 --log-every 100 \
+    "${topology[@]}" --steps "$steps" --eval-every "${EVAL_EVERY:-50}" --log-every 100 \
     --progress lines $options --out "$out/$name" "$@" </dev/null  # mpirun would eat the grid
   echo "$options" >"$out/$name/options.txt"
 done < <(grid)

@@ -1,5 +1,5 @@
-// DeMo with one replica against a naive float64 implementation of the algorithm (docs/algorithm.md) written here: residual kept in the sample domain, DCT by the
-// direct formula, top-k by sorting.
+// DeMo with one replica against a naive float64 implementation of the algorithm (docs/algorithm.md)
+// written here: residual kept in the sample domain, DCT by the direct formula, top-k by sorting.
 #include "flexdemo/optim.h"
 
 #include <ATen/ATen.h>
@@ -66,7 +66,23 @@ struct NaiveDemo {
         chunk(update, i, j).copy_(sent_samples);  // one replica: the mean is its own values
       }
     }
-    at::Tensor u = update.narrow(0, 0, plan.rows).narrow(1, 0, plan.cols);
+    at::Tensor u = update.narrow(0, 0, plan.rows).narrow(1, 0, plan.cols).clone();
+    if (o.normalize) {  // each chunk's elements inside the tensor to unit RMS, one at a time
+      for (int64_t i = 0; i < plan.row_chunks(); ++i) {
+        for (int64_t j = 0; j < plan.col_chunks(); ++j) {
+          const int64_t r0 = i * plan.chunk_rows, c0 = j * plan.chunk_cols;
+          const int64_t r1 = std::min(r0 + plan.chunk_rows, plan.rows);
+          const int64_t c1 = std::min(c0 + plan.chunk_cols, plan.cols);
+          double squares = 0.0;
+          for (int64_t r = r0; r < r1; ++r)
+            for (int64_t q = c0; q < c1; ++q) squares += std::pow(u[r][q].item<double>(), 2);
+          const double rms = std::sqrt(squares / double((r1 - r0) * (c1 - c0)));
+          for (int64_t r = r0; r < r1; ++r)
+            for (int64_t q = c0; q < c1; ++q)
+              u[r][q] = rms > 0 ? u[r][q].item<double>() / rms : 0.0;
+        }
+      }
+    }
     p.sub_(o.lr * (o.sign ? u.sign() : u));
     last_update = u.clone();
   }
@@ -86,7 +102,7 @@ const Case kCases[] = {
     {{50, 21}, dct::ChunkMode::Padded},    // padded to 64 x 32
 };
 
-optim::OptimizerOptions test_options(dct::ChunkMode mode, bool sign) {
+optim::OptimizerOptions test_options(dct::ChunkMode mode, bool sign, bool normalize = false) {
   optim::OptimizerOptions o;
   o.lr = 0.01;
   o.decay = 0.9;
@@ -95,6 +111,7 @@ optim::OptimizerOptions test_options(dct::ChunkMode mode, bool sign) {
   o.chunk_mode = mode;
   o.weight_decay = 0.1;
   o.sign = sign;
+  o.normalize = normalize;
   return o;
 }
 
@@ -102,10 +119,10 @@ optim::OptimizerOptions test_options(dct::ChunkMode mode, bool sign) {
 
 // Runs every case for 6 steps through the optimizer and the naive reference and returns, per
 // case and step, the largest parameter difference.
-static std::vector<double> max_differences(bool sign) {
+static std::vector<double> max_differences(bool sign, bool normalize = false) {
   std::vector<double> diffs;
   for (const Case& c : kCases) {
-    optim::OptimizerOptions o = test_options(c.mode, sign);
+    optim::OptimizerOptions o = test_options(c.mode, sign, normalize);
     at::Tensor p = at::randn(c.shape).set_requires_grad(true);
     NaiveDemo naive(p.detach(), o);
     optim::Optimizer demo({p}, o);
@@ -136,6 +153,16 @@ TEST(Demo, MatchesNaiveFloat64WithSign) {
   const std::vector<double> diffs = max_differences(true);
   for (size_t i = 0; i < diffs.size(); ++i) {
     EXPECT_LT(diffs[i], 1e-6) << "case " << i / 6 << " step " << i % 6;
+  }
+}
+
+TEST(Demo, MatchesNaiveFloat64Normalized) {
+  // --no-sign --normalize: each chunk of the direction scaled to unit RMS, so every element
+  // moves by lr times its chunk-relative size (a padded chunk: over its elements in the tensor).
+  at::manual_seed(24);
+  const std::vector<double> diffs = max_differences(false, true);
+  for (size_t i = 0; i < diffs.size(); ++i) {
+    EXPECT_LT(diffs[i], 1e-5) << "case " << i / 6 << " step " << i % 6;
   }
 }
 
@@ -183,6 +210,9 @@ TEST(Demo, RejectsInvalidOptions) {
   o = {};
   o.weight_decay = -1.0;
   expect_error(o, "weight_decay");
+  o = {};
+  o.normalize = true;  // with sign on
+  expect_error(o, "normalize");
 }
 
 TEST(Demo, FastPathEqualsPlainPath) {

@@ -52,6 +52,8 @@ struct OptimizerOptions {
   double lr = 1e-3;           // learning rate (> 0); DeMo also folds it into the residual
   double weight_decay = 0.0;  // decoupled, >= 0 and lr * weight_decay < 1
   bool sign = true;           // apply sign(direction) instead of the direction
+  bool normalize = false;     // sign off: each chunk of the direction scaled to unit RMS (the
+                              // size of sign's step, the direction's shape within the chunk)
   InnerKind inner = InnerKind::Sgd;
   double beta1 = 0.9;     // AdamW, in [0, 1)
   double beta2 = 0.999;   // AdamW, in [0, 1)

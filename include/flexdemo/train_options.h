@@ -152,6 +152,9 @@ struct OptionSpec {
     "exchange between nodes (default: the optimizer's)")                                           \
   X(sign, std::optional<bool>, std::nullopt, State, anything(),                                    \
     "apply sign(update) (default: on for flexdemo, off otherwise); --no-sign: the update itself")  \
+  X(normalize, bool, false, State, anything(),                                                     \
+    "with --no-sign: scale each DCT chunk of the update to unit RMS (sign's step size, the "       \
+    "update's shape within the chunk)")                                                            \
   X(topk, int64_t, 32, State, at_least(1), "DCT coefficients kept per chunk")                      \
   X(chunk, int64_t, 64, Model, at_least(1), "DCT chunk edge")                                      \
   X(transform, optim::Transform, optim::Transform::Dct, State, anything(),                         \

@@ -16,6 +16,7 @@ OptimizerOptions outer_options(const OptimizerOptions& options) {
   OptimizerOptions outer = options;
   outer.inner = InnerKind::Nesterov;
   outer.sign = options.outer_sign;
+  outer.normalize = false;
   outer.lr = options.outer_lr;
   outer.momentum = options.outer_momentum;
   outer.weight_decay = 0.0;  // the local steps decay the weights

@@ -58,6 +58,7 @@ void OptimizerOptions::validate() const {
   if (!(weight_decay >= 0.0) || !(lr * weight_decay < 1.0)) {
     fail("{weight_decay} must be >= 0 with {lr} x {weight_decay} < 1, got " + str(weight_decay));
   }
+  if (normalize && sign) fail("{normalize} needs {sign} off (sign's step is unit RMS already)");
   if (!(beta1 >= 0.0 && beta1 < 1.0)) fail("{beta1} must be in [0, 1), got " + str(beta1));
   if (!(beta2 >= 0.0 && beta2 < 1.0)) fail("{beta2} must be in [0, 1), got " + str(beta2));
   if (!(eps > 0.0)) fail("{eps} must be > 0, got " + str(eps));

@@ -15,6 +15,7 @@ StepRule::StepRule(const std::vector<OptimParam>& params, const OptimizerOptions
   for (const OptimParam& p : params) {
     params_.push_back(
         p.leaf.view(-1).narrow(0, 0, p.plan.numel()).view({p.plan.rows, p.plan.cols}));
+    plans_.push_back(p.plan);
     const auto floats = at::dtype(at::kFloat).device(p.leaf.device());
     if (options.inner == InnerKind::AdamW) {
       exp_avg_.push_back(at::zeros({p.plan.rows, p.plan.cols}, floats));
@@ -51,6 +52,28 @@ void sgd_update(at::Tensor& p, const at::Tensor& d, float lr, bool sign) {
   p.sub_(sign ? d.sign() : d, lr);
 }
 
+// d ([rows, cols]) with each chunk of `plan` scaled to unit RMS over its elements (a padded
+// chunk: over those inside the tensor); a chunk of zeros stays zero. The sums are float64, so
+// the result does not depend on how many chunk-rows this rank holds.
+at::Tensor chunk_rms_normalized(const at::Tensor& d, const dct::ChunkPlan& plan) {
+  const int64_t pad_rows = plan.padded_rows - plan.rows, pad_cols = plan.padded_cols - plan.cols;
+  auto grid = [&](const at::Tensor& t) {  // [row chunks, chunk_rows, col chunks, chunk_cols]
+    const at::Tensor padded =
+        plan.is_padded() ? at::constant_pad_nd(t, {0, pad_cols, 0, pad_rows}) : t;
+    return padded.reshape({plan.row_chunks(), plan.chunk_rows, plan.col_chunks(), plan.chunk_cols});
+  };
+  const at::Tensor chunks = grid(d);
+  const at::Tensor squares = chunks.to(at::kDouble).square().sum({1, 3}, /*keepdim=*/true);
+  const at::Tensor count = plan.is_padded()
+                               ? grid(at::ones_like(d, at::kDouble)).sum({1, 3}, /*keepdim=*/true)
+                               : at::full_like(squares, double(plan.chunk_numel()));
+  const at::Tensor rms = (squares / count).sqrt();
+  const at::Tensor scale = at::where(rms > 0, rms.reciprocal(), at::zeros_like(rms));
+  const at::Tensor scaled =
+      (chunks * scale.to(d.scalar_type())).reshape({plan.padded_rows, plan.padded_cols});
+  return scaled.narrow(0, 0, plan.rows).narrow(1, 0, plan.cols).contiguous();
+}
+
 }  // namespace
 
 std::pair<double, double> StepRule::bias_corrections() const {
@@ -62,11 +85,12 @@ void StepRule::apply(size_t i, const at::Tensor& direction) {
   at::Tensor& p = params_.at(i);
   const OptimizerOptions& o = options_;
   if (o.weight_decay != 0.0) p.mul_(1.0 - lr_ * o.weight_decay);
+  const at::Tensor d = o.normalize ? chunk_rms_normalized(direction, plans_.at(i)) : direction;
   if (o.inner == InnerKind::Sgd) {
-    sgd_update(p, direction, float(lr_), o.sign);
+    sgd_update(p, d, float(lr_), o.sign);
     return;
   }
-  const at::Tensor grad = o.sign ? direction.sign() : direction;
+  const at::Tensor grad = o.sign ? d.sign() : d;
   if (o.inner == InnerKind::Nesterov) {  // buf = mu * buf + g; p -= lr * (g + mu * buf)
     at::Tensor& buf = momentum_[i];
     buf.mul_(o.momentum).add_(grad);
@@ -84,7 +108,8 @@ void StepRule::apply(size_t i, const at::Tensor& direction) {
 
 std::optional<demo::Update> StepRule::fused_update(size_t i) const {
   const OptimizerOptions& o = options_;
-  const bool fusable = (o.inner == InnerKind::Sgd && o.sign) || o.inner == InnerKind::AdamW;
+  const bool fusable =
+      ((o.inner == InnerKind::Sgd && o.sign) || o.inner == InnerKind::AdamW) && !o.normalize;
   if (!fusable || params_.at(i).scalar_type() != at::kFloat) return std::nullopt;
   demo::Update u;
   u.param = params_[i];

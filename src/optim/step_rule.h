@@ -1,6 +1,7 @@
 // Step rules: apply a direction, the same on every replica, to this rank's tensors. Sign-SGD
 // (DeMo's; plain SGD with sign off), AdamW (the same formula as torch.optim.AdamW) or SGD with
 // Nesterov momentum (the same as torch.optim.SGD(nesterov=True)), with decoupled weight decay.
+// With sign off and `normalize`, each chunk of the direction is first scaled to unit RMS.
 // The Optimizer's inner step is one (--inner); with --inner-steps the outer step is another.
 #pragma once
 
@@ -37,6 +38,7 @@ class StepRule {
   std::pair<double, double> bias_corrections() const;  // AdamW's 1 - beta1^t, 1 - beta2^t
 
   std::vector<at::Tensor> params_;  // views [rows, cols] of the leaves
+  std::vector<dct::ChunkPlan> plans_;
   OptimizerOptions options_;
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_;  // AdamW moments (float32)
   std::vector<at::Tensor> momentum_;              // Nesterov's (float32)

@@ -343,6 +343,7 @@ optim::OptimizerOptions optimizer_options(const TrainConfig& c) {
                 : optim::InnerKind::AdamW;
   o.replicator = c.replicator.value();
   o.sign = c.sign.value();
+  o.normalize = c.normalize;
   o.lr = c.lr.value();
   o.weight_decay = c.weight_decay;
   o.beta1 = c.beta1.value();
