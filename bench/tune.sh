@@ -4,8 +4,9 @@
 # scripts/demo.sh), every run kept, and the best per optimizer chosen on final validation loss.
 # Writes runs/studies/tune/<model>-<steps>/<run>/ (one `flexdemo train` output each) and
 # table.md there (every run; the best of each optimizer in bold, with its loss against the best
-# AdamW-HSDP run). A run whose summary.json exists is not trained again, so a sweep cut short
-# continues where it stopped; delete a run's folder to train it again.
+# AdamW-HSDP run), and gaps.md and gaps.png there (each run's validation loss against the best
+# AdamW-HSDP run's at every validation step). A run whose summary.json exists is not trained
+# again, so a sweep cut short continues where it stopped; delete a run's folder to train it again.
 #   MODEL (default gpt-micro), STEPS (default 500), NP (MPI ranks, default 4), RANKS_PER_NODE
 #   (default 2; a run whose options name --ranks-per-node keeps its own), GRID (a file of lines
 #   "RUN-NAME OPTIONS...", default: the built-in grid below; RUN-NAME starts with the optimizer),
@@ -88,4 +89,42 @@ for opt, loss, name, options, steps in sorted(rows):
     lines.append(f"| {name} | `{options}` | {steps} | {cell} | {vs} |")
 open(os.path.join(out, "table.md"), "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
+
+# The gap to the best AdamW-HSDP run at every validation step both have: gaps.md, and gaps.dat
+# (one block per run: step, gap %) for the plot.
+def val_losses(name):
+    evals = {}
+    for line in open(os.path.join(out, name, "metrics.jsonl")):
+        m = json.loads(line)
+        if "val_loss" in m:
+            evals[m["step"]] = m["val_loss"]
+    return evals
+adamw = [(loss, name) for opt, loss, name, *_ in rows if opt == "adamw"]
+if adamw:
+    ref_name = min(adamw)[1]
+    ref_evals = val_losses(ref_name)
+    steps = sorted(ref_evals)
+    others = [name for _, _, name, *_ in sorted(rows, key=lambda r: r[1]) if name != ref_name]
+    gap_lines = [f"Validation loss against {ref_name} at each step (+: above it).", "",
+                 "| run | " + " | ".join(str(s) for s in steps) + " |",
+                 "|---|" + "---|" * len(steps)]
+    blocks = []
+    for name in others:
+        evals = val_losses(name)
+        gaps = {s: 100 * (evals[s] / ref_evals[s] - 1) for s in steps if s in evals}
+        gap_lines.append(f"| {name} | " + " | ".join(
+            f"{gaps[s]:+.2f}%" if s in gaps else "" for s in steps) + " |")
+        blocks.append(f"# {name}\n" + "".join(f"{s} {g:.4f}\n" for s, g in gaps.items()))
+    open(os.path.join(out, "gaps.md"), "w").write("\n".join(gap_lines) + "\n")
+    open(os.path.join(out, "gaps.dat"), "w").write("\n\n".join(blocks))
+    print("\n".join(gap_lines))
+    plot = ["set terminal pngcairo size 1000,600", "set output 'gaps.png'",
+            f"set title 'validation loss against {ref_name} (%)'", "set xlabel 'step'",
+            "set ylabel 'gap (%)'", "set key outside right", "set grid",
+            "plot " + ", ".join(f"'gaps.dat' index {i} using 1:2 with linespoints title '{n}'"
+                                for i, n in enumerate(others))]
+    open(os.path.join(out, "gaps.gnuplot"), "w").write("\n".join(plot) + "\n")
 EOF
+if command -v gnuplot >/dev/null && [ -f "$out/gaps.gnuplot" ]; then
+  (cd "$out" && gnuplot gaps.gnuplot) && echo "plot: $out/gaps.png"
+fi

@@ -47,7 +47,7 @@ struct NaiveDemo {
     p.mul_(1.0 - o.lr * o.weight_decay);
     at::Tensor g = at::zeros_like(delta);
     g.narrow(0, 0, plan.rows).narrow(1, 0, plan.cols).copy_(grad.reshape({plan.rows, plan.cols}));
-    delta = o.decay * delta + o.lr * g;
+    delta = o.decay * delta + (o.fold_lr ? o.lr : 1.0) * g;
     at::Tensor update = at::zeros_like(delta);
     const int64_t k = std::min(o.topk, plan.chunk_numel());
     for (int64_t i = 0; i < plan.row_chunks(); ++i) {
@@ -119,10 +119,11 @@ optim::OptimizerOptions test_options(dct::ChunkMode mode, bool sign, bool normal
 
 // Runs every case for 6 steps through the optimizer and the naive reference and returns, per
 // case and step, the largest parameter difference.
-static std::vector<double> max_differences(bool sign, bool normalize = false) {
+static std::vector<double> max_differences(bool sign, bool normalize = false, bool fold_lr = true) {
   std::vector<double> diffs;
   for (const Case& c : kCases) {
     optim::OptimizerOptions o = test_options(c.mode, sign, normalize);
+    o.fold_lr = fold_lr;
     at::Tensor p = at::randn(c.shape).set_requires_grad(true);
     NaiveDemo naive(p.detach(), o);
     optim::Optimizer demo({p}, o);
@@ -163,6 +164,15 @@ TEST(Demo, MatchesNaiveFloat64Normalized) {
   const std::vector<double> diffs = max_differences(false, true);
   for (size_t i = 0; i < diffs.size(); ++i) {
     EXPECT_LT(diffs[i], 1e-5) << "case " << i / 6 << " step " << i % 6;
+  }
+}
+
+TEST(Demo, MatchesNaiveFloat64WithoutFoldingTheLearningRate) {
+  // --no-fold-lr: gradients enter the residual unscaled; the sign step still moves by lr.
+  at::manual_seed(25);
+  const std::vector<double> diffs = max_differences(true, false, false);
+  for (size_t i = 0; i < diffs.size(); ++i) {
+    EXPECT_LT(diffs[i], 1e-6) << "case " << i / 6 << " step " << i % 6;
   }
 }
 

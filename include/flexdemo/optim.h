@@ -61,6 +61,8 @@ struct OptimizerOptions {
   double momentum = 0.9;  // Nesterov, in [0, 1)
   // ====== DeMo compression ======
   double decay = 0.999;  // residual decay, in [0, 1)
+  bool fold_lr = true;   // residual += lr * gradient (the reference's); false: += gradient, so
+                         // a decaying schedule does not weight old gradients above new ones
   int64_t topk = 32;     // coefficients kept per chunk (> 0; clamped to the chunk)
   Transform transform = Transform::Dct;
   // The chunk geometry of whole parameters (the constructor taking tensors); given OptimParams

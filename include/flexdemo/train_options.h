@@ -161,6 +161,10 @@ struct OptionSpec {
     "the per-chunk transform DeMo selects in: dct, or none (the residual's own entries; CPUs "      \
     "only, without the fused kernels)")                                                            \
   X(decay, double, 0.999, State, half_open(0, 1), "DeMo residual decay")                           \
+  X(fold_lr, bool, true, State, anything(),                                                        \
+    "scale each gradient by the step's learning rate as it enters DeMo's residual (the "           \
+    "reference's); --no-fold-lr: add it as it is, so a decaying schedule does not weight old "     \
+    "gradients above new ones")                                                                    \
   X(values, compress::ValueEncoding, compress::ValueEncoding::Bf16, State, anything(),             \
     "wire value encoding of DeMo's payloads")                                                      \
   X(replicate_every, int64_t, 1, State, at_least(1), "exchange every N steps")                     \

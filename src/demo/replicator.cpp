@@ -131,7 +131,7 @@ class DemoReplicator final : public optim::Replicator {
     backend_->encode(all_, grads, lr);
     launch(all_);
     pending_.fill_(1);
-    if (previews()) preview(lr, inner);
+    if (previews()) preview(inner.hyper().lr, inner);
   }
 
   // The payloads' sizes for options_'s top-k and values, and the bucket of every tensor.

@@ -20,19 +20,19 @@ class ExchangeEveryStep final : public Stepping {
   void step(const std::vector<at::Tensor>& grads, double lr, int64_t) override {
     if (counters_.folded + 1 < schedule_.every) {
       ++counters_.folded;
-      replicator_->accumulate(grads, lr);
+      replicator_->accumulate(grads, folded(lr));
       return;
     }
     counters_.folded = 0;
     ++counters_.exchanges;
     inner_.begin_step(lr);
-    replicator_->exchange(grads, lr, inner_);
+    replicator_->exchange(grads, folded(lr), inner_);
   }
 
   void start(const std::vector<size_t>& tensors, const std::vector<at::Tensor>& grads,
              double lr) override {
     if (counters_.folded + 1 < schedule_.every) return;  // step() only folds them in
-    replicator_->start(tensors, grads, lr);
+    replicator_->start(tensors, grads, folded(lr));
   }
 
   NamedTensors state_tensors() const override {
@@ -81,6 +81,9 @@ class ExchangeEveryStep final : public Stepping {
   Replicator& replicator() const override { return *replicator_; }
 
  private:
+  // The scale of a gradient entering the replicator's residual.
+  double folded(double lr) const { return options_.fold_lr ? lr : 1.0; }
+
   OptimizerOptions options_;
   size_t tensors_;
   StepRule& inner_;

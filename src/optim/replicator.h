@@ -32,7 +32,9 @@ class Replicator {
  public:
   virtual ~Replicator() = default;
   // Folds this step's gradients (plan.numel() elements each; undefined = zero) into the state
-  // without exchanging: the steps between two exchanges. lr: this step's learning rate.
+  // without exchanging: the steps between two exchanges. lr: the scale a gradient enters the
+  // state with (this step's learning rate, or 1 with fold_lr off); the step's own rate is the
+  // StepRule's.
   virtual void accumulate(const std::vector<at::Tensor>& grads, double lr) = 0;
   // Folds them in, exchanges over the replica group, and has `inner` apply each tensor's
   // direction (inner.apply, or the fused sign step where it offers one). The directions are

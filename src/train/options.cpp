@@ -351,6 +351,7 @@ optim::OptimizerOptions optimizer_options(const TrainConfig& c) {
   o.topk = c.topk;  // the chunk geometry is the sharded units' (session.cpp)
   o.transform = c.transform;
   o.decay = c.decay;
+  o.fold_lr = c.fold_lr;
   o.values = c.values;
   o.replicate_every = c.replicate_every;
   o.inner_steps = c.inner_steps;
