@@ -29,6 +29,8 @@ struct NaiveDemo {
   at::Tensor p;      // float64 [rows, cols]
   at::Tensor delta;  // float64 [padded_rows, padded_cols]
   at::Tensor bh, bw;
+  at::Tensor grad_sq;  // precondition's running mean square, float64 [rows, cols]
+  int64_t steps = 0;
 
   NaiveDemo(const at::Tensor& init, const optim::OptimizerOptions& options)
       : plan(dct::make_chunk_plan(init.sizes(), options.chunk, options.chunk_mode)), o(options) {
@@ -36,6 +38,7 @@ struct NaiveDemo {
     delta = at::zeros({plan.padded_rows, plan.padded_cols}, at::kDouble);
     bh = naive_basis(plan.chunk_rows);
     bw = naive_basis(plan.chunk_cols);
+    grad_sq = at::zeros({plan.rows, plan.cols}, at::kDouble);
   }
 
   at::Tensor chunk(const at::Tensor& x, int64_t i, int64_t j) {
@@ -43,10 +46,17 @@ struct NaiveDemo {
         .narrow(1, j * plan.chunk_cols, plan.chunk_cols);
   }
 
-  void step(const at::Tensor& grad) {
+  void step(const at::Tensor& given) {
+    ++steps;
+    at::Tensor grad = given.reshape({plan.rows, plan.cols});
+    if (o.precondition) {  // AdamW's denominator, element by element
+      grad_sq = o.beta2 * grad_sq + (1 - o.beta2) * grad * grad;
+      const double correction = 1 - std::pow(o.beta2, double(steps));
+      grad = grad / ((grad_sq / correction).sqrt() + o.eps);
+    }
     p.mul_(1.0 - o.lr * o.weight_decay);
     at::Tensor g = at::zeros_like(delta);
-    g.narrow(0, 0, plan.rows).narrow(1, 0, plan.cols).copy_(grad.reshape({plan.rows, plan.cols}));
+    g.narrow(0, 0, plan.rows).narrow(1, 0, plan.cols).copy_(grad);
     delta = o.decay * delta + (o.fold_lr ? o.lr : 1.0) * g;
     at::Tensor update = at::zeros_like(delta);
     const int64_t k = std::min(o.topk, plan.chunk_numel());
@@ -119,11 +129,13 @@ optim::OptimizerOptions test_options(dct::ChunkMode mode, bool sign, bool normal
 
 // Runs every case for 6 steps through the optimizer and the naive reference and returns, per
 // case and step, the largest parameter difference.
-static std::vector<double> max_differences(bool sign, bool normalize = false, bool fold_lr = true) {
+static std::vector<double> max_differences(bool sign, bool normalize = false, bool fold_lr = true,
+                                           bool precondition = false) {
   std::vector<double> diffs;
   for (const Case& c : kCases) {
     optim::OptimizerOptions o = test_options(c.mode, sign, normalize);
     o.fold_lr = fold_lr;
+    o.precondition = precondition;
     at::Tensor p = at::randn(c.shape).set_requires_grad(true);
     NaiveDemo naive(p.detach(), o);
     optim::Optimizer demo({p}, o);
@@ -173,6 +185,16 @@ TEST(Demo, MatchesNaiveFloat64WithoutFoldingTheLearningRate) {
   const std::vector<double> diffs = max_differences(true, false, false);
   for (size_t i = 0; i < diffs.size(); ++i) {
     EXPECT_LT(diffs[i], 1e-6) << "case " << i / 6 << " step " << i % 6;
+  }
+}
+
+TEST(Demo, MatchesNaiveFloat64Preconditioned) {
+  // --precondition: each gradient divided by the root of its bias-corrected running mean square
+  // before it enters the residual.
+  at::manual_seed(26);
+  const std::vector<double> diffs = max_differences(false, false, true, true);
+  for (size_t i = 0; i < diffs.size(); ++i) {
+    EXPECT_LT(diffs[i], 1e-5) << "case " << i / 6 << " step " << i % 6;
   }
 }
 

@@ -341,6 +341,56 @@ TEST(DemoMpi, InnerStepsResumeExactlyFromTheirState) {
   }
 }
 
+TEST(DemoMpi, PreconditionedNormalizedStepResumesExactlyAndKeepsReplicasEqual) {
+  // --precondition (each replica's own running mean square) with --no-sign --normalize: the
+  // replicas' parameters stay bit-identical, and a run stopped after step 5 and continued by a
+  // fresh optimizer from the state it named (grad_sq.i among it) equals the run that never
+  // stopped, bit for bit.
+  auto world = test_world();
+  optim::OptimizerOptions o;
+  o.lr = 0.01;
+  o.sign = false;
+  o.normalize = true;
+  o.precondition = true;
+  o.chunk = 16;
+  o.topk = 8;
+  o.values = compress::ValueEncoding::Bf16;
+  auto group = [&] { return world->split(0, world->rank()); };
+  std::vector<at::Tensor> a = make_params(), b = make_params(), c = make_params();
+  optim::Optimizer whole(a, o, group());
+  optim::Optimizer first(b, o, group());
+  for (int step = 0; step < 5; ++step) {
+    set_gradients(a, world->rank(), step);
+    whole.step();
+    set_gradients(b, world->rank(), step);
+    first.step();
+  }
+  std::map<std::string, at::Tensor> saved;
+  for (auto& [name, t] : first.state_tensors()) saved[name] = t.clone();
+  EXPECT_EQ(saved.count("grad_sq.0"), 1u);
+  optim::Optimizer second(c, o, group());
+  {
+    at::NoGradGuard no_grad;
+    for (auto& [name, t] : second.state_tensors()) t.copy_(saved.at(name));
+    for (size_t i = 0; i < c.size(); ++i) c[i].copy_(b[i]);
+  }
+  second.restore_steps(5);
+  for (int step = 5; step < 9; ++step) {
+    set_gradients(a, world->rank(), step);
+    whole.step();
+    set_gradients(c, world->rank(), step);
+    second.step();
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_TRUE(at::equal(a[i], c[i])) << "parameter " << i << " step " << step + 1;
+    }
+  }
+  for (const at::Tensor& p : a) {  // every replica holds rank 0's parameters
+    at::Tensor root = p.detach().clone();
+    world->broadcast(root, 0);
+    EXPECT_TRUE(at::equal(root, p.detach()));
+  }
+}
+
 TEST(DemoMpi, ScheduleChangesEqualFreshOptimizersWithTheirOptions) {
   // set_schedule between steps (what --link-budget auto does): top-k, values and the interval
   // changed twice during a run equal three optimizers, each made with its segment's options as

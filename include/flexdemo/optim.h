@@ -60,10 +60,13 @@ struct OptimizerOptions {
   double eps = 1e-8;      // AdamW, > 0
   double momentum = 0.9;  // Nesterov, in [0, 1)
   // ====== DeMo compression ======
-  double decay = 0.999;  // residual decay, in [0, 1)
-  bool fold_lr = true;   // residual += lr * gradient (the reference's); false: += gradient, so
-                         // a decaying schedule does not weight old gradients above new ones
-  int64_t topk = 32;     // coefficients kept per chunk (> 0; clamped to the chunk)
+  double decay = 0.999;       // residual decay, in [0, 1)
+  bool fold_lr = true;        // residual += lr * gradient (the reference's); false: += gradient, so
+                              // a decaying schedule does not weight old gradients above new ones
+  bool precondition = false;  // each gradient divided by the root of its running mean square
+                              // (AdamW's: beta2, bias-corrected, eps) before it enters the
+                              // replicator; the mean square is this replica's own (inner_steps 1)
+  int64_t topk = 32;          // coefficients kept per chunk (> 0; clamped to the chunk)
   Transform transform = Transform::Dct;
   // The chunk geometry of whole parameters (the constructor taking tensors); given OptimParams
   // (e.g. shards) bring their own plans and these two are not used.

@@ -165,6 +165,9 @@ struct OptionSpec {
     "scale each gradient by the step's learning rate as it enters DeMo's residual (the "           \
     "reference's); --no-fold-lr: add it as it is, so a decaying schedule does not weight old "     \
     "gradients above new ones")                                                                    \
+  X(precondition, bool, false, State, anything(),                                                  \
+    "divide each gradient by the root of its running mean square (AdamW's second moment: "         \
+    "--beta2, bias-corrected) before it enters DeMo's residual; each replica keeps its own")        \
   X(values, compress::ValueEncoding, compress::ValueEncoding::Bf16, State, anything(),             \
     "wire value encoding of DeMo's payloads")                                                      \
   X(replicate_every, int64_t, 1, State, at_least(1), "exchange every N steps")                     \

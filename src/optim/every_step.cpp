@@ -1,6 +1,11 @@
 // ExchangeEveryStep (stepping.h): every `every` steps the replicator exchanges and the inner step
 // rule applies the direction; the steps between fold their gradients into the replicator's state.
+// With `precondition`, each gradient is first divided by the root of its running mean square.
 #include "stepping.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
 
 #include <stdexcept>
 
@@ -15,9 +20,16 @@ class ExchangeEveryStep final : public Stepping {
         tensors_(plans.size()),
         inner_(inner),
         replicator_(make_replicator(plans, options, std::move(group), device)),
-        schedule_{options.topk, options.values, options.replicate_every} {}
+        schedule_{options.topk, options.values, options.replicate_every} {
+    if (options.precondition) {
+      for (const dct::ChunkPlan& plan : plans) {
+        grad_sq_.push_back(at::zeros({plan.rows, plan.cols}, at::dtype(at::kFloat).device(device)));
+      }
+    }
+  }
 
-  void step(const std::vector<at::Tensor>& grads, double lr, int64_t) override {
+  void step(const std::vector<at::Tensor>& given, double lr, int64_t) override {
+    const std::vector<at::Tensor> grads = options_.precondition ? preconditioned(given) : given;
     if (counters_.folded + 1 < schedule_.every) {
       ++counters_.folded;
       replicator_->accumulate(grads, folded(lr));
@@ -32,11 +44,13 @@ class ExchangeEveryStep final : public Stepping {
   void start(const std::vector<size_t>& tensors, const std::vector<at::Tensor>& grads,
              double lr) override {
     if (counters_.folded + 1 < schedule_.every) return;  // step() only folds them in
+    if (options_.precondition) return;  // a hint: step() preconditions and exchanges them all
     replicator_->start(tensors, grads, folded(lr));
   }
 
   NamedTensors state_tensors() const override {
     NamedTensors state = replicator_->state_tensors();
+    for (const auto& named : numbered("grad_sq", grad_sq_)) state.push_back(named);
     // --overlap-step's preview: the checkpoint's weights are replica 0's, each replica's own
     // parameters (the committed ones plus its own preview) are loaded after them.
     if (!replicator_->committed_params().empty()) {
@@ -50,6 +64,7 @@ class ExchangeEveryStep final : public Stepping {
   void restore(int64_t steps, std::optional<ExchangeCounters> counters) override {
     counters_ =
         counters ? *counters : ExchangeCounters{steps / schedule_.every, steps % schedule_.every};
+    preconditioned_ = steps;
     inner_.restore_step(counters_.exchanges);
     replicator_->restore_counters(counters_.exchanges, counters_.folded);
   }
@@ -84,12 +99,34 @@ class ExchangeEveryStep final : public Stepping {
   // The scale of a gradient entering the replicator's residual.
   double folded(double lr) const { return options_.fold_lr ? lr : 1.0; }
 
+  // v = beta2 * v + (1 - beta2) * g^2, then g / (sqrt(v / (1 - beta2^t)) + eps), t the steps
+  // so far: AdamW's denominator on this replica's own gradient (a missing one counts as zero).
+  std::vector<at::Tensor> preconditioned(const std::vector<at::Tensor>& grads) {
+    ++preconditioned_;
+    const double beta2 = options_.beta2;
+    const double correction = std::sqrt(1.0 - std::pow(beta2, double(preconditioned_)));
+    std::vector<at::Tensor> out(grads.size());
+    for (size_t i = 0; i < grads.size(); ++i) {
+      at::Tensor& v = grad_sq_[i];
+      if (!grads[i].defined()) {
+        v.mul_(beta2);
+        continue;
+      }
+      const at::Tensor g = grads[i].reshape(v.sizes()).to(at::kFloat);
+      v.mul_(beta2).addcmul_(g, g, 1.0 - beta2);
+      out[i] = (g / (v.sqrt() / correction).add_(options_.eps)).view(grads[i].sizes());
+    }
+    return out;
+  }
+
   OptimizerOptions options_;
   size_t tensors_;
   StepRule& inner_;
   std::unique_ptr<Replicator> replicator_;
   ExchangeSchedule schedule_;  // as set; the replicator reports the top-k and values in use
   ExchangeCounters counters_;
+  std::vector<at::Tensor> grad_sq_;  // precondition: each gradient's running mean square
+  int64_t preconditioned_ = 0;       // the steps in it
 };
 
 }  // namespace

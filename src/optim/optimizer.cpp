@@ -87,6 +87,7 @@ void OptimizerOptions::validate() const {
          std::to_string(replicate_every) +
          " exclude each other (both set how often replicas exchange)");
   }
+  if (inner_steps > 1 && precondition) fail("{inner_steps} and {precondition} exclude each other");
   if (inner_steps > 1 && overlap_step) fail("{inner_steps} and {overlap_step} exclude each other");
 }
 

@@ -352,6 +352,7 @@ optim::OptimizerOptions optimizer_options(const TrainConfig& c) {
   o.transform = c.transform;
   o.decay = c.decay;
   o.fold_lr = c.fold_lr;
+  o.precondition = c.precondition;
   o.values = c.values;
   o.replicate_every = c.replicate_every;
   o.inner_steps = c.inner_steps;
