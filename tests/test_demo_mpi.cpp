@@ -10,7 +10,9 @@
 #include <gtest/gtest.h>
 
 #include <map>
+#include <set>
 #include <string>
+#include <utility>
 
 using namespace flexdemo;
 
@@ -294,6 +296,44 @@ TEST(DemoMpi, InnerStepsEqualFloat64OuterLoop) {
   }
 }
 
+// Trains one run through `end` steps without stopping and another that stops after `stop`; a
+// fresh optimizer continues the second from the state it named and its parameters, and every
+// step after must equal the run that never stopped, bit for bit. Returns the state's names and
+// the uninterrupted run's parameters.
+static std::pair<std::set<std::string>, std::vector<at::Tensor>> expect_exact_resume(
+    comm::Communicator& world, const optim::OptimizerOptions& o, int stop, int end,
+    const std::string& what) {
+  std::vector<at::Tensor> a = make_params(), b = make_params(), c = make_params();
+  optim::Optimizer whole(a, o, world.split(0, world.rank()));
+  optim::Optimizer first(b, o, world.split(0, world.rank()));
+  for (int step = 0; step < stop; ++step) {
+    set_gradients(a, world.rank(), step);
+    whole.step();
+    set_gradients(b, world.rank(), step);
+    first.step();
+  }
+  std::map<std::string, at::Tensor> saved;
+  std::set<std::string> names;
+  for (auto& [name, t] : first.state_tensors()) saved[name] = t.clone(), names.insert(name);
+  optim::Optimizer second(c, o, world.split(0, world.rank()));
+  {
+    at::NoGradGuard no_grad;  // (with inner_steps, local.i are the parameters themselves)
+    for (size_t i = 0; i < c.size(); ++i) c[i].copy_(b[i]);
+    for (auto& [name, t] : second.state_tensors()) t.copy_(saved.at(name));
+  }
+  second.restore_steps(stop);
+  for (int step = stop; step < end; ++step) {
+    set_gradients(a, world.rank(), step);
+    whole.step();
+    set_gradients(c, world.rank(), step);
+    second.step();
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_TRUE(at::equal(a[i], c[i])) << what << " parameter " << i << " step " << step + 1;
+    }
+  }
+  return {names, a};
+}
+
 TEST(DemoMpi, InnerStepsResumeExactlyFromTheirState) {
   // --inner-steps 4 with DeMo's 2bit exchange (residuals carried): a run stopped after step 5
   // (mid-round) and continued by a fresh optimizer from the state it named equals the run
@@ -308,44 +348,17 @@ TEST(DemoMpi, InnerStepsResumeExactlyFromTheirState) {
     o.chunk = 16;
     o.topk = 8;
     o.values = compress::ValueEncoding::TwoBit;
-    std::vector<at::Tensor> a = make_params(), b = make_params(), c = make_params();
-    optim::Optimizer whole(a, o, world->split(0, world->rank()));
-    optim::Optimizer first(b, o, world->split(0, world->rank()));
-    for (int step = 0; step < 5; ++step) {
-      set_gradients(a, world->rank(), step);
-      whole.step();
-      set_gradients(b, world->rank(), step);
-      first.step();
-    }
-    std::map<std::string, at::Tensor> saved;
-    for (auto& [name, t] : first.state_tensors()) saved[name] = t.clone();
-    EXPECT_EQ(saved.count("local.0") + saved.count("anchor.0") + saved.count("outer.residual.0") +
-                  saved.count("outer.momentum.0"),
+    const auto names = expect_exact_resume(*world, o, 5, 11, name_of(inner)).first;
+    EXPECT_EQ(names.count("local.0") + names.count("anchor.0") + names.count("outer.residual.0") +
+                  names.count("outer.momentum.0"),
               4u);
-    optim::Optimizer second(c, o, world->split(0, world->rank()));  // c: the initial weights
-    {
-      at::NoGradGuard no_grad;  // local.i are the parameters themselves
-      for (auto& [name, t] : second.state_tensors()) t.copy_(saved.at(name));
-    }
-    second.restore_steps(5);
-    for (int step = 5; step < 11; ++step) {
-      set_gradients(a, world->rank(), step);
-      whole.step();
-      set_gradients(c, world->rank(), step);
-      second.step();
-      for (size_t i = 0; i < a.size(); ++i) {
-        EXPECT_TRUE(at::equal(a[i], c[i]))
-            << name_of(inner) << " parameter " << i << " step " << step + 1;
-      }
-    }
   }
 }
 
 TEST(DemoMpi, PreconditionedNormalizedStepResumesExactlyAndKeepsReplicasEqual) {
-  // --precondition (each replica's own running mean square) with --no-sign --normalize: the
-  // replicas' parameters stay bit-identical, and a run stopped after step 5 and continued by a
-  // fresh optimizer from the state it named (grad_sq.i among it) equals the run that never
-  // stopped, bit for bit.
+  // --precondition (each replica's own running mean square) with --no-sign --normalize: a run
+  // stopped after step 5 and continued from the state it named (grad_sq.i among it) equals the
+  // run that never stopped, bit for bit, and the replicas' parameters stay bit-identical.
   auto world = test_world();
   optim::OptimizerOptions o;
   o.lr = 0.01;
@@ -355,36 +368,9 @@ TEST(DemoMpi, PreconditionedNormalizedStepResumesExactlyAndKeepsReplicasEqual) {
   o.chunk = 16;
   o.topk = 8;
   o.values = compress::ValueEncoding::Bf16;
-  auto group = [&] { return world->split(0, world->rank()); };
-  std::vector<at::Tensor> a = make_params(), b = make_params(), c = make_params();
-  optim::Optimizer whole(a, o, group());
-  optim::Optimizer first(b, o, group());
-  for (int step = 0; step < 5; ++step) {
-    set_gradients(a, world->rank(), step);
-    whole.step();
-    set_gradients(b, world->rank(), step);
-    first.step();
-  }
-  std::map<std::string, at::Tensor> saved;
-  for (auto& [name, t] : first.state_tensors()) saved[name] = t.clone();
-  EXPECT_EQ(saved.count("grad_sq.0"), 1u);
-  optim::Optimizer second(c, o, group());
-  {
-    at::NoGradGuard no_grad;
-    for (auto& [name, t] : second.state_tensors()) t.copy_(saved.at(name));
-    for (size_t i = 0; i < c.size(); ++i) c[i].copy_(b[i]);
-  }
-  second.restore_steps(5);
-  for (int step = 5; step < 9; ++step) {
-    set_gradients(a, world->rank(), step);
-    whole.step();
-    set_gradients(c, world->rank(), step);
-    second.step();
-    for (size_t i = 0; i < a.size(); ++i) {
-      EXPECT_TRUE(at::equal(a[i], c[i])) << "parameter " << i << " step " << step + 1;
-    }
-  }
-  for (const at::Tensor& p : a) {  // every replica holds rank 0's parameters
+  const auto [names, params] = expect_exact_resume(*world, o, 5, 9, "preconditioned");
+  EXPECT_EQ(names.count("grad_sq.0"), 1u);
+  for (const at::Tensor& p : params) {  // every replica holds rank 0's parameters
     at::Tensor root = p.detach().clone();
     world->broadcast(root, 0);
     EXPECT_TRUE(at::equal(root, p.detach()));
