@@ -5,8 +5,9 @@
 # Writes runs/studies/tune/<model>-<steps>/<run>/ (one `flexdemo train` output each) and
 # table.md there (every run; the best of each optimizer in bold, with its loss against the best
 # AdamW-HSDP run), and gaps.md and gaps.png there (each run's validation loss against the best
-# AdamW-HSDP run's at every validation step). A run whose summary.json exists is not trained
-# again, so a sweep cut short continues where it stopped; delete a run's folder to train it again.
+# AdamW-HSDP run's at every validation step). A run that finished (its options.txt is written
+# last) is not trained again, so a sweep cut short continues where it stopped; delete a run's
+# folder to train it again.
 #   MODEL (default gpt-micro), STEPS (default 500), NP (MPI ranks, default 4), RANKS_PER_NODE
 #   (default 2; a run whose options name --ranks-per-node keeps its own), GRID (a file of lines
 #   "RUN-NAME OPTIONS...", default: the built-in grid below; RUN-NAME starts with the optimizer),
@@ -52,7 +53,8 @@ grid() { if [ -n "${GRID:-}" ]; then grep -v '^\s*\(#\|$\)' "$GRID"; else defaul
 mkdir -p "$out"
 while read -r name options; do
   if [ -n "${ONLY:-}" ] && ! [[ "$name" =~ $ONLY ]]; then continue; fi
-  if [ -f "$out/$name/summary.json" ]; then continue; fi
+  # options.txt is written after a run ends well (one stopped early still writes summary.json)
+  if [ -f "$out/$name/options.txt" ]; then continue; fi
   echo "== $name: $options =="
   rm -rf "${out:?}/$name"
   # shellcheck disable=SC2086
@@ -71,7 +73,7 @@ out = sys.argv[1]
 rows = []
 for name in sorted(os.listdir(out)):
     summary = os.path.join(out, name, "summary.json")
-    if not os.path.isfile(summary):
+    if not os.path.isfile(os.path.join(out, name, "options.txt")):
         continue
     s = json.load(open(summary))
     options = open(os.path.join(out, name, "options.txt")).read().strip()
