@@ -70,14 +70,25 @@ done < <(grid)
 python3 - "$out" <<'EOF'
 import json, os, sys
 out = sys.argv[1]
+# A run's method: its optimizer, and its exchange where that is not the optimizer's own (so that
+# AdamW's local steps through DeMo are not ranked as AdamW-HSDP).
+def method(config):
+    own = {"adamw": "full", "sgd": "full", "flexdemo": "demo", "flexdemo-adamw": "demo"}
+    m = config["optimizer"]
+    if config.get("replicator") not in (None, own.get(m)):
+        m += "+" + config["replicator"]
+    if config.get("inner_steps", 1) > 1:
+        m += f"+H{config['inner_steps']}"
+    return m
 rows = []
 for name in sorted(os.listdir(out)):
     summary = os.path.join(out, name, "summary.json")
     if not os.path.isfile(os.path.join(out, name, "options.txt")):
         continue
     s = json.load(open(summary))
+    config = json.load(open(os.path.join(out, name, "config.json")))
     options = open(os.path.join(out, name, "options.txt")).read().strip()
-    rows.append((s["optimizer"], s["final_val_loss"], name, options, s["steps"]))
+    rows.append((method(config), s["final_val_loss"], name, options, s["steps"]))
 best = {}
 for opt, loss, *_ in rows:
     best[opt] = min(loss, best.get(opt, float("inf")))
@@ -101,7 +112,7 @@ def val_losses(name):
         if "val_loss" in m:
             evals[m["step"]] = m["val_loss"]
     return evals
-adamw = [(loss, name) for opt, loss, name, *_ in rows if opt == "adamw"]
+adamw = [(loss, name) for opt, loss, name, *_ in rows if opt == "adamw"]  # AdamW-HSDP
 if adamw:
     ref_name = min(adamw)[1]
     ref_evals = val_losses(ref_name)
