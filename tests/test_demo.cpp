@@ -198,6 +198,16 @@ TEST(Demo, MatchesNaiveFloat64Preconditioned) {
   }
 }
 
+TEST(Demo, MatchesNaiveFloat64AdaptiveStep) {
+  // --precondition --no-sign --no-fold-lr: preconditioned gradients enter the residual unscaled
+  // and the step is lr times the decoded direction itself (loss-parity.md's best variant).
+  at::manual_seed(27);
+  const std::vector<double> diffs = max_differences(false, false, false, true);
+  for (size_t i = 0; i < diffs.size(); ++i) {
+    EXPECT_LT(diffs[i], 1e-5) << "case " << i / 6 << " step " << i % 6;
+  }
+}
+
 TEST(Demo, KeepsResidualOfWhatWasNotSent) {
   // Error feedback: after one step from zero, residual + sent == lr * DCT(grad) exactly.
   at::manual_seed(22);
