@@ -4,8 +4,10 @@
 # scripts/demo.sh), every run kept, and the best per optimizer chosen on final validation loss.
 # Writes runs/studies/tune/<model>-<steps>/<run>/ (one `flexdemo train` output each) and
 # table.md there (every run; the best of each optimizer in bold, with its loss against the best
-# AdamW-HSDP run), and gaps.md and gaps.png there (each run's validation loss against the best
-# AdamW-HSDP run's at every validation step). A run that finished (its options.txt is written
+# AdamW-HSDP run), gaps.md and gaps.png there (each run's validation loss against the best
+# AdamW-HSDP run's at every validation step), and frontier.md and frontier.png there (each run's
+# final validation loss against its bytes between nodes per step; on the frontier when every run
+# with as few bytes or fewer ends higher). A run that finished (its options.txt is written
 # last) is not trained again, so a sweep cut short continues where it stopped; delete a run's
 # folder to train it again.
 #   MODEL (default gpt-micro), STEPS (default 500), NP (MPI ranks, default 4), RANKS_PER_NODE
@@ -88,14 +90,15 @@ for name in sorted(os.listdir(out)):
     s = json.load(open(summary))
     config = json.load(open(os.path.join(out, name, "config.json")))
     options = open(os.path.join(out, name, "options.txt")).read().strip()
-    rows.append((method(config), s["final_val_loss"], name, options, s["steps"]))
+    rows.append((method(config), s["final_val_loss"], name, options, s["steps"],
+                 s["inter_bytes_per_step"]))
 best = {}
 for opt, loss, *_ in rows:
     best[opt] = min(loss, best.get(opt, float("inf")))
 ref = best.get("adamw")
 lines = ["| run | options | steps | final val loss | best of its optimizer vs best AdamW-HSDP |",
          "|---|---|---|---|---|"]
-for opt, loss, name, options, steps in sorted(rows):
+for opt, loss, name, options, steps, _ in sorted(rows):
     top = loss == best[opt]
     vs = f"{100 * (loss / ref - 1):+.2f}%" if top and ref else ""
     cell = f"**{loss:.4f}**" if top else f"{loss:.4f}"
@@ -137,7 +140,38 @@ if adamw:
             "plot " + ", ".join(f"'gaps.dat' index {i} using 1:2 with linespoints title '{n}'"
                                 for i, n in enumerate(others))]
     open(os.path.join(out, "gaps.gnuplot"), "w").write("\n".join(plot) + "\n")
+
+# The loss-against-bytes frontier: frontier.md, and frontier.dat (index 0: every run; 1: the
+# frontier's) for the plot.
+by_bytes = sorted((nbytes, loss, name) for _, loss, name, _, _, nbytes in rows)
+frontier, lowest = [], float("inf")
+for nbytes, loss, name in by_bytes:  # bytes ascending: on it when below every cheaper run
+    if loss < lowest:
+        frontier.append((nbytes, loss, name))
+        lowest = loss
+lines = ["| run | bytes between nodes per step | final val loss | on the frontier |",
+         "|---|---|---|---|"]
+lines += [f"| {name} | {nbytes:,.0f} | {loss:.4f} | {'yes' if (nbytes, loss, name) in frontier else ''} |"
+          for nbytes, loss, name in by_bytes]
+open(os.path.join(out, "frontier.md"), "w").write("\n".join(lines) + "\n")
+print("\n".join(lines))
+with open(os.path.join(out, "frontier.dat"), "w") as f:
+    for block in (by_bytes, frontier):
+        f.write("".join(f'{nbytes:.0f} {loss:.6f} "{name}"\n' for nbytes, loss, name in block))
+        f.write("\n\n")
+plot = ["set terminal pngcairo size 1000,600", "set output 'frontier.png'",
+        f"set title 'final validation loss against bytes between nodes per step ({os.path.basename(out)})'",
+        "set xlabel 'bytes between nodes per step'", "set ylabel 'final validation loss'",
+        "set logscale x", "set grid", "set key top right",
+        "set offsets graph 0.05, graph 0.3, graph 0.05, graph 0.05",
+        "plot 'frontier.dat' index 1 using 1:2 with linespoints pt 7 title 'frontier', "
+        "'' index 0 using 1:2 with points pt 6 title 'runs', "
+        "'' index 0 using 1:2:3 with labels left offset 1,0 font ',8' notitle"]
+open(os.path.join(out, "frontier.gnuplot"), "w").write("\n".join(plot) + "\n")
 EOF
 if command -v gnuplot >/dev/null && [ -f "$out/gaps.gnuplot" ]; then
   (cd "$out" && gnuplot gaps.gnuplot) && echo "plot: $out/gaps.png"
+fi
+if command -v gnuplot >/dev/null; then
+  (cd "$out" && gnuplot frontier.gnuplot) && echo "plot: $out/frontier.png"
 fi
