@@ -14,7 +14,8 @@
 #   (default 2; a run whose options name --ranks-per-node keeps its own), GRID (a file of lines
 #   "RUN-NAME OPTIONS...", default: the built-in grid below; RUN-NAME starts with the optimizer),
 #   ONLY (a regular expression: train only the runs it matches; the table lists all kept runs),
-#   EVAL_EVERY (validation every N steps, default 50).
+#   EVAL_EVERY (validation every N steps, default 50), OUT (the sweep's folder, default
+#   runs/studies/tune/<model>-<steps>; give each corpus its own when --data changes).
 #   Extra arguments go to every `flexdemo train`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +23,7 @@ model="${MODEL:-gpt-micro}"
 steps="${STEPS:-500}"
 np="${NP:-4}"
 ranks_per_node="${RANKS_PER_NODE:-2}"
-out="runs/studies/tune/$model-$steps"
+out="${OUT:-runs/studies/tune/$model-$steps}"
 bash scripts/install-deps.sh >/dev/null
 bash scripts/build.sh flexdemo_cli flexdemo_tokenize >/dev/null
 export OMP_NUM_THREADS=1
@@ -59,9 +60,9 @@ while read -r name options; do
   if [ -f "$out/$name/options.txt" ]; then continue; fi
   echo "== $name: $options =="
   rm -rf "${out:?}/$name"
-  # shellcheck disable=SC2086
   topology=(--ranks-per-node "$ranks_per_node")  # unless the run sets its own
   if [[ " $options " == *" --ranks-per-node "* ]]; then topology=(); fi
+  # shellcheck disable=SC2086  # $options and $root_flag split into words on purpose
   mpirun $root_flag --oversubscribe -np "$np" build/flexdemo train --model "$model" \
     "${topology[@]}" --steps "$steps" --eval-every "${EVAL_EVERY:-50}" --log-every 100 \
     --progress lines $options --out "$out/$name" "$@" </dev/null  # mpirun would eat the grid
