@@ -327,6 +327,40 @@ TEST(WireFormat, RejectsMalformedPayloads) {
 
 // Packed indices (2bit): a record per chunk of the closed-form size, read back exactly, for chunk
 // sizes that are and are not powers of two and k from 1 to the whole chunk.
+TEST(WireFormat, ValueScanAndTamperingAsAReceiverSeesThem) {
+  // scan_payload_values: the sum of squares of what a receiver decodes (encode_payload leaves
+  // exactly that in topk.values), computed here in float64 from those values; a tampered payload
+  // still validates after Scale (re-sealed) and fails its checksum after Corrupt.
+  at::manual_seed(13);
+  const dct::ChunkPlan plan = dct::make_chunk_plan({32, 48}, 16, dct::ChunkMode::Divisor);
+  for (auto e : values_of<ValueEncoding>()) {
+    compress::TopK t = kernels::select_topk(at::randn({32, 48}), plan, 5);
+    std::vector<uint8_t> bytes = encode(plan, t, e);
+    const double expected = t.values.to(at::kDouble).square().sum().item<double>();
+    const compress::PayloadValues scan = compress::scan_payload_values(bytes.data(), plan, 5, e);
+    EXPECT_TRUE(scan.finite) << name_of(e);
+    EXPECT_NEAR(scan.sum_squares, expected, 1e-9 * expected) << name_of(e);
+
+    std::vector<uint8_t> scaled = bytes;
+    compress::tamper_payload(scaled.data(), plan, 5, e, compress::Tamper::Scale, 1000.0);
+    compress::validate_payload(scaled.data(), scaled.size(), plan, 5, e);
+    const double ratio =
+        std::sqrt(compress::scan_payload_values(scaled.data(), plan, 5, e).sum_squares / expected);
+    EXPECT_NEAR(ratio, 1000.0, 1000.0 * 1e-2) << name_of(e);  // bf16 rounds each value
+
+    std::vector<uint8_t> nan = bytes;
+    compress::tamper_payload(nan.data(), plan, 5, e, compress::Tamper::Scale, NAN);
+    compress::validate_payload(nan.data(), nan.size(), plan, 5, e);
+    EXPECT_FALSE(compress::scan_payload_values(nan.data(), plan, 5, e).finite) << name_of(e);
+
+    std::vector<uint8_t> corrupt = bytes;
+    compress::tamper_payload(corrupt.data(), plan, 5, e, compress::Tamper::Corrupt);
+    EXPECT_THROW(compress::validate_payload(corrupt.data(), corrupt.size(), plan, 5, e),
+                 compress::WireFormatError)
+        << name_of(e);
+  }
+}
+
 TEST(WireFormat, PackedIndicesRoundTripAtEveryShape) {
   at::manual_seed(14);
   for (int64_t chunk : {4, 12, 16, 64}) {

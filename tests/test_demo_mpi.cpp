@@ -9,6 +9,7 @@
 #include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <map>
 #include <set>
 #include <string>
@@ -568,4 +569,108 @@ TEST(DemoMpi, TransformNoneSelectsTheResidualsOwnEntries) {
                              expected, 1e-5, 1e-6))
         << "parameter " << i;
   }
+}
+
+namespace {
+
+struct PeerFaultCase {
+  const char* name;
+  compress::Tamper how;
+  double factor;
+  optim::PeerFault::Kind kind;
+};
+const PeerFaultCase kPeerFaults[] = {
+    {"nan", compress::Tamper::Scale, NAN, optim::PeerFault::Kind::NonFinite},
+    {"scale=1000", compress::Tamper::Scale, 1000.0, optim::PeerFault::Kind::OutOfScale},
+    {"corrupt", compress::Tamper::Corrupt, 1.0, optim::PeerFault::Kind::Corrupt}};
+
+}  // namespace
+
+TEST(DemoMpi, FaultyPeerIsLeftOutAlikeEverywhereAsIfItWereAbsent) {
+  // The last rank sends tampered payloads every step: under the drop policy every replica (the
+  // faulty one too) names it for every tensor and applies the mean of the others alone, bit for
+  // bit what the healthy ranks compute as a replica group of their own.
+  auto world = test_world();
+  const int faulty = world->size() - 1;
+  const bool healthy = world->rank() != faulty;
+  const auto others = world->split(healthy ? 0 : 1, world->rank());
+  for (const PeerFaultCase& c : kPeerFaults) {
+    for (auto values : values_of<compress::ValueEncoding>()) {
+      const std::string what = std::string(c.name) + " " + name_of(values);
+      optim::OptimizerOptions o = bf16_options();
+      o.values = values;
+      o.sign = false;  // the mean's size counts too
+      std::vector<at::Tensor> params = make_params(), alone = make_params();
+      optim::Optimizer demo(params, o, world->split(0, world->rank()));
+      optim::Optimizer reference(alone, o, others);
+      const int steps = 2;
+      for (int step = 0; step < steps; ++step) {
+        set_gradients(params, world->rank(), step);
+        set_gradients(alone, world->rank(), step);
+        if (!healthy) demo.tamper_next_exchange(c.how, c.factor);
+        demo.step();
+        reference.step();
+      }
+      const std::vector<optim::PeerFault> faults = demo.take_peer_faults();
+      ASSERT_EQ(faults.size(), steps * kShapes.size()) << what;
+      for (size_t f = 0; f < faults.size(); ++f) {
+        EXPECT_EQ(faults[f].replica, faulty) << what;
+        EXPECT_EQ(faults[f].tensor, f % kShapes.size()) << what;
+        EXPECT_EQ(int(faults[f].kind), int(c.kind)) << what << ": " << faults[f].describe();
+        if (c.kind == optim::PeerFault::Kind::OutOfScale) {
+          EXPECT_GT(faults[f].ratio, 100.0) << what;
+        }
+      }
+      EXPECT_TRUE(demo.take_peer_faults().empty()) << "taken once";
+      for (size_t i = 0; i < params.size(); ++i) {
+        at::Tensor mine = params[i].detach().clone(), root = mine.clone();
+        world->broadcast(root, 0);
+        EXPECT_TRUE(at::equal(mine, root)) << what << ": parameter " << i << " differs";
+        if (healthy) {
+          EXPECT_TRUE(at::equal(mine, alone[i].detach())) << what << ": parameter " << i;
+        }
+      }
+    }
+  }
+}
+
+TEST(DemoMpi, FaultyPeerStopsEveryReplicaUnderTheStopPolicy) {
+  auto world = test_world();
+  const int faulty = world->size() - 1;
+  for (const PeerFaultCase& c : kPeerFaults) {
+    optim::OptimizerOptions o = bf16_options();
+    o.peer_policy = optim::PeerPolicy::Stop;
+    std::vector<at::Tensor> params = make_params();
+    optim::Optimizer demo(params, o, world->split(0, world->rank()));
+    set_gradients(params, world->rank(), 0);
+    if (world->rank() == faulty) demo.tamper_next_exchange(c.how, c.factor);
+    try {
+      demo.step();
+      ADD_FAILURE() << c.name << ": no error";
+    } catch (const optim::PeerFaultError& e) {
+      EXPECT_EQ(e.fault().replica, faulty) << c.name;
+      EXPECT_EQ(e.fault().tensor, 0u) << c.name;  // the first found
+      EXPECT_EQ(int(e.fault().kind), int(c.kind)) << c.name << ": " << e.what();
+    }
+  }
+}
+
+TEST(DemoMpi, HealthyPeersWithinTheScaleBoundAreKept) {
+  // Replicas of different gradients, 20 steps: nothing is left out at the default bound, and a
+  // bound of 1.0001 flags every payload above the lower median (so the check is live).
+  auto world = test_world();
+  optim::OptimizerOptions o = bf16_options();
+  std::vector<at::Tensor> params = make_params();
+  optim::Optimizer demo(params, o, world->split(0, world->rank()));
+  for (int step = 0; step < 20; ++step) {
+    set_gradients(params, world->rank(), step);
+    demo.step();
+  }
+  EXPECT_TRUE(demo.take_peer_faults().empty());
+  o.peer_scale_bound = 1.0001;
+  std::vector<at::Tensor> tight_params = make_params();
+  optim::Optimizer tight(tight_params, o, world->split(0, world->rank()));
+  set_gradients(tight_params, world->rank(), 0);
+  tight.step();
+  EXPECT_FALSE(tight.take_peer_faults().empty());
 }

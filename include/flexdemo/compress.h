@@ -63,6 +63,22 @@ void seal_payload(const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding,
 void validate_payload(const uint8_t* data, size_t size, const dct::ChunkPlan& plan, int64_t k,
                       ValueEncoding encoding);
 
+// What a valid payload's values hold (validate_payload first): whether every value is finite,
+// and the sum of their squares (float64), as a receiver decodes them.
+struct PayloadValues {
+  bool finite = true;
+  double sum_squares = 0.0;
+};
+PayloadValues scan_payload_values(const uint8_t* data, const dct::ChunkPlan& plan, int64_t k,
+                                  ValueEncoding encoding);
+
+// A test aid (FLEXDEMO_INJECT_PAYLOAD): a faulty sender. Scale multiplies every value a
+// receiver decodes by `factor` (NaN: non-finite values) and re-seals the payload, so that only
+// a check of the values finds it; Corrupt flips one bit of the body, so the checksum fails.
+enum class Tamper { Scale, Corrupt };
+void tamper_payload(uint8_t* data, const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding,
+                    Tamper how, double factor = 1.0);
+
 // Decodes the payloads of one tensor from R replicas, given in rank order, each `size` bytes,
 // into out (float32 block layout, overwritten): per coefficient, the mean of the values of the
 // replicas that selected it, 0 where none did. Summed in rank order, so the result is

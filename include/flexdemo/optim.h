@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -46,6 +47,11 @@ enum class InnerKind {
   Nesterov,  // SGD with Nesterov momentum, torch.optim.SGD(nesterov=True)'s formula, on
              // sign(direction) or the direction (CPUs only): the outer optimizer's
 };
+
+// What replicas do with a peer's payloads that fail the checks before decoding (a corrupt
+// payload, non-finite values, values out of scale): stop the run, or leave that peer out of
+// the mean, on every replica alike (each decides from the same gathered bytes).
+enum class PeerPolicy { Stop, Drop };
 
 struct OptimizerOptions {
   // ====== Inner optimizer ======
@@ -85,6 +91,13 @@ struct OptimizerOptions {
                                       // at once as a preview, replaced when the update arrives
   double random_fraction = 1.0 / 32;  // Random: fraction of rows exchanged, in (0, 1]
   uint64_t seed = 0;                  // Random: selection seed, the same on every replica
+  // ====== Checks of the peers' payloads (Demo) ======
+  PeerPolicy peer_policy = PeerPolicy::Drop;
+  // A tensor's payload whose values' norm exceeds this many times the lower median of the
+  // replicas' norms for that tensor is out of scale (> 1; 0: no scale check). With two
+  // replicas the lower median is the smaller norm. Healthy replicas' ratios reached 17.6 on a
+  // LayerNorm vector early in training (docs/reliability.md), so the default leaves room.
+  double peer_scale_bound = 100.0;
   // ====== Many local steps (DiLoCo's outer loop) ======
   // inner_steps > 1: every step is a local step of the inner optimizer on this replica's own
   // gradient (nothing crosses the replica group); every inner_steps steps, the parameters'
@@ -113,6 +126,26 @@ class OptionsError : public std::invalid_argument {
 
  private:
   std::string text_;
+};
+
+// A peer's payload for one tensor that failed the checks (PeerPolicy).
+struct PeerFault {
+  enum class Kind { Corrupt, NonFinite, OutOfScale };
+  Kind kind = Kind::Corrupt;
+  int replica = 0;     // the sender's rank in the replica group
+  size_t tensor = 0;   // its index among the tensors given to the optimizer
+  double ratio = 0.0;  // OutOfScale: its values' norm over the lower median of the replicas'
+  std::string detail;  // Corrupt: what the wire format's validation found
+  std::string describe() const;  // e.g. "values 935x the replicas' lower median norm"
+};
+// Raised by Optimizer::step() under PeerPolicy::Stop, on every replica alike.
+class PeerFaultError : public std::runtime_error {
+ public:
+  explicit PeerFaultError(PeerFault fault);
+  const PeerFault& fault() const { return fault_; }
+
+ private:
+  PeerFault fault_;
 };
 
 // A tensor the optimizer updates: the first plan.numel() elements of `leaf` (row-major), whose
@@ -195,6 +228,12 @@ class Optimizer {
   // Waits until the exchange in flight (overlap_step) has arrived; it is still applied at the
   // next step, as always. A no-op when nothing is in flight.
   void wait_in_flight();
+  // The peers' payloads that failed the checks since the last call (PeerPolicy::Drop: each
+  // was left out of its exchange's mean), in the order found: the same on every replica.
+  std::vector<PeerFault> take_peer_faults();
+  // A test aid (FLEXDEMO_INJECT_PAYLOAD): this replica's payloads of the next exchange are
+  // tampered as compress::tamper_payload does after they are encoded (Demo only).
+  void tamper_next_exchange(compress::Tamper how, double factor = 1.0);
   // What one exchange of `schedule` would put on the wire from this rank (headers included).
   uint64_t wire_bytes(const ExchangeSchedule& schedule) const;
   // This rank's optimizer state (residuals, accumulators, AdamW moments) by name; the tensors
@@ -242,6 +281,13 @@ struct NameTable<optim::ReplicatorKind> {
       {optim::ReplicatorKind::Full, "full"},
       {optim::ReplicatorKind::None, "none"},
       {optim::ReplicatorKind::Random, "random"}};
+};
+
+template <>
+struct NameTable<optim::PeerPolicy> {
+  static constexpr const char* what = "peer policy";
+  static constexpr std::pair<optim::PeerPolicy, const char*> entries[] = {
+      {optim::PeerPolicy::Drop, "drop"}, {optim::PeerPolicy::Stop, "stop"}};
 };
 
 template <>

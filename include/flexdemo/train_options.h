@@ -235,6 +235,13 @@ struct OptionSpec {
     "every N steps, stop if the replicas' parameters differ (0: off)")                             \
   X(on_nonfinite, NonFinitePolicy, NonFinitePolicy::Skip, Run, anything(),                         \
     "a NaN/Inf loss or gradient on any rank: skip the step on all ranks, or stop")                 \
+  X(on_bad_peer, optim::PeerPolicy, optim::PeerPolicy::Drop, Run, anything(),                      \
+    "a payload from another node that is corrupt, non-finite or out of scale (--peer-scale-bound): " \
+    "drop (leave that node out of the step's mean, alike on every replica, with a line naming "    \
+    "it) or stop (demo replicator)")                                                               \
+  X(peer_scale_bound, double, 100.0, Run, at_least(0, " (0: no scale check)"),                      \
+    "a node's payload for a tensor is out of scale when its values' norm is above this many times " \
+    "the lower median of every node's norm for that tensor (> 1; with two nodes: the smaller)")     \
   X(checkpoint_every, int64_t, 0, Run, at_least(0),                                                \
     "also checkpoint every N steps (0: only at the end)")                                          \
   X(keep_checkpoints, int64_t, 2, Run, at_least(1),                                                \

@@ -4,7 +4,9 @@
 // buckets, started at once. With overlap_step the all-gather is non-blocking and its result is
 // applied one step later. Encoding and decoding are the backend's (backend.h: plain, cpu or
 // cuda), which the replicator calls without knowing the device. The payloads' top-k and values
-// may change between steps (set_layout); an exchange in flight completes as it was sent.
+// may change between steps (set_layout); an exchange in flight completes as it was sent. Every
+// replica's payloads are checked before they are decoded (screen): a peer whose payload is
+// corrupt, non-finite or out of scale stops the run or is left out of the mean (PeerPolicy).
 #include "backend.h"
 
 #include "optim/replicator.h"
@@ -14,7 +16,11 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cmath>
+#include <optional>
 #include <stdexcept>
+#include <utility>
 
 namespace flexdemo::demo {
 namespace {
@@ -84,6 +90,7 @@ class DemoReplicator final : public optim::Replicator {
     if (buckets_.empty()) {
       backend_->encode(all_, grads, lr);
       launch(all_);
+      tamper_.reset();
       decode(all_, inner);
       return;
     }
@@ -93,9 +100,17 @@ class DemoReplicator final : public optim::Replicator {
       if (!started_[i]) rest.push_back(i), rest_grads.push_back(grads[i]);
     }
     start(rest, rest_grads, lr);
+    tamper_.reset();
     for (Bucket& b : buckets_) decode(b, inner);
     buckets_.clear();
     std::fill(started_.begin(), started_.end(), 0);
+  }
+
+  std::vector<optim::PeerFault> take_peer_faults() override {
+    return std::exchange(peer_faults_, {});
+  }
+  void tamper_next_exchange(compress::Tamper how, double factor) override {
+    tamper_ = {how, factor};
   }
 
   optim::ExchangeTraffic traffic() const override { return traffic_; }
@@ -130,6 +145,7 @@ class DemoReplicator final : public optim::Replicator {
     if (previews()) save_committed(inner);
     backend_->encode(all_, grads, lr);
     launch(all_);
+    tamper_.reset();
     pending_.fill_(1);
     if (previews()) preview(inner.hyper().lr, inner);
   }
@@ -173,6 +189,7 @@ class DemoReplicator final : public optim::Replicator {
 
   // The bucket's all-gather, non-blocking (one replica: its payloads are the gathered ones).
   void launch(Bucket& b) {
+    if (tamper_) tamper(b);
     if (replicas() > 1) {
       b.work = group_->iall_gather(b.send, b.recv);
     } else {
@@ -197,7 +214,100 @@ class DemoReplicator final : public optim::Replicator {
     Updates updates;
     for (size_t i = 0; i < plans_.size(); ++i) updates.fused.push_back(inner.fused_update(i));
     updates.apply = [&inner](size_t i, const at::Tensor& d) { inner.apply(i, d); };
-    backend_->decode(b, b.recv, replicas(), updates);
+    const std::vector<int> kept = screen(b);
+    if (int(kept.size()) == replicas()) {
+      backend_->decode(b, b.recv, replicas(), updates);
+    } else if (!kept.empty()) {  // the peers that passed, in rank order
+      const at::Tensor passed = backend_->buffer(int64_t(b.bytes * kept.size()));
+      for (size_t j = 0; j < kept.size(); ++j) {
+        passed.narrow(0, int64_t(j * b.bytes), int64_t(b.bytes))
+            .copy_(b.recv.narrow(0, int64_t(kept[j] * b.bytes), int64_t(b.bytes)));
+      }
+      backend_->decode(b, passed, int(kept.size()), updates);
+    }  // no replica passed: nothing to apply
+  }
+
+  // Checks every replica's payloads of the bucket before a value is decoded: each validated
+  // (header, checksum, indices), its values finite, and its values' norm at most
+  // peer_scale_bound times the lower median of the replicas' norms for that tensor. Returns
+  // the replicas whose payloads all pass, in rank order; each fault is recorded, and under
+  // PeerPolicy::Stop the first throws. Every replica sees the same bytes, so all decide alike.
+  std::vector<int> screen(const Bucket& b) {
+    const int R = replicas();
+    const at::Tensor host = b.recv.is_cpu() ? b.recv : b.recv.to(at::kCPU);
+    const uint8_t* bytes = host.data_ptr<uint8_t>();
+    std::vector<optim::PeerFault> found;
+    std::vector<double> norms(size_t(R), 0.0);
+    std::vector<char> judged(size_t(R), 0);  // passed the other checks: its norm counts
+    for (size_t k = 0; k < b.tensors.size(); ++k) {
+      const size_t i = b.tensors[k];
+      const dct::ChunkPlan& plan = plans_[i];
+      const size_t size = compress::wire_payload_bytes(plan, b.topk, b.values);
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* payload = bytes + size_t(r) * b.bytes + b.offsets[k];
+        judged[r] = 0;
+        optim::PeerFault fault;
+        fault.replica = r;
+        fault.tensor = i;
+        try {
+          compress::validate_payload(payload, size, plan, b.topk, b.values);
+        } catch (const compress::WireFormatError& e) {
+          fault.detail = e.what();
+          found.push_back(fault);
+          continue;
+        }
+        const compress::PayloadValues scan =
+            compress::scan_payload_values(payload, plan, b.topk, b.values);
+        if (!scan.finite) {
+          fault.kind = optim::PeerFault::Kind::NonFinite;
+          found.push_back(fault);
+          continue;
+        }
+        norms[r] = std::sqrt(scan.sum_squares);
+        judged[r] = 1;
+      }
+      if (options_.peer_scale_bound > 0) {
+        std::vector<double> sorted;
+        for (int r = 0; r < R; ++r) {
+          if (judged[r]) sorted.push_back(norms[r]);
+        }
+        if (sorted.size() < 2) continue;
+        std::sort(sorted.begin(), sorted.end());
+        const double median = sorted[(sorted.size() - 1) / 2];  // the lower one
+        for (int r = 0; r < R; ++r) {
+          if (!judged[r] || !(median > 0.0) || norms[r] <= options_.peer_scale_bound * median) {
+            continue;
+          }
+          optim::PeerFault fault;
+          fault.kind = optim::PeerFault::Kind::OutOfScale;
+          fault.replica = r;
+          fault.tensor = i;
+          fault.ratio = norms[r] / median;
+          found.push_back(fault);
+        }
+      }
+    }
+    if (!found.empty() && options_.peer_policy == optim::PeerPolicy::Stop) {
+      throw optim::PeerFaultError(found.front());
+    }
+    std::vector<char> bad(size_t(R), 0);
+    for (const optim::PeerFault& f : found) bad[f.replica] = 1;
+    peer_faults_.insert(peer_faults_.end(), found.begin(), found.end());
+    std::vector<int> kept;
+    for (int r = 0; r < R; ++r) {
+      if (!bad[r]) kept.push_back(r);
+    }
+    return kept;
+  }
+
+  // The test aid: this replica's payloads in the bucket, tampered before they are sent.
+  void tamper(Bucket& b) {
+    at::Tensor host = b.send.is_cpu() ? b.send : b.send.to(at::kCPU);
+    for (size_t k = 0; k < b.tensors.size(); ++k) {
+      compress::tamper_payload(host.data_ptr<uint8_t>() + b.offsets[k], plans_[b.tensors[k]],
+                               b.topk, b.values, tamper_->first, tamper_->second);
+    }
+    if (!b.send.is_cpu()) b.send.copy_(host);
   }
 
   // --overlap-step with sign-SGD previews this replica's own update (see exchange_overlapped).
@@ -247,6 +357,8 @@ class DemoReplicator final : public optim::Replicator {
   // holds payloads not yet applied (a tensor, so that checkpoints carry it).
   std::vector<at::Tensor> committed_;  // the parameters without the preview (float32)
   at::Tensor pending_ = at::zeros({1}, at::kLong);
+  std::vector<optim::PeerFault> peer_faults_;                  // found since take_peer_faults
+  std::optional<std::pair<compress::Tamper, double>> tamper_;  // the next exchange's (a test aid)
 };
 
 }  // namespace

@@ -154,6 +154,42 @@ void validate_payload(const uint8_t* data, size_t size, const dct::ChunkPlan& pl
   }
 }
 
+PayloadValues scan_payload_values(const uint8_t* data, const dct::ChunkPlan& plan, int64_t k,
+                                  ValueEncoding encoding) {
+  const Layout l = layout_of(plan, k, encoding);
+  const uint8_t* body = data + kHeaderBytes;
+  PayloadValues scan;
+  for (int64_t e = 0; e < l.entries; ++e) {
+    const double v = codec::get_value(body, l, encoding, e);
+    scan.finite = scan.finite && std::isfinite(v);
+    scan.sum_squares += v * v;
+  }
+  return scan;
+}
+
+void tamper_payload(uint8_t* data, const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding,
+                    Tamper how, double factor) {
+  const Layout l = layout_of(plan, k, encoding);
+  uint8_t* body = data + kHeaderBytes;
+  if (how == Tamper::Corrupt) {
+    body[l.body_bytes / 2] ^= 0x10;  // the checksum no longer matches
+    return;
+  }
+  const float f = float(factor);
+  if (codec::scales_per_chunk(encoding) > 0) {  // every value is a code times its chunk's scales
+    for (int64_t s = 0; s < l.chunks * codec::scales_per_chunk(encoding); ++s) {
+      uint8_t* at = body + l.scales_at + 4 * s;
+      codec::put_f32(at, codec::get_f32(at) * f);
+    }
+  } else {
+    for (int64_t e = 0; e < l.entries; ++e) {  // fp32, bf16: whole bytes a value
+      const float v = codec::get_value(body, l, encoding, e) * f;
+      codec::put_value<codec::PlainBytes>(body, l, encoding, e, v, codec::ChunkScales{});
+    }
+  }
+  seal_payload(plan, k, encoding, data);
+}
+
 SparseChunks decode_mean_sparse(const std::vector<const uint8_t*>& payloads, size_t size,
                                 const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding) {
   for (const uint8_t* p : payloads) validate_payload(p, size, plan, k, encoding);

@@ -11,6 +11,7 @@
 
 #include <sstream>
 #include <stdexcept>
+#include <utility>
 
 namespace flexdemo::optim {
 
@@ -89,7 +90,31 @@ void OptimizerOptions::validate() const {
   }
   if (inner_steps > 1 && precondition) fail("{inner_steps} and {precondition} exclude each other");
   if (inner_steps > 1 && overlap_step) fail("{inner_steps} and {overlap_step} exclude each other");
+  if (!(peer_scale_bound == 0.0 || peer_scale_bound > 1.0)) {
+    fail("{peer_scale_bound} must be 0 (off) or > 1, got " + str(peer_scale_bound));
+  }
 }
+
+std::string PeerFault::describe() const {
+  switch (kind) {
+    case Kind::Corrupt:
+      return "a corrupt payload (" + detail + ")";
+    case Kind::NonFinite:
+      return "non-finite values";
+    case Kind::OutOfScale: {
+      std::ostringstream s;
+      s.precision(3);
+      s << "values " << ratio << "x the replicas' lower median norm";
+      return s.str();
+    }
+  }
+  return "a fault";
+}
+
+PeerFaultError::PeerFaultError(PeerFault fault)
+    : std::runtime_error("optimizer: replica " + std::to_string(fault.replica) + " sent tensor " +
+                         std::to_string(fault.tensor) + " " + fault.describe()),
+      fault_(std::move(fault)) {}
 
 // ====== The driver ======
 struct Optimizer::Impl {
@@ -194,7 +219,23 @@ void Optimizer::step() {
   std::vector<at::Tensor> grads;
   for (const OptimParam& p : s.params) grads.push_back(flat_grad(p));
   ++s.steps;
-  s.stepping->step(grads, s.options.lr, s.steps);
+  try {
+    s.stepping->step(grads, s.options.lr, s.steps);
+  } catch (const PeerFaultError& e) {  // named by the index among the tensors given
+    PeerFault fault = e.fault();
+    fault.tensor = size_t(s.given.at(fault.tensor));
+    throw PeerFaultError(fault);
+  }
+}
+
+std::vector<PeerFault> Optimizer::take_peer_faults() {
+  std::vector<PeerFault> faults = impl_->stepping->replicator().take_peer_faults();
+  for (PeerFault& f : faults) f.tensor = size_t(impl_->given.at(f.tensor));
+  return faults;
+}
+
+void Optimizer::tamper_next_exchange(compress::Tamper how, double factor) {
+  impl_->stepping->replicator().tamper_next_exchange(how, factor);
 }
 
 void Optimizer::zero_grad() {

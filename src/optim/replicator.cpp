@@ -11,6 +11,10 @@ const at::Tensor& Replicator::residual(size_t) const {
   throw std::logic_error("this replicator keeps no residual");
 }
 
+void Replicator::tamper_next_exchange(compress::Tamper, double) {
+  throw std::invalid_argument("payload tampering (a test aid) needs the demo replicator");
+}
+
 std::unique_ptr<Replicator> make_replicator(const std::vector<dct::ChunkPlan>& plans,
                                             const OptimizerOptions& options,
                                             std::shared_ptr<comm::Communicator> group,

@@ -66,6 +66,10 @@ class Replicator {
     (void)values;
   }
   virtual std::optional<std::pair<int64_t, compress::ValueEncoding>> layout() const { return {}; }
+  // Demo: the peers' payloads found faulty since the last call (tensor: this replicator's
+  // index), and the test aid that tampers this replica's payloads of the next exchange.
+  virtual std::vector<PeerFault> take_peer_faults() { return {}; }
+  virtual void tamper_next_exchange(compress::Tamper how, double factor);
   // Waits for the exchange in flight between steps (overlap_step), if any, without applying it.
   virtual void wait_in_flight() {}
   // Where the parameters carry a replica's own preview (--overlap-step): the committed ones,

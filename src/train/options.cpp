@@ -361,6 +361,8 @@ optim::OptimizerOptions optimizer_options(const TrainConfig& c) {
   o.outer_sign = c.outer_sign;
   o.overlap_step = c.overlap_step;
   o.seed = c.seed;
+  o.peer_policy = c.on_bad_peer;
+  o.peer_scale_bound = c.peer_scale_bound;
   o.validate();
   return o;
 }

@@ -50,7 +50,8 @@ bool live_line(const TrainConfig& cfg) {
 
 }  // namespace
 
-void pack_step_metrics(double loss, double step_s, const comm::StepTraffic& traffic, double* out) {
+void pack_step_metrics(double loss, double step_s, const comm::StepTraffic& traffic,
+                       int64_t peers_left_out, double* out) {
   const double values[kReducedMetrics] = {double(traffic.intra_sent),
                                           double(traffic.intra_received),
                                           double(traffic.inter_sent),
@@ -58,7 +59,8 @@ void pack_step_metrics(double loss, double step_s, const comm::StepTraffic& traf
                                           loss,
                                           step_s,
                                           traffic.intra_seconds + traffic.inter_seconds,
-                                          double(traffic.inter_collectives)};
+                                          double(traffic.inter_collectives),
+                                          double(peers_left_out)};
   std::copy(values, values + kReducedMetrics, out);
 }
 
@@ -71,6 +73,7 @@ void unpack_step_metrics(const double* sums, int ranks, StepMetrics& m) {
   m.step_s = sums[5] / ranks;
   m.comm_s = sums[6] / ranks;
   m.inter_collectives = sums[7] / ranks;
+  m.peers_left_out = sums[8];
 }
 
 RunLog::RunLog(const Session& s, int64_t start_step)
@@ -115,6 +118,7 @@ void RunLog::record(const StepMetrics& m) {
   if (m.val_loss) val_loss_ = *m.val_loss;
   seconds_total_ += m.step_s;
   inter_bytes_total_ += m.inter_sent;
+  peers_left_out_ += m.peers_left_out;
   if (!root_) return;
   nlohmann::ordered_json j;
   j["step"] = m.step;
@@ -130,6 +134,7 @@ void RunLog::record(const StepMetrics& m) {
   j["inter_bytes_recv"] = int64_t(m.inter_recv);
   j["inter_collectives"] = m.inter_collectives;
   j["skipped_steps"] = m.skipped_steps;
+  j["peers_left_out"] = int64_t(m.peers_left_out);
   const double elapsed = m.elapsed_s;
   j["elapsed_s"] = elapsed;
   if (m.val_loss) j["val_loss"] = *m.val_loss;
@@ -175,6 +180,7 @@ void RunLog::finish(int64_t steps_done) {
   summary["inter_bytes_per_step"] = inter_bytes_total_ / steps_run;
   summary["peak_rss_mb"] = all_rss.max().item<double>();
   summary["steps"] = steps_done;
+  summary["peers_left_out"] = int64_t(peers_left_out_);
   summary["optimizer"] = name_of(cfg.optimizer);
   summary["replicator"] = name_of(*cfg.replicator);
   std::ofstream(fs::path(cfg.out) / "summary.json") << summary.dump(2) << "\n";

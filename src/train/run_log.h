@@ -27,6 +27,8 @@ struct StepMetrics {
   double intra_sent = 0.0, intra_recv = 0.0, inter_sent = 0.0, inter_recv = 0.0;  // bytes, sum
   double elapsed_s = 0.0;     // when the step ended, on rank 0's clock, since the run log began
   int64_t skipped_steps = 0;  // so far
+  double peers_left_out = 0;  // this step's payloads left out (--on-bad-peer drop): per replica
+                              // group, each peer's once
   std::optional<double> val_loss;                     // when evaluated at this step
   std::optional<nlohmann::ordered_json> link_choice;  // --link-budget auto chose before this step
   std::optional<optim::ExchangeSchedule> schedule;    // --link-budget auto: what its exchange sent
@@ -36,8 +38,9 @@ struct StepMetrics {
 // values (run_training's one collective over the world a step): this rank's are packed into
 // kReducedMetrics doubles, the ranks' sums unpacked (bytes summed; loss, times and collectives
 // averaged over the world's `ranks`).
-inline constexpr int64_t kReducedMetrics = 8;
-void pack_step_metrics(double loss, double step_s, const comm::StepTraffic& traffic, double* out);
+inline constexpr int64_t kReducedMetrics = 9;
+void pack_step_metrics(double loss, double step_s, const comm::StepTraffic& traffic,
+                       int64_t peers_left_out, double* out);
 void unpack_step_metrics(const double* sums, int ranks, StepMetrics& m);
 
 class RunLog {
@@ -57,6 +60,7 @@ class RunLog {
   std::ofstream metrics_;
   const std::chrono::steady_clock::time_point started_;
   double val_loss_ = NAN, inter_bytes_total_ = 0.0, seconds_total_ = 0.0;
+  double peers_left_out_ = 0.0;  // since this start
 };
 
 }  // namespace flexdemo::train

@@ -27,6 +27,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <optional>
 #include <stdexcept>
 
@@ -58,6 +59,89 @@ struct Injection {
   }
   bool at(int64_t s, int r) const { return step == s && rank == r; }
 };
+
+// A testing aid: FLEXDEMO_INJECT_PAYLOAD="FIRST[-LAST]:RANK:KIND" makes that rank send tampered
+// payloads between nodes in steps FIRST to LAST (1-based): KIND nan (non-finite values), scale=F
+// (every value F times what it is, re-sealed) or corrupt (a flipped bit: the checksum fails).
+struct PayloadInjection {
+  int64_t first = -1, last = -1, rank = -1;
+  compress::Tamper how = compress::Tamper::Scale;
+  double factor = 1.0;
+
+  static PayloadInjection from_env() {
+    PayloadInjection p;
+    const char* spec = std::getenv("FLEXDEMO_INJECT_PAYLOAD");
+    if (spec == nullptr || *spec == '\0') return p;
+    char kind[64] = {0};
+    const std::string text = spec;
+    const bool range = text.find('-') < text.find(':');
+    const int got = range ? std::sscanf(spec, "%ld-%ld:%ld:%63s", &p.first, &p.last, &p.rank, kind)
+                          : std::sscanf(spec, "%ld:%ld:%63s", &p.first, &p.rank, kind);
+    if (!range) p.last = p.first;
+    const std::string k = kind;
+    if (got != (range ? 4 : 3) || p.first < 1 || p.last < p.first) {
+      p.first = -1;
+    } else if (k == "nan") {
+      p.factor = NAN;
+    } else if (k == "corrupt") {
+      p.how = compress::Tamper::Corrupt;
+    } else if (k.rfind("scale=", 0) == 0) {
+      p.factor = std::atof(k.c_str() + 6);
+    } else {
+      p.first = -1;
+    }
+    if (p.first < 0) {
+      throw std::invalid_argument(
+          std::string("FLEXDEMO_INJECT_PAYLOAD must be FIRST[-LAST]:RANK:") +
+          "nan|corrupt|scale=F, got " + spec);
+    }
+    return p;
+  }
+  bool at(int64_t step, int r) const { return rank == r && step >= first && step <= last; }
+};
+
+// What the trainer names a peer whose payloads failed the checks by: the world rank of each
+// member of this rank's replica group, and each optimizer tensor's parameter name.
+struct PeerNames {
+  std::vector<int64_t> world_rank;  // by replica-group rank
+  std::vector<std::string> tensor;  // by optimizer tensor index
+
+  // Collective over the replica group.
+  explicit PeerNames(const Session& s) {
+    const auto& group = s.topo.replica_group;
+    at::Tensor all = at::empty({group->size()}, at::kLong);
+    group->all_gather(at::full({1}, int64_t(s.topo.world->rank()), at::kLong), all);
+    for (int r = 0; r < group->size(); ++r) world_rank.push_back(all[r].item<int64_t>());
+    for (const auto& unit : s.lm->param_names())
+      tensor.insert(tensor.end(), unit.begin(), unit.end());
+  }
+  // "node 1 (rank 2) sent blocks.0.attn.weight with non-finite values"
+  std::string describe(const Session& s, const optim::PeerFault& f) const {
+    const int groups_per_node = s.topo.ranks_per_node / s.topo.shard_size;
+    return fmt::format("node {} (rank {}) sent {} with {}", f.replica / groups_per_node,
+                       world_rank.at(size_t(f.replica)),
+                       f.tensor < tensor.size() ? tensor[f.tensor] : std::to_string(f.tensor),
+                       f.describe());
+  }
+};
+
+// After a step under --on-bad-peer drop: one line per peer left out of it (the first tensor that
+// failed named, with how many did), printed by this replica group's first member. Returns how
+// many peers this replica group left out (counted on its first member only, so that the sum
+// over the world counts each replica group's once).
+int64_t report_peer_faults(const Session& s, const PeerNames& names, int64_t step) {
+  const std::vector<optim::PeerFault> faults = s.optimizer->take_peer_faults();
+  if (faults.empty() || s.topo.replica_group->rank() != 0) return 0;
+  std::map<int, std::vector<const optim::PeerFault*>> by_peer;
+  for (const optim::PeerFault& f : faults) by_peer[f.replica].push_back(&f);
+  for (const auto& [replica, list] : by_peer) {
+    std::fprintf(
+        stderr, "flexdemo: step %ld: %s%s; left out of this step's mean (--on-bad-peer drop)\n",
+        long(step), names.describe(s, *list.front()).c_str(),
+        list.size() > 1 ? fmt::format(" (and {} more tensors)", list.size() - 1).c_str() : "");
+  }
+  return int64_t(by_peer.size());
+}
 
 // Forward and backward of this rank's rows of step `step`'s global batch, micro-batch by
 // micro-batch, the gradients accumulating. Returns the loss (the rank's mean).
@@ -193,6 +277,8 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
   int64_t step = resume_from.empty() ? 0 : load_checkpoint(s, resume_from, true);
   const Injection inject = Injection::from_env("FLEXDEMO_INJECT_NONFINITE");
   const Injection inject_signal = Injection::from_env("FLEXDEMO_INJECT_SIGNAL");
+  const PayloadInjection inject_payload = PayloadInjection::from_env();
+  const PeerNames peer_names(s);
   RunLog log(s, step);
   LinkBudget link(s, step);
   comm::TrafficMeter meter(s.topo);
@@ -203,10 +289,14 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
   std::string checkpoint;              // the newest written
   while (step < cfg.steps && !vote.stop()) {
     const Clock::time_point t0 = Clock::now();
+    int64_t peers_left_out = 0;
     std::optional<nlohmann::ordered_json> link_choice = link.before_step(step);
     const Clock::time_point computing = Clock::now();
     s.optimizer->set_lr(scheduled_lr(cfg, step));
     s.optimizer->zero_grad();
+    if (inject_payload.at(step + 1, world->rank())) {
+      s.optimizer->tamper_next_exchange(inject_payload.how, inject_payload.factor);
+    }
     const double loss = forward_backward(s, step, inject);
     link.add_compute(seconds_since(computing));
     if (inject_signal.at(step + 1, world->rank())) std::raise(SIGTERM);
@@ -228,7 +318,13 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
       ++skipped_steps;
     } else {
       if (cfg.clip > 0) optim::clip_grad_norm(s.params, cfg.clip, *s.topo.shard_group);
-      s.optimizer->step();
+      try {
+        s.optimizer->step();
+      } catch (const optim::PeerFaultError& e) {
+        throw std::runtime_error(fmt::format("step {}: {}; stopping (--on-bad-peer stop)", step + 1,
+                                             peer_names.describe(s, e.fault())));
+      }
+      peers_left_out = report_peer_faults(s, peer_names, step + 1);
     }
     ++step;
     if (cfg.check_replicas > 0 && step % cfg.check_replicas == 0) {
@@ -236,7 +332,7 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
     }
     pending.emplace();
     StepMetrics& m = pending->metrics;
-    pack_step_metrics(loss, seconds_since(t0), meter.lap(), pending->local.data());
+    pack_step_metrics(loss, seconds_since(t0), meter.lap(), peers_left_out, pending->local.data());
     m.step = step;
     m.elapsed_s = log.elapsed_s();
     m.lr = scheduled_lr(cfg, step - 1);
