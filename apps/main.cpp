@@ -41,8 +41,9 @@ int main(int argc, char** argv) {
   CLI::App app{"flexdemo: FlexDeMo training — hybrid sharding inside nodes, DeMo between nodes"};
   app.require_subcommand(1);
   std::vector<Subcommand> commands = flexdemo::app::add_bench(app);
-  for (auto add : {flexdemo::app::add_train, flexdemo::app::add_eval, flexdemo::app::add_generate,
-                   flexdemo::app::add_export, flexdemo::app::add_report}) {
+  for (auto add :
+       {flexdemo::app::add_train, flexdemo::app::add_eval, flexdemo::app::add_generate,
+        flexdemo::app::add_export, flexdemo::app::add_report, flexdemo::app::add_supervise}) {
     commands.push_back(add(app));
   }
 

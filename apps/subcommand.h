@@ -28,6 +28,7 @@ Subcommand add_eval(CLI::App& app);                // inference_commands.cpp
 Subcommand add_generate(CLI::App& app);            // inference_commands.cpp
 Subcommand add_export(CLI::App& app);              // inference_commands.cpp
 Subcommand add_report(CLI::App& app);              // report_command.cpp
+Subcommand add_supervise(CLI::App& app);           // supervise_command.cpp
 std::vector<Subcommand> add_bench(CLI::App& app);  // bench/command.cpp: optimizer, exchange
 
 }  // namespace flexdemo::app

@@ -248,7 +248,9 @@ struct OptionSpec {
     "checkpoints kept in OUT/checkpoints/ (the newest ones)")                                      \
   X(resume, std::string, "", Unsaved, anything(),                                                  \
     "continue from a run folder's newest valid checkpoint, or from one checkpoint folder (same "   \
-    "topology and options)")                                                                       \
+    "options; another topology: elastic); auto: --out's newest valid checkpoint when it has "     \
+    "checkpoints, else a fresh start (one command line for the first start and every restart: "   \
+    "flexdemo supervise, Slurm's requeue)")                                                        \
   X(comm_timeout, double, 60.0, Run, at_least(0, " seconds (0: wait forever)"),                    \
     "seconds a collective may take before the job stops with an error (a dead or hung rank); 0: "  \
     "wait forever")

@@ -84,19 +84,6 @@ int64_t step_of(const fs::path& dir) {  // step-N -> N; -1 for anything else
   return std::stoll(name.substr(5));
 }
 
-// A run's checkpoint folders, newest first.
-std::vector<fs::path> list_checkpoints(const fs::path& run) {
-  std::vector<fs::path> dirs;
-  if (fs::is_directory(checkpoints_root(run.string()))) {
-    for (const auto& e : fs::directory_iterator(checkpoints_root(run.string()))) {
-      if (e.is_directory() && step_of(e.path()) >= 0) dirs.push_back(e.path());
-    }
-  }
-  std::sort(dirs.begin(), dirs.end(),
-            [](const fs::path& a, const fs::path& b) { return step_of(a) > step_of(b); });
-  return dirs;
-}
-
 // This rank's optimizer and random state, as this rank wrote them (the same topology).
 void load_own_state(Session& s, const fs::path& dir) {
   const std::map<std::string, at::Tensor> saved = read_state_file(dir, s.topo.world->rank());
@@ -124,6 +111,18 @@ nlohmann::json read_manifest(const fs::path& dir) {
     throw std::invalid_argument("checkpoint " + dir.string() +
                                 " is damaged: manifest.json is not JSON");
   }
+}
+
+std::vector<fs::path> list_checkpoints(const fs::path& run) {
+  std::vector<fs::path> dirs;
+  if (fs::is_directory(checkpoints_root(run.string()))) {
+    for (const auto& e : fs::directory_iterator(checkpoints_root(run.string()))) {
+      if (e.is_directory() && step_of(e.path()) >= 0) dirs.push_back(e.path());
+    }
+  }
+  std::sort(dirs.begin(), dirs.end(),
+            [](const fs::path& a, const fs::path& b) { return step_of(a) > step_of(b); });
+  return dirs;
 }
 
 fs::path find_checkpoint(const std::string& where, bool report) {

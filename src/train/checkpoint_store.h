@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <map>
 #include <string>
+#include <vector>
 
 namespace flexdemo::train {
 
@@ -19,6 +20,8 @@ namespace flexdemo::train {
 // newest valid checkpoint is taken; damaged newer ones are reported on stderr when `report`.
 // Throws std::invalid_argument when there is none.
 std::filesystem::path find_checkpoint(const std::string& where, bool report);
+// A run folder's checkpoint folders (checkpoints/step-N), newest first, damaged or not.
+std::vector<std::filesystem::path> list_checkpoints(const std::filesystem::path& run);
 nlohmann::json read_manifest(const std::filesystem::path& dir);
 
 // Collective: the full parameters (rank 0 writes them), every rank's optimizer state and

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <string>
 
@@ -49,6 +50,15 @@ bool live_line(const TrainConfig& cfg) {
 }
 
 }  // namespace
+
+int64_t restarts() {
+  int64_t total = 0;
+  for (const char* variable : {"FLEXDEMO_RESTARTS", "SLURM_RESTART_COUNT"}) {
+    const char* value = std::getenv(variable);
+    if (value != nullptr && *value != '\0') total += std::atoll(value);
+  }
+  return total;
+}
 
 void pack_step_metrics(double loss, double step_s, const comm::StepTraffic& traffic,
                        int64_t peers_left_out, double* out) {
@@ -181,6 +191,7 @@ void RunLog::finish(int64_t steps_done) {
   summary["peak_rss_mb"] = all_rss.max().item<double>();
   summary["steps"] = steps_done;
   summary["peers_left_out"] = int64_t(peers_left_out_);
+  summary["restarts"] = restarts();
   summary["optimizer"] = name_of(cfg.optimizer);
   summary["replicator"] = name_of(*cfg.replicator);
   std::ofstream(fs::path(cfg.out) / "summary.json") << summary.dump(2) << "\n";

@@ -38,6 +38,10 @@ struct StepMetrics {
 // values (run_training's one collective over the world a step): this rank's are packed into
 // kReducedMetrics doubles, the ranks' sums unpacked (bytes summed; loss, times and collectives
 // averaged over the world's `ranks`).
+// How many times this run was restarted: FLEXDEMO_RESTARTS (set by `flexdemo supervise`) plus
+// SLURM_RESTART_COUNT (set by Slurm on a requeue).
+int64_t restarts();
+
 inline constexpr int64_t kReducedMetrics = 9;
 void pack_step_metrics(double loss, double step_s, const comm::StepTraffic& traffic,
                        int64_t peers_left_out, double* out);

@@ -238,10 +238,14 @@ void reduce_pending(const Session& s, std::optional<PendingStep>& pending, RunLo
 }
 
 // The checkpoint a --resume names, checked against this run's options before any work; empty
-// for a fresh run.
+// for a fresh run. --resume auto: --out's newest valid checkpoint if it has any checkpoint
+// folder (none valid: bad input, not a fresh start over a run), else a fresh run.
 std::filesystem::path checked_resume(const TrainConfig& config, const comm::Communicator& world) {
   if (config.resume.empty()) return {};
-  const std::filesystem::path from = find_checkpoint(config.resume, world.rank() == 0);
+  const bool automatic = config.resume == "auto";
+  if (automatic && list_checkpoints(config.out).empty()) return {};
+  const std::filesystem::path from =
+      find_checkpoint(automatic ? config.out : config.resume, world.rank() == 0);
   TrainConfig resolved = config;
   apply_init_from(resolved);
   resolved.resolve();
