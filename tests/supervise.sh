@@ -62,4 +62,17 @@ rm -rf "$work/run/checkpoints"/step-{20,40,60,80,100}
 printf 'damaged' >"$work/run/checkpoints/step-$steps/model.safetensors"
 expect_refused "a damaged only checkpoint" "no valid checkpoint" "${job[@]}" --out "$work/run" --resume auto
 expect_refused "no --resume auto" "--resume auto" "${job[@]}" --out "$work/run"
+
+# Asked to stop: SIGUSR1 to the supervisor reaches every rank through mpirun; exit 75, no restart.
+FLEXDEMO_INJECT_SIGNAL="" "$build/flexdemo" supervise --backoff 0 -- "${job[@]}" \
+  --out "$work/stopped" --resume auto >"$work/log" 2>&1 &
+sup=$!
+for _ in $(seq 1 600); do [ "$(steps_logged "$work/stopped")" -ge 10 ] && break; sleep 0.1; done
+kill -USR1 "$sup"
+wait_for_exit "$sup" 120 || fail "the supervisor did not stop in 120 s"
+sup=""
+[ "$rc" -eq 75 ] || fail "stopped: exit code $rc, expected 75"
+grep -q "stopped by signal 10 (the job ended with exit code 75): not restarted" "$work/log" ||
+  fail "no line for the stop"
+! grep -q "restart 1" "$work/log" || fail "restarted after a stop signal"
 echo "supervise: 2 faults restarted, the run equals the uninterrupted one; unfixable faults not restarted"
