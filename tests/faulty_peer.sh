@@ -48,6 +48,13 @@ for kind in nan scale=1000 corrupt; do
 done
 train "$work/off" "3-4:2:scale=1000" --peer-scale-bound 0 || fail "the run with the check off"
 [ "$(left_out "$work/off")" -eq 0 ] || fail "a 1000x node left out with the scale check off"
+# A list of injections (as bench/soak.sh plans them): each fires at its own step and rank.
+train "$work/list" "2:2:corrupt,5:3:nan" || fail "the run with a list of injections"
+grep -q "^flexdemo: step 2: node 1 (rank 2) sent [a-z_.0-9]* with a corrupt payload" "$work/list.log" ||
+  fail "list: no line for the corrupt payload at step 2"
+grep -q "^flexdemo: step 5: node 1 (rank 3) sent [a-z_.0-9]* with non-finite values" "$work/list.log" ||
+  fail "list: no line for the non-finite values at step 5"
+[ "$(left_out "$work/list")" -eq 2 ] || fail "list: summary.json counts $(left_out "$work/list")"
 train "$work/clean" "" || fail "the clean run"
 [ "$(left_out "$work/clean")" -eq 0 ] || fail "a healthy node left out"
 echo "faulty peers: named and left out (drop), stopped (stop), every kind"

@@ -43,61 +43,104 @@ double seconds_since(Clock::time_point t) {
 
 // Testing aids: FLEXDEMO_INJECT_NONFINITE="STEP:RANK" makes that rank's loss NaN at that step;
 // FLEXDEMO_INJECT_SIGNAL="STEP:RANK" sends that rank a SIGTERM in that step, before the ranks
-// vote whether to stop after it (a preemption at a known step).
+// vote whether to stop after it (a preemption at a known step). Each takes a comma-separated
+// list of such entries, so that a long run (bench/soak.sh) can plan several faults of a kind.
+std::vector<std::string> split_list(const char* spec) {
+  std::vector<std::string> items;
+  std::string item;
+  for (const char* c = spec; *c != '\0'; ++c) {
+    if (*c == ',') {
+      items.push_back(item);
+      item.clear();
+    } else {
+      item += *c;
+    }
+  }
+  items.push_back(item);
+  return items;
+}
+
 struct Injection {
-  int64_t step = -1, rank = -1;
+  std::vector<std::pair<int64_t, int64_t>> at_steps;  // (step, rank)
 
   static Injection from_env(const char* variable) {
     Injection inject;
     const char* spec = std::getenv(variable);
-    if (spec != nullptr && *spec != '\0') {
-      if (std::sscanf(spec, "%ld:%ld", &inject.step, &inject.rank) != 2) {
-        throw std::invalid_argument(std::string(variable) + " must be STEP:RANK, got " + spec);
+    if (spec == nullptr || *spec == '\0') return inject;
+    for (const std::string& item : split_list(spec)) {
+      long step = -1, rank = -1;
+      char tail = 0;
+      if (std::sscanf(item.c_str(), "%ld:%ld%c", &step, &rank, &tail) != 2) {
+        throw std::invalid_argument(std::string(variable) +
+                                    " must be STEP:RANK[,STEP:RANK...], got " + spec);
       }
+      inject.at_steps.emplace_back(step, rank);
     }
     return inject;
   }
-  bool at(int64_t s, int r) const { return step == s && rank == r; }
+  bool at(int64_t s, int r) const {
+    for (const auto& [step, rank] : at_steps) {
+      if (step == s && rank == r) return true;
+    }
+    return false;
+  }
 };
 
-// A testing aid: FLEXDEMO_INJECT_PAYLOAD="FIRST[-LAST]:RANK:KIND" makes that rank send tampered
-// payloads between nodes in steps FIRST to LAST (1-based): KIND nan (non-finite values), scale=F
-// (every value F times what it is, re-sealed) or corrupt (a flipped bit: the checksum fails).
+// A testing aid: FLEXDEMO_INJECT_PAYLOAD="FIRST[-LAST]:RANK:KIND[,...]" makes that rank send
+// tampered payloads between nodes in steps FIRST to LAST (1-based): KIND nan (non-finite values),
+// scale=F (every value F times what it is, re-sealed) or corrupt (a flipped bit: the checksum
+// fails).
 struct PayloadInjection {
-  int64_t first = -1, last = -1, rank = -1;
-  compress::Tamper how = compress::Tamper::Scale;
-  double factor = 1.0;
+  struct Entry {
+    int64_t first = -1, last = -1, rank = -1;
+    compress::Tamper how = compress::Tamper::Scale;
+    double factor = 1.0;
+  };
+  std::vector<Entry> entries;
 
   static PayloadInjection from_env() {
     PayloadInjection p;
     const char* spec = std::getenv("FLEXDEMO_INJECT_PAYLOAD");
     if (spec == nullptr || *spec == '\0') return p;
-    char kind[64] = {0};
-    const std::string text = spec;
-    const bool range = text.find('-') < text.find(':');
-    const int got = range ? std::sscanf(spec, "%ld-%ld:%ld:%63s", &p.first, &p.last, &p.rank, kind)
-                          : std::sscanf(spec, "%ld:%ld:%63s", &p.first, &p.rank, kind);
-    if (!range) p.last = p.first;
-    const std::string k = kind;
-    if (got != (range ? 4 : 3) || p.first < 1 || p.last < p.first) {
-      p.first = -1;
-    } else if (k == "nan") {
-      p.factor = NAN;
-    } else if (k == "corrupt") {
-      p.how = compress::Tamper::Corrupt;
-    } else if (k.rfind("scale=", 0) == 0) {
-      p.factor = std::atof(k.c_str() + 6);
-    } else {
-      p.first = -1;
-    }
-    if (p.first < 0) {
-      throw std::invalid_argument(
-          std::string("FLEXDEMO_INJECT_PAYLOAD must be FIRST[-LAST]:RANK:") +
-          "nan|corrupt|scale=F, got " + spec);
+    for (const std::string& text : split_list(spec)) {
+      Entry e;
+      long first = -1, last = -1, rank = -1;
+      char kind[64] = {0};
+      const bool range = text.find('-') < text.find(':');
+      const int got =
+          range ? std::sscanf(text.c_str(), "%ld-%ld:%ld:%63s", &first, &last, &rank, kind)
+                : std::sscanf(text.c_str(), "%ld:%ld:%63s", &first, &rank, kind);
+      e.first = first;
+      e.last = range ? last : first;
+      e.rank = rank;
+      const std::string k = kind;
+      if (got != (range ? 4 : 3) || e.first < 1 || e.last < e.first) {
+        e.first = -1;
+      } else if (k == "nan") {
+        e.factor = NAN;
+      } else if (k == "corrupt") {
+        e.how = compress::Tamper::Corrupt;
+      } else if (k.rfind("scale=", 0) == 0) {
+        e.factor = std::atof(k.c_str() + 6);
+      } else {
+        e.first = -1;
+      }
+      if (e.first < 0) {
+        throw std::invalid_argument(
+            std::string("FLEXDEMO_INJECT_PAYLOAD must be FIRST[-LAST]:RANK:") +
+            "nan|corrupt|scale=F[,...], got " + spec);
+      }
+      p.entries.push_back(e);
     }
     return p;
   }
-  bool at(int64_t step, int r) const { return rank == r && step >= first && step <= last; }
+  // The entry for this step and rank, if any.
+  const Entry* at(int64_t step, int r) const {
+    for (const Entry& e : entries) {
+      if (e.rank == r && step >= e.first && step <= e.last) return &e;
+    }
+    return nullptr;
+  }
 };
 
 // What the trainer names a peer whose payloads failed the checks by: the world rank of each
@@ -298,8 +341,8 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
     const Clock::time_point computing = Clock::now();
     s.optimizer->set_lr(scheduled_lr(cfg, step));
     s.optimizer->zero_grad();
-    if (inject_payload.at(step + 1, world->rank())) {
-      s.optimizer->tamper_next_exchange(inject_payload.how, inject_payload.factor);
+    if (const PayloadInjection::Entry* tamper = inject_payload.at(step + 1, world->rank())) {
+      s.optimizer->tamper_next_exchange(tamper->how, tamper->factor);
     }
     const double loss = forward_backward(s, step, inject);
     link.add_compute(seconds_since(computing));
