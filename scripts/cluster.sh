@@ -4,9 +4,15 @@
 # mpirun across them over TCP. No traffic leaves these namespaces. Needs root.
 #
 #   scripts/cluster.sh up N S RATE     N nodes, S ranks per node, RATE like 100mbit or none
-#   scripts/cluster.sh run -- CMD...   mpirun CMD on N*S ranks (flexdemo learns S from the env)
+#   scripts/cluster.sh run [--nodes-file F] -- CMD...
+#                                      mpirun CMD on N*S ranks (flexdemo learns S from the env),
+#                                      or on the nodes F lists now (numbers, e.g. "1,2"; read at
+#                                      each start: a hostfile rewritten between restarts); every
+#                                      FLEXDEMO_* variable set here reaches every rank
 #   scripts/cluster.sh link I down|up  take node I's link to the switch down (a lost link: its
 #                                      packets are dropped, connections stay open) or up again
+#   scripts/cluster.sh node I down|up  a node lost (every process in it killed, its link down)
+#                                      or back (its link up)
 #   scripts/cluster.sh down            remove everything (also after a failed run)
 set -euo pipefail
 
@@ -73,15 +79,32 @@ run() {
   [ -f "$state/env" ] || die "no cluster is up (scripts/cluster.sh up N S RATE)"
   # shellcheck disable=SC1091
   . "$state/env"
+  local list
+  list=$(seq 1 "$N")
+  if [ "${1:-}" = "--nodes-file" ]; then
+    [ -f "${2:-}" ] || die "--nodes-file: no file '${2:-}'"
+    list=$(tr ',' ' ' < "$2")
+    shift 2
+  fi
+  [ "${1:-}" = "--" ] && shift
   [ $# -gt 0 ] || die "run needs a command: scripts/cluster.sh run -- CMD..."
-  local hosts=""
-  for i in $(seq 1 "$N"); do hosts="$hosts${hosts:+,}$subnet.$i:$S"; done
-  ip netns exec "${prefix}-node1" mpirun --allow-run-as-root --oversubscribe \
-    -np $((N * S)) -H "$hosts" --mca plm_rsh_agent "$state/agent" \
+  local hosts="" count=0 first="" i
+  for i in $list; do
+    first=${first:-$i}
+    [[ "$i" =~ ^[1-9][0-9]*$ && "$i" -le "$N" ]] || die "nodes must be 1..$N, got '$i'"
+    hosts="$hosts${hosts:+,}$subnet.$i:$S"
+    count=$((count + 1))
+  done
+  [ "$count" -gt 0 ] || die "no nodes to run on"
+  local pass=() name
+  for name in $(compgen -e | grep '^FLEXDEMO_' | grep -v '^FLEXDEMO_RANKS_PER_NODE$'); do
+    pass+=(-x "$name")
+  done
+  ip netns exec "${prefix}-node$first" mpirun --allow-run-as-root --oversubscribe \
+    -np $((count * S)) -H "$hosts" --mca plm_rsh_agent "$state/agent" \
     --mca btl tcp,self --mca btl_tcp_if_include "$subnet.0/24" \
     --mca oob_tcp_if_include "$subnet.0/24" \
-    -x OMP_NUM_THREADS=1 -x FLEXDEMO_RANKS_PER_NODE="$S" -x PATH \
-    ${FLEXDEMO_TOKENIZE:+-x FLEXDEMO_TOKENIZE} "$@"
+    -x OMP_NUM_THREADS=1 -x FLEXDEMO_RANKS_PER_NODE="$S" -x PATH "${pass[@]}" "$@"
 }
 
 link() {
@@ -94,12 +117,24 @@ link() {
   ip -n "${prefix}-switch" link set "${prefix}$i-b" "$to"
 }
 
+node() {
+  local i=$1 to=$2
+  [[ "$to" == down || "$to" == up ]] || die "a node goes down or up, got '$to'"
+  # Down: its processes die first, so that the other nodes' sockets see it gone at once (as when
+  # a node's job processes crash); with only its link cut, mpirun would wait for TCP to give up.
+  if [ "$to" = down ]; then
+    ip netns pids "${prefix}-node$i" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+  fi
+  link "$i" "$to"
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
   up) [ $# -eq 3 ] || die "usage: scripts/cluster.sh up N S RATE"; up "$@" ;;
-  run) [ "${1:-}" = "--" ] && shift; run "$@" ;;
+  run) run "$@" ;;
   link) [ $# -eq 2 ] || die "usage: scripts/cluster.sh link I down|up"; link "$@" ;;
+  node) [ $# -eq 2 ] || die "usage: scripts/cluster.sh node I down|up"; node "$@" ;;
   down) down ;;
-  *) die "usage: scripts/cluster.sh up N S RATE | run -- CMD... | link I down|up | down" ;;
+  *) die "usage: scripts/cluster.sh up N S RATE | run [--nodes-file F] -- CMD... | link I down|up | node I down|up | down" ;;
 esac
