@@ -9,6 +9,7 @@
 // "padded"), topk (per chunk; clamped to a smaller chunk, as the reference does) and values (the
 // wire encoding: fp32, bf16, int8, 1bit, 2bit, fp8).
 #include "demo/backend.h"
+#include "demo/screen.h"
 
 #include "flexdemo/comm.h"  // a Bucket's Work (complete for its destructor)
 #include "flexdemo/compress.h"
@@ -272,6 +273,53 @@ void decode_adamw(const at::Tensor& gathered, int64_t replicas, at::TensorList p
   decode(op, gathered, replicas, params, l, updates);
 }
 
+// Faulty peers: every payload of `replicas` buckets in `gathered` checked before a value is
+// decoded (demo/screen.h: structure and checksum, finite values, the values' norm against
+// scale_bound times the replicas' lower median). One row per failure, float64 on the CPU:
+// (replica, tensor, kind: 0 corrupt, 1 non-finite, 2 out of scale, ratio).
+at::Tensor screen(const at::Tensor& gathered, int64_t replicas, at::TensorList params,
+                  int64_t chunk, const std::string& chunk_mode, int64_t topk,
+                  const std::string& values, double scale_bound) {
+  const std::string op = "screen";
+  const Layout l = layout_of(op, params, chunk, chunk_mode, topk, values);
+  TORCH_CHECK_VALUE(replicas >= 1, "flexdemo.", op, ": replicas ", replicas, "; it must be >= 1");
+  TORCH_CHECK_VALUE(scale_bound == 0.0 || scale_bound > 1.0, "flexdemo.", op, ": scale_bound ",
+                    scale_bound, "; it must be 0 (no scale check) or > 1");
+  check_bytes(op, gathered, int64_t(l.bytes) * replicas, "gathered");
+  const at::Tensor host = gathered.is_cpu() ? gathered : gathered.to(at::kCPU);
+  const std::vector<optim::PeerFault> faults =
+      demo::screen_payloads(host.data_ptr<uint8_t>(), int(replicas), l.bytes, l.plans, l.offsets,
+                            topk, l.options.values, scale_bound);
+  at::Tensor rows = at::empty({int64_t(faults.size()), 4}, at::kDouble);
+  double* row = rows.data_ptr<double>();
+  for (const optim::PeerFault& f : faults) {
+    *row++ = f.replica;
+    *row++ = double(f.tensor);
+    *row++ = double(int(f.kind));
+    *row++ = f.ratio;
+  }
+  return rows;
+}
+
+// A test aid: the bucket's payloads tampered as a faulty sender would (compress::tamper_payload):
+// how "scale" (every value factor times, NaN for non-finite; re-sealed) or "corrupt".
+void tamper_(const at::Tensor& payloads, at::TensorList params, int64_t chunk,
+             const std::string& chunk_mode, int64_t topk, const std::string& values,
+             const std::string& how, double factor) {
+  const std::string op = "tamper_";
+  const Layout l = layout_of(op, params, chunk, chunk_mode, topk, values);
+  check_bytes(op, payloads, int64_t(l.bytes), "payloads");
+  TORCH_CHECK_VALUE(how == "scale" || how == "corrupt", "flexdemo.", op, ": how '", how,
+                    "'; accepted: scale, corrupt");
+  at::Tensor host = payloads.is_cpu() ? payloads : payloads.to(at::kCPU);
+  for (size_t i = 0; i < l.plans.size(); ++i) {
+    compress::tamper_payload(
+        host.data_ptr<uint8_t>() + l.offsets[i], l.plans[i], topk, l.options.values,
+        how == "scale" ? compress::Tamper::Scale : compress::Tamper::Corrupt, factor);
+  }
+  if (!payloads.is_cpu()) payloads.copy_(host);
+}
+
 bool cuda_built() {
   return kernels::cuda_built();
 }
@@ -297,12 +345,20 @@ TORCH_LIBRARY(flexdemo, m) {
          ", float lr, float weight_decay, float beta1, float beta2, float eps, int step, "
          "bool sign) -> ()")
             .c_str());
+  m.def(("screen(Tensor gathered, int replicas, Tensor[] params, " + layout +
+         ", float scale_bound) -> Tensor")
+            .c_str());
+  m.def(
+      ("tamper_(Tensor(a!) payloads, Tensor[] params, " + layout + ", str how, float factor) -> ()")
+          .c_str());
   m.def("cuda_built() -> bool", &cuda_built);
 }
 
 TORCH_LIBRARY_IMPL(flexdemo, CompositeExplicitAutograd, m) {
   m.impl("payload_bytes", &payload_bytes);
   m.impl("residual_shape", &residual_shape);
+  m.impl("screen", &screen);
+  m.impl("tamper_", &tamper_);
 }
 
 // One implementation for both devices: the backend is chosen by the tensors' device.

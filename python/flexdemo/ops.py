@@ -64,6 +64,27 @@ def decode_adamw(gathered, replicas, params, exp_avg, exp_avg_sq, *, chunk, chun
                       chunk_mode, topk, values, lr, weight_decay, beta1, beta2, eps, step, sign)
 
 
+PEER_FAULT_KINDS = ("corrupt", "non-finite", "out of scale")
+
+
+def screen(gathered, replicas, params, *, chunk, chunk_mode, topk, values, scale_bound=100.0):
+    """Faulty peers: every payload of ``replicas`` buckets checked before a value is decoded:
+    its structure and checksum, its values finite, and its values' L2 norm at most
+    ``scale_bound`` times the lower median of the replicas' norms for that tensor (0: no scale
+    check; with two replicas the smaller is the reference). Returns the failures as
+    ``(replica, tensor, kind, ratio)``, kind one of PEER_FAULT_KINDS (ratio: out of scale's)."""
+    rows = _ops.screen(gathered, replicas, list(params), chunk, chunk_mode, topk, values,
+                       scale_bound)
+    return [(int(r), int(t), PEER_FAULT_KINDS[int(k)], float(x)) for r, t, k, x in rows.tolist()]
+
+
+def tamper_(payloads, params, *, chunk, chunk_mode, topk, values, how, factor=1.0) -> None:
+    """A test aid: the bucket's payloads as a faulty sender would send them: ``how="scale"``
+    multiplies every value a receiver decodes by ``factor`` (NaN: non-finite values) and
+    re-seals each payload; ``how="corrupt"`` flips a bit, so the checksum fails."""
+    _ops.tamper_(payloads, list(params), chunk, chunk_mode, topk, values, how, factor)
+
+
 def cuda_built() -> bool:
     """Whether this build has the CUDA kernels."""
     return bool(_ops.cuda_built())
@@ -92,3 +113,14 @@ def _decode_adamw_fake(gathered, replicas, params, exp_avg, exp_avg_sq, chunk, c
                        values, lr, weight_decay, beta1, beta2, eps, step, sign):
     return None
 
+
+
+@torch.library.register_fake("flexdemo::screen")
+def _screen_fake(gathered, replicas, params, chunk, chunk_mode, topk, values, scale_bound):
+    return gathered.new_empty((torch.library.get_ctx().new_dynamic_size(), 4),
+                              dtype=torch.float64, device="cpu")
+
+
+@torch.library.register_fake("flexdemo::tamper_")
+def _tamper_fake(payloads, params, chunk, chunk_mode, topk, values, how, factor):
+    return None

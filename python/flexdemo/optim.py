@@ -29,6 +29,7 @@ log = logging.getLogger("flexdemo")
 
 INNER = ("sgd", "adamw")
 ON_NONFINITE = ("skip", "stop")
+ON_BAD_PEER = ("drop", "stop")
 GPU_MAX_CHUNK_NUMEL = 16384  # the CUDA kernels' largest chunk (src/demo/cuda/cuda_kernels.h)
 
 
@@ -88,6 +89,11 @@ class FlexDeMo(torch.optim.Optimizer):
         shard_group: the ranks of this node that FSDP2 shards over (None: no sharding).
         on_nonfinite: a NaN/Inf gradient on a node: "skip" drops that node's gradient from the
             step (logged; the exchange goes on, so replicas stay identical), "stop" raises.
+        on_bad_peer: a node whose payloads fail the checks (corrupt, non-finite values, or
+            values out of scale: ``ops.screen``): "drop" leaves it out of the step's mean on
+            every replica alike (logged, counted in ``peers_left_out``), "stop" raises.
+        peer_scale_bound: out of scale means a tensor's values' norm above this many times
+            the lower median of the replicas' norms (0: no scale check).
     """
 
     def __init__(self, params, lr: float = 1e-3, *, compression_decay: float = 0.999,
@@ -95,9 +101,16 @@ class FlexDeMo(torch.optim.Optimizer):
                  chunk_mode: str = "divisor", values: str = "bf16", inner: str = "sgd",
                  sign: bool = True, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, exchange_every: int = 1, mesh=None,
-                 replicate_group=None, shard_group=None, on_nonfinite: str = "skip"):
+                 replicate_group=None, shard_group=None, on_nonfinite: str = "skip",
+                 on_bad_peer: str = "drop", peer_scale_bound: float = 100.0):
         _check_options(lr, compression_decay, compression_topk, compression_chunk, chunk_mode,
                        values, inner, betas, eps, weight_decay, exchange_every, on_nonfinite)
+        if on_bad_peer not in ON_BAD_PEER:
+            raise _bad("on_bad_peer {!r}; accepted: {}".format(on_bad_peer,
+                                                                ", ".join(ON_BAD_PEER)))
+        if not (peer_scale_bound == 0 or peer_scale_bound > 1):
+            raise _bad("peer_scale_bound {}; it must be 0 (no scale check) or > 1".format(
+                peer_scale_bound))
         if inner == "sgd" and not sign:
             raise _bad("sign=False with inner 'sgd': the fused step is sign-SGD; sign=False "
                        "needs inner 'adamw'")
@@ -112,6 +125,8 @@ class FlexDeMo(torch.optim.Optimizer):
         self.sign = bool(sign)
         self.exchange_every = int(exchange_every)
         self.on_nonfinite = on_nonfinite
+        self.on_bad_peer = on_bad_peer
+        self.peer_scale_bound = float(peer_scale_bound)
         self.replicate_group, self.shard_group = _groups(mesh, replicate_group, shard_group)
         self.replicas = dist.get_world_size(self.replicate_group) if self.replicate_group else 1
         self._check_params()
@@ -130,6 +145,13 @@ class FlexDeMo(torch.optim.Optimizer):
         self.exchanges = 0          # all-gathers so far
         self.bytes_sent = 0         # this rank's payload bytes put on the replicate group
         self.nonfinite_steps = 0    # steps whose gradient this node dropped (on_nonfinite skip)
+        self.peers_left_out = 0     # (node, step) pairs left out of a step's mean (on_bad_peer)
+        self._tamper = None         # the test aid's (how, factor) for the next exchange
+
+    def tamper_next_exchange(self, how: str, factor: float = 1.0) -> None:
+        """A test aid: this rank's next payloads go out as a faulty node's would
+        (``ops.tamper_``: "scale" by factor, NaN for non-finite values, or "corrupt")."""
+        self._tamper = (how, float(factor))
 
     # ====== Parameters and state ======
     def _trained(self, group) -> List[torch.Tensor]:
@@ -282,6 +304,13 @@ class FlexDeMo(torch.optim.Optimizer):
                            send.narrow(0, offset, n), chunk=self.chunk,
                            chunk_mode=self.chunk_mode, topk=self.topk, values=self.values,
                            decay=self.decay, lr=group["lr"])
+        if self._tamper is not None:
+            how, factor = self._tamper
+            self._tamper = None
+            for (_, params), (offset, n) in zip(groups, self._layouts):
+                if params:
+                    ops.tamper_(send.narrow(0, offset, n), [_local(p) for p in params],
+                                how=how, factor=factor, **self._layout())
         work = None
         if self.replicas > 1:
             work = dist.all_gather_into_tensor(recv, send, group=self.replicate_group,
@@ -301,9 +330,51 @@ class FlexDeMo(torch.optim.Optimizer):
     def _residuals(self, params) -> List[torch.Tensor]:
         return [self.state[p][self._residual_key] for p in params]
 
+    def _layout(self):
+        return dict(chunk=self.chunk, chunk_mode=self.chunk_mode, topk=self.topk,
+                    values=self.values)
+
+    def _screen(self, recv: torch.Tensor, step: int) -> List[int]:
+        """The replicas whose payloads pass ``ops.screen`` (all replicas see the same bytes, so
+        all keep the same ones); one line per node left out, or raises under on_bad_peer
+        "stop"."""
+        faults = {}  # replica -> [(group, tensor, kind, ratio)], in order
+        for g, (params, (offset, n)) in enumerate(zip(self._trained_params, self._layouts)):
+            if not params:
+                continue
+            gathered = recv.view(self.replicas, -1)[:, offset:offset + n].reshape(-1)
+            for r, t, kind, ratio in ops.screen(gathered, self.replicas,
+                                                [_local(p) for p in params],
+                                                scale_bound=self.peer_scale_bound,
+                                                **self._layout()):
+                faults.setdefault(r, []).append((g, t, kind, ratio))
+        for r, found in sorted(faults.items()):
+            g, t, kind, ratio = found[0]
+            what = {"corrupt": "a corrupt payload", "non-finite": "non-finite values",
+                    "out of scale": "values {:.3g}x the replicas' lower median norm".format(
+                        ratio)}[kind]
+            line = "flexdemo: step {}: node {} (rank {}) sent tensor {} of param group {} " \
+                   "with {}{}".format(step, r, dist.get_global_rank(self.replicate_group, r), t,
+                                     g, what, " (and {} more tensors)".format(len(found) - 1)
+                                     if len(found) > 1 else "")
+            if self.on_bad_peer == "stop":
+                raise RuntimeError(line + "; stopping (on_bad_peer='stop')")
+            log.warning("%s; left out of this step's mean (on_bad_peer='drop')", line)
+        self.peers_left_out += len(faults)
+        return [r for r in range(self.replicas) if r not in faults]
+
     def _decode(self, recv: torch.Tensor) -> None:
         self._pending = None
         replicas = self.replicas
+        if replicas > 1:
+            step = next(int(self.state[p]["step"].item()) for ps in self._trained_params
+                        for p in ps)
+            kept = self._screen(recv, step)
+            if not kept:
+                return  # every node failed: the step applies nothing
+            if len(kept) < replicas:
+                recv = recv.view(replicas, -1)[kept].reshape(-1)
+                replicas = len(kept)
         for group, params, (offset, n) in zip(self.param_groups, self._trained_params,
                                               self._layouts):
             if not params:
@@ -312,8 +383,7 @@ class FlexDeMo(torch.optim.Optimizer):
             if n * replicas != recv.numel():  # several param groups: this group's payloads
                 gathered = recv.view(replicas, -1)[:, offset:offset + n].reshape(-1)
             locals_ = [_local(p) for p in params]
-            layout = dict(chunk=self.chunk, chunk_mode=self.chunk_mode, topk=self.topk,
-                          values=self.values)
+            layout = self._layout()
             if self.inner == "sgd":
                 ops.decode_sign_sgd(gathered, replicas, locals_, lr=group["lr"],
                                     weight_decay=group["weight_decay"], **layout)

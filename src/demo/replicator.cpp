@@ -8,6 +8,7 @@
 // replica's payloads are checked before they are decoded (screen): a peer whose payload is
 // corrupt, non-finite or out of scale stops the run or is left out of the mean (PeerPolicy).
 #include "backend.h"
+#include "screen.h"
 
 #include "optim/replicator.h"
 #include "optim/step_rule.h"
@@ -235,58 +236,12 @@ class DemoReplicator final : public optim::Replicator {
   std::vector<int> screen(const Bucket& b) {
     const int R = replicas();
     const at::Tensor host = b.recv.is_cpu() ? b.recv : b.recv.to(at::kCPU);
-    const uint8_t* bytes = host.data_ptr<uint8_t>();
-    std::vector<optim::PeerFault> found;
-    std::vector<double> norms(size_t(R), 0.0);
-    std::vector<char> judged(size_t(R), 0);  // passed the other checks: its norm counts
-    for (size_t k = 0; k < b.tensors.size(); ++k) {
-      const size_t i = b.tensors[k];
-      const dct::ChunkPlan& plan = plans_[i];
-      const size_t size = compress::wire_payload_bytes(plan, b.topk, b.values);
-      for (int r = 0; r < R; ++r) {
-        const uint8_t* payload = bytes + size_t(r) * b.bytes + b.offsets[k];
-        judged[r] = 0;
-        optim::PeerFault fault;
-        fault.replica = r;
-        fault.tensor = i;
-        try {
-          compress::validate_payload(payload, size, plan, b.topk, b.values);
-        } catch (const compress::WireFormatError& e) {
-          fault.detail = e.what();
-          found.push_back(fault);
-          continue;
-        }
-        const compress::PayloadValues scan =
-            compress::scan_payload_values(payload, plan, b.topk, b.values);
-        if (!scan.finite) {
-          fault.kind = optim::PeerFault::Kind::NonFinite;
-          found.push_back(fault);
-          continue;
-        }
-        norms[r] = std::sqrt(scan.sum_squares);
-        judged[r] = 1;
-      }
-      if (options_.peer_scale_bound > 0) {
-        std::vector<double> sorted;
-        for (int r = 0; r < R; ++r) {
-          if (judged[r]) sorted.push_back(norms[r]);
-        }
-        if (sorted.size() < 2) continue;
-        std::sort(sorted.begin(), sorted.end());
-        const double median = sorted[(sorted.size() - 1) / 2];  // the lower one
-        for (int r = 0; r < R; ++r) {
-          if (!judged[r] || !(median > 0.0) || norms[r] <= options_.peer_scale_bound * median) {
-            continue;
-          }
-          optim::PeerFault fault;
-          fault.kind = optim::PeerFault::Kind::OutOfScale;
-          fault.replica = r;
-          fault.tensor = i;
-          fault.ratio = norms[r] / median;
-          found.push_back(fault);
-        }
-      }
-    }
+    std::vector<dct::ChunkPlan> plans;
+    for (size_t i : b.tensors) plans.push_back(plans_[i]);
+    std::vector<optim::PeerFault> found =
+        screen_payloads(host.data_ptr<uint8_t>(), R, b.bytes, plans, b.offsets, b.topk, b.values,
+                        options_.peer_scale_bound);
+    for (optim::PeerFault& f : found) f.tensor = b.tensors[f.tensor];
     if (!found.empty() && options_.peer_policy == optim::PeerPolicy::Stop) {
       throw optim::PeerFaultError(found.front());
     }

@@ -4,6 +4,7 @@
 
 #include "demo/chunk_math.h"
 #include "demo/codec.h"
+#include "demo/screen.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -261,3 +262,62 @@ void decode_mean(const std::vector<const uint8_t*>& payloads, size_t size,
 }
 
 }  // namespace flexdemo::compress
+
+namespace flexdemo::demo {
+
+std::vector<optim::PeerFault> screen_payloads(const uint8_t* gathered, int replicas,
+                                              size_t replica_bytes,
+                                              const std::vector<dct::ChunkPlan>& plans,
+                                              const std::vector<size_t>& offsets, int64_t k,
+                                              compress::ValueEncoding encoding,
+                                              double scale_bound) {
+  std::vector<optim::PeerFault> found;
+  std::vector<double> norms(size_t(replicas), 0.0);
+  std::vector<char> judged(size_t(replicas), 0);  // passed the other checks: its norm counts
+  for (size_t t = 0; t < plans.size(); ++t) {
+    const size_t size = compress::wire_payload_bytes(plans[t], k, encoding);
+    for (int r = 0; r < replicas; ++r) {
+      const uint8_t* payload = gathered + size_t(r) * replica_bytes + offsets[t];
+      judged[r] = 0;
+      optim::PeerFault fault;
+      fault.replica = r;
+      fault.tensor = t;
+      try {
+        compress::validate_payload(payload, size, plans[t], k, encoding);
+      } catch (const compress::WireFormatError& e) {
+        fault.detail = e.what();
+        found.push_back(fault);
+        continue;
+      }
+      const compress::PayloadValues scan =
+          compress::scan_payload_values(payload, plans[t], k, encoding);
+      if (!scan.finite) {
+        fault.kind = optim::PeerFault::Kind::NonFinite;
+        found.push_back(fault);
+        continue;
+      }
+      norms[r] = std::sqrt(scan.sum_squares);
+      judged[r] = 1;
+    }
+    if (!(scale_bound > 0)) continue;
+    std::vector<double> sorted;
+    for (int r = 0; r < replicas; ++r) {
+      if (judged[r]) sorted.push_back(norms[r]);
+    }
+    if (sorted.size() < 2) continue;
+    std::sort(sorted.begin(), sorted.end());
+    const double median = sorted[(sorted.size() - 1) / 2];  // the lower one
+    for (int r = 0; r < replicas; ++r) {
+      if (!judged[r] || !(median > 0.0) || norms[r] <= scale_bound * median) continue;
+      optim::PeerFault fault;
+      fault.kind = optim::PeerFault::Kind::OutOfScale;
+      fault.replica = r;
+      fault.tensor = t;
+      fault.ratio = norms[r] / median;
+      found.push_back(fault);
+    }
+  }
+  return found;
+}
+
+}  // namespace flexdemo::demo

@@ -9,7 +9,10 @@ fails; rank 0 writes the numbers to the JSON file given as argv[1]:
 - the only collective on the replicate group is the DeMo all-gather, one per step (the same
   counter sees FSDP2-HSDP's all-reduces there);
 - a DCP checkpoint of step 10, loaded into a fresh model and optimizer, continues exactly as
-  the uninterrupted run (losses and parameters bit for bit).
+  the uninterrupted run (losses and parameters bit for bit);
+- a faulty node (rank 2 sends values 1000x, then a corrupt payload) is left out of its replicate
+  group's step on both of its replicas alike (on_bad_peer "drop": counted, the replicas stay
+  bit-identical), or stops both ("stop"); the other group, healthy, is untouched.
 """
 
 import functools
@@ -109,6 +112,39 @@ def local_params(model):
     return [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
 
 
+def faulty_peers(rank, node, shard, pairs):
+    """2 x 1 (pairs: {0, 2} and {1, 3}); rank 2 (node 1) sends faulty payloads at step 2."""
+    found = {}
+    for policy, how, factor in (("drop", "scale", 1000.0), ("drop", "corrupt", 1.0),
+                                ("stop", "corrupt", 1.0)):
+        model = model_with_seed(7)
+        opt = flexdemo.FlexDeMo(model.parameters(), replicate_group=pairs[shard],
+                                on_bad_peer=policy, **OPTIONS)
+        error = ""
+        for step in range(3):
+            batch = node_batch(step, node)
+            model(batch, labels=batch).loss.backward()
+            if step == 1 and rank == 2:
+                opt.tamper_next_exchange(how, factor)
+            try:
+                opt.step()
+            except RuntimeError as e:
+                error = str(e)
+                break
+            opt.zero_grad(set_to_none=True)
+        weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        gathered = [torch.empty_like(weights) for _ in range(2)]
+        dist.all_gather(gathered, weights, group=pairs[shard])
+        if policy == "drop":
+            assert torch.equal(gathered[0], gathered[1]), how + ": replicas differ after a drop"
+            assert opt.peers_left_out == (1 if shard == 0 else 0), (
+                "{}: peers_left_out {} on rank {}".format(how, opt.peers_left_out, rank))
+        else:
+            assert ("stopping (on_bad_peer='stop')" in error) == (shard == 0), (rank, error)
+        found["{}_{}".format(policy, how)] = error or opt.peers_left_out
+    return {"faulty_peers": found}
+
+
 def main():
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -205,6 +241,7 @@ def main():
     hsdp_on_replicate = calls_on(replicate)
     assert hsdp_on_replicate, "the counter saw no HSDP collective on the replicate group"
 
+    out.update(faulty_peers(rank, node, shard, pairs))
     out.update(losses_2x2=losses, losses_2x1=losses_2x1, worst_relative=worst,
                replicate_collectives=len(on_replicate), shard_collectives=len(on_shard),
                hsdp_replicate_collectives=hsdp_on_replicate, bucket_bytes=opt.bucket_bytes)

@@ -213,6 +213,28 @@ def test_corrupt_payload_is_refused():
         ops.decode_sign_sgd(gathered, REPLICAS, params, lr=LR, **layout("bf16"))
 
 
+@pytest.mark.parametrize("values", ops.VALUE_ENCODINGS)
+def test_screen_names_each_faulty_replica(values):
+    """Replica 1 sends values 1000x (re-sealed), NaN or a corrupt payload: screen names it for
+    every tensor, with the right kind; healthy buckets pass; the scale check can be turned off."""
+    params = [torch.randn(s) for s in SHAPES]
+    gathered, _ = encode_replicas(values, params)
+    size = gathered.numel() // REPLICAS
+    assert ops.screen(gathered, REPLICAS, params, **layout(values)) == []
+    for how, factor, kind in (("scale", 1000.0, "out of scale"),
+                              ("scale", float("nan"), "non-finite"), ("corrupt", 1.0, "corrupt")):
+        bad = gathered.clone()
+        ops.tamper_(bad.narrow(0, size, size), params, how=how, factor=factor, **layout(values))
+        found = ops.screen(bad, REPLICAS, params, **layout(values))
+        assert [(r, t, k) for r, t, k, _ in found] == [(1, t, kind) for t in range(len(SHAPES))]
+        if kind == "out of scale":
+            # 1000x replica 1's norm over the larger of the other two (the lower median of 3)
+            assert all(100 < ratio < 10000 for _, _, _, ratio in found), found
+            assert ops.screen(bad, REPLICAS, params, scale_bound=0, **layout(values)) == []
+    with pytest.raises(ValueError, match="scale_bound 1; it must be 0"):
+        ops.screen(gathered, REPLICAS, params, scale_bound=1, **layout(values))
+
+
 def test_version():
     assert flexdemo.__version__
 

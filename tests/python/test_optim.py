@@ -85,6 +85,8 @@ def one_param(**kwargs):
     (dict(compression_decay=1.0), r"compression_decay 1.0; it must be in \[0, 1\)"),
     (dict(exchange_every=0), "exchange_every 0; it must be >= 1"),
     (dict(on_nonfinite="ignore"), "on_nonfinite 'ignore'; accepted: skip, stop"),
+    (dict(on_bad_peer="ignore"), "on_bad_peer 'ignore'; accepted: drop, stop"),
+    (dict(peer_scale_bound=0.5), r"peer_scale_bound 0.5; it must be 0 \(no scale check\) or > 1"),
     (dict(sign=False), "sign=False with inner 'sgd'"),
 ])
 def test_bad_options(kwargs, message):

@@ -1,0 +1,27 @@
+// Faulty peers: a gathered bucket's payloads checked before a value of them is decoded. Shared
+// by the library's DeMo replicator and the Python package's ops (python/csrc/ops.cpp), so both
+// leave out the same peers for the same bytes.
+#pragma once
+
+#include "flexdemo/compress.h"
+#include "flexdemo/dct.h"
+#include "flexdemo/optim.h"  // PeerFault (its fields; describe() is the library's)
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace flexdemo::demo {
+
+// `replicas` payload sets back to back, replica_bytes each; tensor t's payload at offsets[t] in
+// each, for plans[t], k and encoding. Each payload is validated (header, checksum, indices), its
+// values finite, and its values' L2 norm at most scale_bound times the lower median of the
+// replicas' norms for that tensor (0: no scale check; with two replicas the smaller is the
+// reference). Returns every failure, by tensor and then replica; PeerFault::tensor indexes plans.
+std::vector<optim::PeerFault> screen_payloads(const uint8_t* gathered, int replicas,
+                                              size_t replica_bytes,
+                                              const std::vector<dct::ChunkPlan>& plans,
+                                              const std::vector<size_t>& offsets, int64_t k,
+                                              compress::ValueEncoding encoding, double scale_bound);
+
+}  // namespace flexdemo::demo
