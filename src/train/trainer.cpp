@@ -363,6 +363,12 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
       }
       s.optimizer->zero_grad();  // nothing reaches the residuals or the parameters
       ++skipped_steps;
+      if (world->rank() == 0) {
+        fmt::print(stderr,
+                   "flexdemo: step {}: non-finite loss or gradient on {} rank(s); step skipped "
+                   "(--on-nonfinite skip)\n",
+                   step + 1, agreed.nonfinite_ranks);
+      }
     } else {
       if (cfg.clip > 0) optim::clip_grad_norm(s.params, cfg.clip, *s.topo.shard_group);
       try {
