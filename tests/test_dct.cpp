@@ -1,4 +1,5 @@
 // Chunk plans and the chunked DCT against the direct float64 formula.
+#include "flexdemo/compress.h"
 #include "flexdemo/dct.h"
 #include "flexdemo/kernels.h"
 #include "isa.h"
@@ -218,6 +219,37 @@ TEST(Kernels, FusedTopKSelectsFromTheNewResidual) {
       const flexdemo::compress::TopK want = flexdemo::compress::select_topk_plain(fused, plan, 9);
       EXPECT_TRUE(at::equal(got.indices, want.indices)) << at::IntArrayRef(c.shape);
       EXPECT_TRUE(at::equal(got.values, want.values)) << at::IntArrayRef(c.shape);
+    }
+  }
+}
+
+TEST(Kernels, FusedEncodeEqualsTheSeparateSteps) {
+  // dct_accumulate_encode writes the bytes, and leaves the residual, that dct_accumulate_topk,
+  // encode_payload and add_selected(-1) do one after the other: every encoding (packed fields
+  // shared between chunks included), every instruction set, with and without a gradient.
+  at::manual_seed(8);
+  for (const KernelCase& c : kKernelCases) {
+    ChunkPlan plan = make_chunk_plan(c.shape, c.chunk, c.mode);
+    const at::Tensor x = at::randn(c.shape);
+    const at::Tensor base = at::randn({plan.padded_rows, plan.padded_cols});
+    for (const auto& [encoding, name] :
+         flexdemo::NameTable<flexdemo::compress::ValueEncoding>::entries) {
+      const size_t bytes = flexdemo::compress::wire_payload_bytes(plan, 5, encoding);
+      for (flexdemo::kernels::Isa isa : flexdemo::isa_testing::supported_isas()) {
+        flexdemo::isa_testing::ScopedIsa scoped(isa);
+        for (const at::Tensor& grad : {x, at::Tensor()}) {
+          at::Tensor fused = base.clone(), separate = base.clone();
+          std::vector<uint8_t> got(bytes, 0xAB), want(bytes, 0);
+          flexdemo::kernels::dct_accumulate_encode(grad, plan, 0.9, 0.1, fused, 5, encoding,
+                                                   got.data());
+          flexdemo::compress::TopK topk =
+              flexdemo::kernels::dct_accumulate_topk(grad, plan, 0.9, 0.1, separate, 5);
+          flexdemo::compress::encode_payload(plan, topk, encoding, want.data());
+          flexdemo::compress::add_selected(separate, plan, topk, -1.0f);
+          EXPECT_EQ(got, want) << name << " " << at::IntArrayRef(c.shape);
+          EXPECT_TRUE(at::equal(fused, separate)) << name << " " << at::IntArrayRef(c.shape);
+        }
+      }
     }
   }
 }

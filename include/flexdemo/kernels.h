@@ -34,6 +34,14 @@ void dct_accumulate(const at::Tensor& x, const dct::ChunkPlan& plan, double beta
 // chunk by chunk while it is in cache.
 compress::TopK dct_accumulate_topk(const at::Tensor& x, const dct::ChunkPlan& plan, double beta,
                                    double alpha, const at::Tensor& residual, int64_t k);
+// All of one tensor's encode, chunk by chunk while each is in cache (what the GPU's encode does):
+// dct_accumulate, every chunk's top-k, its payload (compress::wire_payload_bytes(plan, k,
+// encoding) bytes, header and checksum included) written to dst, and what a receiver decodes
+// taken out of the residual (error feedback). Equal, byte for byte and bit for bit, to
+// dct_accumulate_topk, compress::encode_payload and compress::add_selected(..., -1).
+void dct_accumulate_encode(const at::Tensor& x, const dct::ChunkPlan& plan, double beta,
+                           double alpha, const at::Tensor& residual, int64_t k,
+                           compress::ValueEncoding encoding, uint8_t* dst);
 // Per-chunk top-k of block-layout coefficients by partial selection.
 compress::TopK select_topk(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k);
 

@@ -31,11 +31,8 @@ class HostBackend : public Backend {
 
   void encode(Bucket& b, const std::vector<at::Tensor>& grads, double lr) override {
     for (size_t k = 0; k < b.tensors.size(); ++k) {
-      const size_t i = b.tensors[k];
-      compress::TopK topk = accumulate_topk(i, grads[k], lr, b.topk);
-      compress::encode_payload(plans_[i], topk, b.values,
-                               b.send.data_ptr<uint8_t>() + b.offsets[k]);
-      compress::add_selected(residuals_[i], plans_[i], topk, -1.0f);  // sent leaves the residual
+      encode_one(b.tensors[k], grads[k], lr, b.topk, b.values,
+                 b.send.data_ptr<uint8_t>() + b.offsets[k]);
     }
   }
 
@@ -56,9 +53,10 @@ class HostBackend : public Backend {
   }
 
  protected:
-  // Tensor i's residual update and its top-k.
-  virtual compress::TopK accumulate_topk(size_t i, const at::Tensor& grad, double lr,
-                                         int64_t topk) = 0;
+  // Tensor i's residual update, its top-k, its payload to dst, and what a receiver decodes from
+  // it taken out of the residual (error feedback).
+  virtual void encode_one(size_t i, const at::Tensor& grad, double lr, int64_t topk,
+                          compress::ValueEncoding values, uint8_t* dst) = 0;
   // Tensor i's direction from its payloads: applied as `update` (then false), or written into
   // samples (block layout) for the inner optimizer (then true).
   virtual bool decode_one(size_t i, const std::vector<const uint8_t*>& payloads, size_t size,
@@ -96,10 +94,12 @@ class PlainBackend final : public HostBackend {
   }
 
  protected:
-  compress::TopK accumulate_topk(size_t i, const at::Tensor& grad, double lr,
-                                 int64_t topk) override {
+  void encode_one(size_t i, const at::Tensor& grad, double lr, int64_t topk,
+                  compress::ValueEncoding values, uint8_t* dst) override {
     accumulate(i, grad, lr);
-    return compress::select_topk_plain(residuals_[i], plans_[i], topk);
+    compress::TopK selected = compress::select_topk_plain(residuals_[i], plans_[i], topk);
+    compress::encode_payload(plans_[i], selected, values, dst);
+    compress::add_selected(residuals_[i], plans_[i], selected, -1.0f);  // sent leaves it
   }
 
   bool decode_one(size_t i, const std::vector<const uint8_t*>& payloads, size_t size,
@@ -130,9 +130,12 @@ class CpuBackend final : public HostBackend {
   }
 
  protected:
-  compress::TopK accumulate_topk(size_t i, const at::Tensor& grad, double lr,
-                                 int64_t topk) override {
-    return kernels::dct_accumulate_topk(grad, plans_[i], options_.decay, lr, residuals_[i], topk);
+  // Chunk by chunk: the transform, the top-k, the payload's share and the error feedback while
+  // the chunk is in cache.
+  void encode_one(size_t i, const at::Tensor& grad, double lr, int64_t topk,
+                  compress::ValueEncoding values, uint8_t* dst) override {
+    kernels::dct_accumulate_encode(grad, plans_[i], options_.decay, lr, residuals_[i], topk, values,
+                                   dst);
   }
 
   // Per chunk, only the coefficients received; the update fused into their inverse, so the

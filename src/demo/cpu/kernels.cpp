@@ -2,7 +2,9 @@
 // and the loops over chunks (in parallel, one scratch area per task) around the chunk kernels.
 #include "flexdemo/kernels.h"
 
+#include "demo/codec.h"
 #include "demo/cpu/chunk_kernels.h"
+#include "flexdemo/compress.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -11,6 +13,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <new>
 #include <stdexcept>
@@ -104,6 +107,8 @@ void set_active_isa(Isa isa) {
 }
 
 namespace {
+
+namespace codec = demo::codec;
 
 ChunkShape shape_of(const dct::ChunkPlan& plan) {
   ChunkShape s;
@@ -209,11 +214,43 @@ compress::TopK empty_topk(const dct::ChunkPlan& plan, int64_t k) {
   return out;
 }
 
-// The shared loop of dct_accumulate and dct_accumulate_topk (topk may be null).
+// Where dct_accumulate_encode writes one tensor's payload body.
+struct PayloadOut {
+  compress::ValueEncoding encoding;
+  codec::Layout layout;
+  uint8_t* body;  // zeroed
+};
+
+// Chunk c's top-k (ascending positions pos, values val) into the payload body, and what a
+// receiver decodes taken out of the chunk's residual (block layout, row stride `stride`): per
+// chunk what compress::encode_payload and compress::add_selected(-1) do per tensor, with the same
+// arithmetic. Bytes shared with neighbouring chunks (packed fields) are ORed in atomically: other
+// tasks write those chunks.
+void encode_chunk(const PayloadOut& out, int64_t c, const int64_t* pos, const float* val,
+                  float* residual, int64_t stride, int64_t chunk_cols) {
+  const codec::Layout& l = out.layout;
+  for (int64_t j = 0; j < l.k; ++j) {
+    codec::put_position<codec::AtomicBytes>(out.body, l, c, j, pos[j]);
+  }
+  const codec::ChunkScales scales = codec::chunk_scales(out.encoding, val, nullptr, l.k);
+  codec::put_scales(out.body, l, out.encoding, c, scales);
+  for (int64_t j = 0; j < l.k; ++j) {
+    const float sent = codec::put_value<codec::AtomicBytes>(out.body, l, out.encoding, c * l.k + j,
+                                                            val[j], scales);
+    residual[pos[j] / chunk_cols * stride + pos[j] % chunk_cols] += -1.0f * sent;
+  }
+}
+
+// The shared loop of dct_accumulate, dct_accumulate_topk (topk not null) and
+// dct_accumulate_encode (payload not null).
 void accumulate(const at::Tensor& x, const dct::ChunkPlan& plan, double beta, double alpha,
-                const at::Tensor& residual, compress::TopK* topk) {
-  const char* who = topk != nullptr ? "dct_accumulate_topk" : "dct_accumulate";
+                const at::Tensor& residual, compress::TopK* topk, const PayloadOut* payload) {
+  const char* who = payload != nullptr ? "dct_accumulate_encode"
+                    : topk != nullptr  ? "dct_accumulate_topk"
+                                       : "dct_accumulate";
   check_block(residual, plan, who, "residual");
+  const bool select = topk != nullptr || payload != nullptr;
+  const int64_t k = topk != nullptr ? topk->k : payload != nullptr ? payload->layout.k : 0;
   if (!x.defined()) {
     residual.mul_(beta);
     if (topk != nullptr) *topk = select_topk(residual, plan, topk->k);
@@ -225,26 +262,32 @@ void accumulate(const at::Tensor& x, const dct::ChunkPlan& plan, double beta, do
   const int64_t n = plan.chunk_numel();
   int64_t* idx = topk != nullptr ? topk->indices.data_ptr<int64_t>() : nullptr;
   float* val = topk != nullptr ? topk->values.data_ptr<float>() : nullptr;
-  // With top-k: the chunk's new values contiguously (n floats), then the selection's scratch
-  // (select_scratch(n) uint64).
-  const int64_t extra = topk != nullptr ? key_offset(n) + 2 * select_scratch(n) : 0;
-  for_each_chunk(plan, extra,
-                 [&](int64_t c, const KernelTable& kern, const ChunkShape& shape, float* scratch) {
-                   // The next chunk's samples arrive while this one is transformed, and so do
-                   // this chunk's residual rows, which are read last.
-                   prefetch_chunk(src, plan, c + 1, false, false);
-                   prefetch_chunk(dst, plan, c, true, true);
-                   const ChunkPlace place = place_of(plan, c);
-                   float* fresh = topk != nullptr ? scratch + scratch_floats(shape) : nullptr;
-                   kern.dct_accumulate(shape, src + place.offset, plan.cols, place.valid_h,
-                                       place.valid_w, dst + plan.chunk_origin(c), plan.padded_cols,
-                                       float(beta), float(alpha), fresh, scratch);
-                   if (topk != nullptr) {
-                     const int64_t k = topk->k;
-                     kern.select_topk(fresh, n, k, idx + c * k, val + c * k,
-                                      reinterpret_cast<uint64_t*>(fresh + key_offset(n)));
-                   }
-                 });
+  // With a selection: the chunk's new values contiguously (n floats), then the selection's
+  // scratch (select_scratch(n) uint64), then (for a payload) the chunk's top-k: k int64
+  // positions and k floats.
+  const int64_t selection = key_offset(n) + 2 * select_scratch(n);
+  const int64_t extra = select ? selection + (payload != nullptr ? 3 * k : 0) : 0;
+  for_each_chunk(
+      plan, extra,
+      [&](int64_t c, const KernelTable& kern, const ChunkShape& shape, float* scratch) {
+        // The next chunk's samples arrive while this one is transformed, and so do
+        // this chunk's residual rows, which are read last.
+        prefetch_chunk(src, plan, c + 1, false, false);
+        prefetch_chunk(dst, plan, c, true, true);
+        const ChunkPlace place = place_of(plan, c);
+        float* fresh = select ? scratch + scratch_floats(shape) : nullptr;
+        float* chunk_residual = dst + plan.chunk_origin(c);
+        kern.dct_accumulate(shape, src + place.offset, plan.cols, place.valid_h, place.valid_w,
+                            chunk_residual, plan.padded_cols, float(beta), float(alpha), fresh,
+                            scratch);
+        if (!select) return;
+        int64_t* pos = idx != nullptr ? idx + c * k : reinterpret_cast<int64_t*>(fresh + selection);
+        float* v = val != nullptr ? val + c * k : fresh + selection + 2 * k;
+        kern.select_topk(fresh, n, k, pos, v, reinterpret_cast<uint64_t*>(fresh + key_offset(n)));
+        if (payload != nullptr) {
+          encode_chunk(*payload, c, pos, v, chunk_residual, plan.padded_cols, plan.chunk_cols);
+        }
+      });
 }
 
 // The inverse of every chunk's coefficients: into dst, the block-layout samples, or with `step`
@@ -297,14 +340,31 @@ int64_t scratch_floats(const ChunkShape& shape) {
 // ====== Entry points ======
 void dct_accumulate(const at::Tensor& x, const dct::ChunkPlan& plan, double beta, double alpha,
                     const at::Tensor& residual) {
-  accumulate(x, plan, beta, alpha, residual, nullptr);
+  accumulate(x, plan, beta, alpha, residual, nullptr, nullptr);
 }
 
 compress::TopK dct_accumulate_topk(const at::Tensor& x, const dct::ChunkPlan& plan, double beta,
                                    double alpha, const at::Tensor& residual, int64_t k) {
   compress::TopK topk = empty_topk(plan, k);
-  accumulate(x, plan, beta, alpha, residual, &topk);
+  accumulate(x, plan, beta, alpha, residual, &topk, nullptr);
   return topk;
+}
+
+void dct_accumulate_encode(const at::Tensor& x, const dct::ChunkPlan& plan, double beta,
+                           double alpha, const at::Tensor& residual, int64_t k,
+                           compress::ValueEncoding encoding, uint8_t* dst) {
+  if (!x.defined()) {  // the residual only decays: the separate steps
+    compress::TopK topk = dct_accumulate_topk(x, plan, beta, alpha, residual, k);
+    compress::encode_payload(plan, topk, encoding, dst);
+    compress::add_selected(residual, plan, topk, -1.0f);
+    return;
+  }
+  const codec::Layout l =
+      codec::layout(plan.num_chunks(), plan.chunk_numel(), compress::clamp_topk(k, plan), encoding);
+  const PayloadOut out{encoding, l, dst + codec::kHeaderBytes};
+  std::memset(out.body, 0, size_t(l.body_bytes));
+  accumulate(x, plan, beta, alpha, residual, nullptr, &out);
+  compress::seal_payload(plan, l.k, encoding, dst);
 }
 
 compress::TopK select_topk(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k) {
