@@ -9,17 +9,18 @@ import torch
 
 import flexdemo
 from float64_demo import Reference
+from flexdemo.reference import CompactTorchDeMo, ReferenceTorchDeMo
 
 CHUNK, TOPK, DECAY, LR, WD = 8, 4, 0.95, 0.01, 0.05
 
 
-def reference_demo_step(params, grads, deltas):
+def reference_demo_step(params, grads, deltas, weight_decay=WD):
     """The reference DeMo's step for one replica (its all-gather returns its own payload):
     weight decay, delta = decay * delta + lr * grad, the chunked DCT's top-k transmitted and
     taken out of delta, and sign-SGD on the decoded transmission."""
     for p, g, delta in zip(params, grads, deltas):
         ref = Reference(tuple(p.shape), CHUNK, TOPK)
-        p.mul_(1 - LR * WD)
+        p.mul_(1 - LR * weight_decay)
         delta.mul_(DECAY).add_(g.double(), alpha=LR)
         coeffs = ref.dct(delta)
         chosen = ref.topk(coeffs)
@@ -49,6 +50,26 @@ def test_demo_follows_the_reference_rule():
             assert torch.allclose(p.detach().double()[clear], r[clear], atol=1e-5), step
             r[~clear] = p.detach().double()[~clear]  # follow flexdemo where it is not
     assert opt.data_transmit == opt.bucket_bytes > 0
+
+
+@pytest.mark.parametrize("kind", [ReferenceTorchDeMo, CompactTorchDeMo])
+def test_benchmark_baselines_compute_demo(kind):
+    """The plain-torch steps flexdemo.bench times against (2 replicas' equal payloads) follow the
+    float64 DeMo rule: an honest baseline does the same work."""
+    torch.manual_seed(1)
+    shapes = [(32, 24), (24,), (40, 16)]
+    params = [torch.randn(s, dtype=torch.float64) for s in shapes]
+    plain = kind([p.clone() for p in params], CHUNK, TOPK, decay=DECAY, replicas=2)
+    ref_params = [p.clone() for p in params]
+    deltas = [torch.zeros(s, dtype=torch.float64) for s in shapes]
+    for _ in range(3):
+        grads = [torch.randn(s, dtype=torch.float64) for s in shapes]
+        for p, g in zip(plain.params, grads):
+            p.grad = g
+        plain.step(LR)
+        list(reference_demo_step(ref_params, grads, deltas, weight_decay=0.0))
+    for got, want in zip(plain.params, ref_params):
+        assert torch.allclose(got, want, rtol=0, atol=1e-12)
 
 
 def test_flexdemo_trains_a_small_model_without_distributed():
