@@ -3,8 +3,8 @@
 # 2 ranks of the emulated cluster, supervised by `flexdemo supervise`, with a fault from a seeded
 # schedule every 2-3 minutes (kill -9 of a rank, a corrupted payload, a node lost and back, a NaN
 # gradient, SIGTERM to the job, a node sending 1000x values, a link down for 20 s), against the
-# same job undisturbed. Needs root (network namespaces). About an hour at the defaults:
-#   bash bench/soak.sh [--steps 4200] [--seed 1] [--gap 120-180] [--checkpoint-every 50]
+# same job undisturbed. Needs root (network namespaces). About 70 minutes at the defaults:
+#   bash bench/soak.sh [--steps 4500] [--seed 1] [--gap 120-180] [--checkpoint-every 50]
 # Writes runs/studies/soak/ (table.md, events.csv, summary.json, soak.log, both runs); exits
 # non-zero unless the soak ends with every step logged once, its final validation loss within
 # 0.5% of the undisturbed run's and no more steps redone per fault than the checkpoint interval.
