@@ -367,6 +367,20 @@ FLEXDEMO_HD float put_value(uint8_t* body, const Layout& l, ValueEncoding e, int
   }
   return 0.0f;
 }
+
+// Chunk c's k entries (ascending positions pos, values val) into a zeroed body: positions,
+// scales, values; val[j] replaced by what a receiver decodes, so that error feedback removes
+// exactly what was sent. The CPU encoders' per-chunk step (one payload at a time: PlainBytes;
+// chunks written by several tasks: AtomicBytes).
+template <class Bytes>
+FLEXDEMO_HD void put_chunk(uint8_t* body, const Layout& l, ValueEncoding e, int64_t c,
+                           const int64_t* pos, float* val) {
+  for (int64_t j = 0; j < l.k; ++j) put_position<Bytes>(body, l, c, j, pos[j]);
+  const ChunkScales scales = chunk_scales(e, val, nullptr, l.k);
+  put_scales(body, l, e, c, scales);
+  for (int64_t j = 0; j < l.k; ++j)
+    val[j] = put_value<Bytes>(body, l, e, c * l.k + j, val[j], scales);
+}
 // What a receiver decodes for entry `entry` of a validated body.
 FLEXDEMO_HD float get_value(const uint8_t* body, const Layout& l, ValueEncoding e, int64_t entry) {
   const uint8_t* values = body + l.values_at;

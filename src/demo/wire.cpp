@@ -74,14 +74,7 @@ void encode_payload(const dct::ChunkPlan& plan, TopK& topk, ValueEncoding encodi
   float* val = topk.values.data_ptr<float>();
   std::memset(body, 0, size_t(l.body_bytes));
   for (int64_t c = 0; c < l.chunks; ++c) {
-    for (int64_t j = 0; j < l.k; ++j) {
-      codec::put_position<codec::PlainBytes>(body, l, c, j, idx[c * l.k + j]);
-    }
-    const codec::ChunkScales scales = codec::chunk_scales(encoding, val + c * l.k, nullptr, l.k);
-    codec::put_scales(body, l, encoding, c, scales);
-    for (int64_t e = c * l.k; e < (c + 1) * l.k; ++e) {
-      val[e] = codec::put_value<codec::PlainBytes>(body, l, encoding, e, val[e], scales);
-    }
+    codec::put_chunk<codec::PlainBytes>(body, l, encoding, c, idx + c * l.k, val + c * l.k);
   }
   seal_payload(plan, topk.k, encoding, dst);
 }

@@ -221,24 +221,15 @@ struct PayloadOut {
   uint8_t* body;  // zeroed
 };
 
-// Chunk c's top-k (ascending positions pos, values val) into the payload body, and what a
-// receiver decodes taken out of the chunk's residual (block layout, row stride `stride`): per
-// chunk what compress::encode_payload and compress::add_selected(-1) do per tensor, with the same
-// arithmetic. Bytes shared with neighbouring chunks (packed fields) are ORed in atomically: other
-// tasks write those chunks.
-void encode_chunk(const PayloadOut& out, int64_t c, const int64_t* pos, const float* val,
-                  float* residual, int64_t stride, int64_t chunk_cols) {
-  const codec::Layout& l = out.layout;
-  for (int64_t j = 0; j < l.k; ++j) {
-    codec::put_position<codec::AtomicBytes>(out.body, l, c, j, pos[j]);
-  }
-  const codec::ChunkScales scales = codec::chunk_scales(out.encoding, val, nullptr, l.k);
-  codec::put_scales(out.body, l, out.encoding, c, scales);
-  for (int64_t j = 0; j < l.k; ++j) {
-    const float sent = codec::put_value<codec::AtomicBytes>(out.body, l, out.encoding, c * l.k + j,
-                                                            val[j], scales);
-    residual[pos[j] / chunk_cols * stride + pos[j] % chunk_cols] += -1.0f * sent;
-  }
+// Chunk c's top-k (ascending positions pos, values val: replaced by what a receiver decodes)
+// into the payload body, and that taken out of the chunk's residual: per chunk what
+// compress::encode_payload and compress::add_selected(-1) do per tensor. Bytes shared with
+// neighbouring chunks (packed fields) are ORed in atomically: other tasks write those chunks.
+void encode_chunk(const PayloadOut& out, const dct::ChunkPlan& plan, int64_t c, const int64_t* pos,
+                  float* val, float* residual) {
+  codec::put_chunk<codec::AtomicBytes>(out.body, out.layout, out.encoding, c, pos, val);
+  for (int64_t j = 0; j < out.layout.k; ++j)
+    residual[plan.offset_in_chunk(pos[j])] += -1.0f * val[j];
 }
 
 // The shared loop of dct_accumulate, dct_accumulate_topk (topk not null) and
@@ -285,7 +276,7 @@ void accumulate(const at::Tensor& x, const dct::ChunkPlan& plan, double beta, do
         float* v = val != nullptr ? val + c * k : fresh + selection + 2 * k;
         kern.select_topk(fresh, n, k, pos, v, reinterpret_cast<uint64_t*>(fresh + key_offset(n)));
         if (payload != nullptr) {
-          encode_chunk(*payload, c, pos, v, chunk_residual, plan.padded_cols, plan.chunk_cols);
+          encode_chunk(*payload, plan, c, pos, v, chunk_residual);
         }
       });
 }
