@@ -9,6 +9,8 @@
 #   scripts/python.sh example [ARGS]   examples/python/train_gpt.py under torchrun, 2 nodes x 2
 #                               ranks: FlexDeMo against AdamW-HSDP (ARGS go to the script)
 #   scripts/python.sh bench [ARGS]     python -m flexdemo.bench (one thread)
+#   scripts/python.sh project [ARGS]   python -m flexdemo.project: step time and bytes per node
+#                               of each exchange on many nodes (docs/results/many-nodes.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${FLEXDEMO_PYTHON:-.venv-cuda/bin/python}"
@@ -27,7 +29,9 @@ case "$what" in
       examples/python/train_gpt.py "$@" ;;
   bench)
     exec "$python" -m flexdemo.bench "$@" ;;
+  project)
+    exec "$python" -m flexdemo.project "$@" ;;
   *)
-    echo "python.sh: unknown command '$what'; accepted: install, test, example, bench" >&2
+    echo "python.sh: unknown command '$what'; accepted: install, test, example, bench, project" >&2
     exit 2 ;;
 esac
