@@ -24,7 +24,6 @@ def test_payload_of_a_parameter_count_is_the_wire_formats_closed_form():
 def test_gpt_micro_has_the_trainers_parameters():
     # flexdemo train --model gpt-micro: 4,273,664 parameters (its dense exchange, 2 nodes:
     # 34,189,312 bytes a step = 2 nodes x 4 bytes x parameters, docs/results/loss-parity.md)
-    pytest.importorskip("transformers")
     s = project.sizes(project.model_shapes("gpt-micro", None), 4, 64, 32, "bf16")
     assert 2 * s.dense_bytes == 34_189_312
 
