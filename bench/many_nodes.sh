@@ -2,7 +2,8 @@
 # More nodes, measured (issue 34): the emulated cluster (scripts/cluster.sh; needs root) at each
 # node count of NODES with 1 rank a node, each link rate of RATES; per run STEPS steps of MODEL,
 # and per step the bytes each node sends and receives between nodes and the step's wall time, for
-# each exchange: FlexDeMo (DeMo's all-gather), AdamW-HSDP (the dense all-reduce) and AdamW's
+# each exchange: FlexDeMo (DeMo's all-gather), FlexDeMo with the owners' exchange
+# (--demo-exchange owners), AdamW-HSDP (the dense all-reduce) and AdamW's
 # local steps with their change through DeMo every 10 steps (SparseLoCo's recipe). Then the
 # projection (python -m flexdemo.project) of each measured point from its own measured compute
 # time, and its error.
@@ -28,6 +29,7 @@ trap 'bash "$cluster" down >/dev/null 2>&1 || true' EXIT
 # name|options: the name is what the table calls the exchange
 exchanges=(
   "allgather|--optimizer flexdemo"
+  "owners|--optimizer flexdemo --demo-exchange owners"
   "allreduce|--optimizer adamw"
   "local-10|--optimizer adamw --replicator demo --inner-steps 10 --topk 320 --values 2bit"
 )

@@ -15,7 +15,8 @@ import sys
 
 from flexdemo import project
 
-KIND = {"allgather": "allgather", "allreduce": "allreduce-ring", "local-10": "local"}
+KIND = {"allgather": "allgather", "owners": "owner", "allreduce": "allreduce-ring",
+        "local-10": "local"}
 
 
 def rate_gbit(rate):  # "1gbit", "100mbit"

@@ -3,9 +3,22 @@
 
 #include "flexdemo/optim.h"
 
+#include <ATen/ATen.h>
+
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
+
+// The orthonormal DCT-II matrix of size n by its direct formula, float64: DCT(x) = B x.
+inline at::Tensor naive_dct_basis(int64_t n) {
+  at::Tensor b = at::empty({n, n}, at::kDouble);
+  const double pi = std::acos(-1.0);
+  for (int64_t k = 0; k < n; ++k)
+    for (int64_t i = 0; i < n; ++i)
+      b[k][i] = std::sqrt((k == 0 ? 1.0 : 2.0) / n) * std::cos(pi * (2 * i + 1) * k / (2.0 * n));
+  return b;
+}
 
 // One replica's DeMo payload for these chunk plans: header + indices + scales + values.
 inline uint64_t closed_form_payload_bytes(const std::vector<flexdemo::dct::ChunkPlan>& plans,

@@ -37,6 +37,41 @@ TEST(Comm, AllGatherVariableSizes) {
   }
 }
 
+TEST(Comm, AllToAllVariableSizes) {
+  // Rank s sends (s + d) % 3 elements to rank d (some none), element j worth 1000 s + 10 d + j.
+  auto world = test_world();
+  const int P = world->size(), r = world->rank();
+  auto count = [](int s, int d) { return int64_t((s + d) % 3); };
+  std::vector<int64_t> send_counts, recv_counts;
+  std::vector<double> values;
+  uint64_t sent = 0, received = 0;
+  for (int q = 0; q < P; ++q) {
+    send_counts.push_back(count(r, q));
+    recv_counts.push_back(count(q, r));
+    for (int64_t j = 0; j < count(r, q); ++j) values.push_back(1000.0 * r + 10.0 * q + j);
+    if (q != r) sent += 8 * count(r, q), received += 8 * count(q, r);
+  }
+  const at::Tensor in = at::tensor(values, at::kDouble);
+  int64_t total = 0;
+  for (int64_t c : recv_counts) total += c;
+  at::Tensor out = at::full({total}, -1.0, at::kDouble);
+  world->reset_stats();
+  world->all_to_all_v(in, send_counts, out, recv_counts);
+  int64_t at_ = 0;
+  for (int q = 0; q < P; ++q) {
+    for (int64_t j = 0; j < count(q, r); ++j) {
+      EXPECT_EQ(out[at_++].item<double>(), 1000.0 * q + 10.0 * r + j) << "from rank " << q;
+    }
+  }
+  EXPECT_EQ(world->stats().bytes_sent, sent);
+  EXPECT_EQ(world->stats().bytes_received, received);
+  // Counts that do not add up to the tensors are refused before anything is sent.
+  std::vector<int64_t> short_counts = send_counts;
+  short_counts[0] += 1;
+  EXPECT_THROW(world->all_to_all_v(in, short_counts, out, recv_counts), std::invalid_argument);
+  EXPECT_THROW(world->all_to_all_v(in, {1}, out, recv_counts), std::invalid_argument);
+}
+
 TEST(Comm, AllReduceSumAndAverage) {
   auto world = test_world();
   const int P = world->size(), r = world->rank();

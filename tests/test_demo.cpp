@@ -1,5 +1,7 @@
 // DeMo with one replica against a naive float64 implementation of the algorithm (docs/algorithm.md)
 // written here: residual kept in the sample domain, DCT by the direct formula, top-k by sorting.
+#include "closed_form.h"
+
 #include "flexdemo/optim.h"
 
 #include <ATen/ATen.h>
@@ -11,16 +13,6 @@
 using namespace flexdemo;
 
 namespace {
-
-// Direct orthonormal DCT-II matrix, float64.
-at::Tensor naive_basis(int64_t n) {
-  at::Tensor b = at::empty({n, n}, at::kDouble);
-  const double pi = std::acos(-1.0);
-  for (int64_t k = 0; k < n; ++k)
-    for (int64_t i = 0; i < n; ++i)
-      b[k][i] = std::sqrt((k == 0 ? 1.0 : 2.0) / n) * std::cos(pi * (2 * i + 1) * k / (2.0 * n));
-  return b;
-}
 
 // One parameter's naive DeMo state, on the padded grid of its chunk plan.
 struct NaiveDemo {
@@ -36,8 +28,8 @@ struct NaiveDemo {
       : plan(dct::make_chunk_plan(init.sizes(), options.chunk, options.chunk_mode)), o(options) {
     p = init.to(at::kDouble).reshape({plan.rows, plan.cols}).clone();
     delta = at::zeros({plan.padded_rows, plan.padded_cols}, at::kDouble);
-    bh = naive_basis(plan.chunk_rows);
-    bw = naive_basis(plan.chunk_cols);
+    bh = naive_dct_basis(plan.chunk_rows);
+    bw = naive_dct_basis(plan.chunk_cols);
     grad_sq = at::zeros({plan.rows, plan.cols}, at::kDouble);
   }
 
@@ -93,10 +85,19 @@ struct NaiveDemo {
         }
       }
     }
+    if (o.update_rms > 0) {  // the whole tensor to that RMS
+      const double rms = std::sqrt(u.square().mean().item<double>());
+      if (rms > 0) u = u * (o.update_rms / rms);
+    }
+    if (o.step_bound > 0) {
+      clamped += (u.abs() > o.step_bound).sum().item<int64_t>();
+      u = u.clamp(-o.step_bound, o.step_bound);
+    }
     p.sub_(o.lr * (o.sign ? u.sign() : u));
     last_update = u.clone();
   }
   at::Tensor last_update;
+  int64_t clamped = 0;  // elements step_bound clamped, over every step
 };
 
 struct Case {
@@ -129,13 +130,17 @@ optim::OptimizerOptions test_options(dct::ChunkMode mode, bool sign, bool normal
 
 // Runs every case for 6 steps through the optimizer and the naive reference and returns, per
 // case and step, the largest parameter difference.
+// update_rms, step_bound: those options; `clamped` counts the elements the reference clamped.
 static std::vector<double> max_differences(bool sign, bool normalize = false, bool fold_lr = true,
-                                           bool precondition = false) {
+                                           bool precondition = false, double update_rms = 0.0,
+                                           double step_bound = 0.0, int64_t* clamped = nullptr) {
   std::vector<double> diffs;
   for (const Case& c : kCases) {
     optim::OptimizerOptions o = test_options(c.mode, sign, normalize);
     o.fold_lr = fold_lr;
     o.precondition = precondition;
+    o.update_rms = update_rms;
+    o.step_bound = step_bound;
     at::Tensor p = at::randn(c.shape).set_requires_grad(true);
     NaiveDemo naive(p.detach(), o);
     optim::Optimizer demo({p}, o);
@@ -147,6 +152,7 @@ static std::vector<double> max_differences(bool sign, bool normalize = false, bo
       const at::Tensor got = p.detach().to(at::kDouble).reshape({naive.plan.rows, naive.plan.cols});
       diffs.push_back((got - naive.p).abs().max().item<double>());
     }
+    if (clamped) *clamped += naive.clamped;
   }
   return diffs;
 }
@@ -203,6 +209,28 @@ TEST(Demo, MatchesNaiveFloat64AdaptiveStep) {
   // and the step is lr times the decoded direction itself (loss-parity.md's best variant).
   at::manual_seed(27);
   const std::vector<double> diffs = max_differences(false, false, false, true);
+  for (size_t i = 0; i < diffs.size(); ++i) {
+    EXPECT_LT(diffs[i], 1e-5) << "case " << i / 6 << " step " << i % 6;
+  }
+}
+
+TEST(Demo, MatchesNaiveFloat64UpdateScaledPerTensor) {
+  // The adaptive step with --update-rms 1: each tensor's decoded direction scaled to RMS 1 over
+  // the whole tensor before the rate.
+  at::manual_seed(28);
+  const std::vector<double> diffs = max_differences(false, false, false, true, 1.0);
+  for (size_t i = 0; i < diffs.size(); ++i) {
+    EXPECT_LT(diffs[i], 1e-5) << "case " << i / 6 << " step " << i % 6;
+  }
+}
+
+TEST(Demo, MatchesNaiveFloat64BoundedAdaptiveStep) {
+  // The adaptive step with --step-bound 0.5: each element of the direction clamped to
+  // [-0.5, 0.5] before the rate; the reference must have clamped some, or the test shows nothing.
+  at::manual_seed(29);
+  int64_t clamped = 0;
+  const std::vector<double> diffs = max_differences(false, false, false, true, 0.0, 0.5, &clamped);
+  EXPECT_GT(clamped, 0);
   for (size_t i = 0; i < diffs.size(); ++i) {
     EXPECT_LT(diffs[i], 1e-5) << "case " << i / 6 << " step " << i % 6;
   }

@@ -674,3 +674,197 @@ TEST(DemoMpi, HealthyPeersWithinTheScaleBoundAreKept) {
   tight.step();
   EXPECT_FALSE(tight.take_peer_faults().empty());
 }
+
+// ====== The owners' exchange (--demo-exchange owners) ======
+namespace {
+
+optim::OptimizerOptions owners_options(compress::ValueEncoding values) {
+  optim::OptimizerOptions o = bf16_options();
+  o.values = values;
+  o.demo_exchange = optim::DemoExchange::Owners;
+  return o;
+}
+
+// The owners' exchange in float64, written from its description (docs/algorithm.md): every
+// replica's residual in the DCT domain (per chunk, direct-formula bases), the tensors' chunk
+// rows cut into R runs of about equal payload bytes (run r: replica r's), each replica's top-k
+// per chunk out of its residual, the owner's mean of the replicas that chose a coefficient, its
+// own top-k of that mean, what it leaves out added to the owner's residual, and the step by the
+// inverse DCT of what it kept (sign off, no weight decay). Divisor chunks only (no padding).
+struct NaiveOwners {
+  std::vector<dct::ChunkPlan> plans;
+  optim::OptimizerOptions o;
+  int R;
+  std::vector<std::vector<at::Tensor>> residual;  // [replica][tensor] float64 coefficients
+  std::vector<std::vector<int>> owner;            // [tensor][chunk row]
+  std::vector<at::Tensor> params;                 // float64 [rows, cols]
+
+  NaiveOwners(const std::vector<dct::ChunkPlan>& p, const optim::OptimizerOptions& options,
+              int replicas, const std::vector<at::Tensor>& init)
+      : plans(p), o(options), R(replicas), residual(size_t(replicas)), owner(p.size()) {
+    double total = 0.0;
+    for (const auto& plan : plans) total += double(closed_form_payload_bytes({plan}, o));
+    double before = 0.0;
+    for (size_t t = 0; t < plans.size(); ++t) {
+      const double row = double(closed_form_payload_bytes({plans[t]}, o)) / plans[t].row_chunks();
+      for (int64_t i = 0; i < plans[t].row_chunks(); ++i) {
+        owner[t].push_back(std::min(R - 1, int((before + row / 2) * R / total)));
+        before += row;
+      }
+      params.push_back(init[t].detach().to(at::kDouble).reshape({plans[t].rows, plans[t].cols}));
+      for (int q = 0; q < R; ++q) residual[q].push_back(at::zeros_like(params.back()));
+    }
+  }
+
+  // The per-chunk transform (inverse: the transposes) of a [rows, cols] float64 tensor.
+  at::Tensor transform(const at::Tensor& x, const dct::ChunkPlan& plan, bool inverse) const {
+    const at::Tensor bh = naive_dct_basis(plan.chunk_rows), bw = naive_dct_basis(plan.chunk_cols);
+    at::Tensor out = at::empty_like(x);
+    for (int64_t i = 0; i < plan.row_chunks(); ++i) {
+      for (int64_t j = 0; j < plan.col_chunks(); ++j) {
+        const at::Tensor c = x.narrow(0, i * plan.chunk_rows, plan.chunk_rows)
+                                 .narrow(1, j * plan.chunk_cols, plan.chunk_cols);
+        out.narrow(0, i * plan.chunk_rows, plan.chunk_rows)
+            .narrow(1, j * plan.chunk_cols, plan.chunk_cols)
+            .copy_(inverse ? at::mm(at::mm(bh.t(), c), bw) : at::mm(at::mm(bh, c), bw.t()));
+      }
+    }
+    return out;
+  }
+
+  // Each chunk's k largest magnitudes of x (the rest zero), and where they are.
+  std::pair<at::Tensor, at::Tensor> topk(const at::Tensor& x, const dct::ChunkPlan& plan) const {
+    at::Tensor kept = at::zeros_like(x), where = at::zeros_like(x);
+    const int64_t k = std::min(o.topk, plan.chunk_numel());
+    for (int64_t i = 0; i < plan.row_chunks(); ++i) {
+      for (int64_t j = 0; j < plan.col_chunks(); ++j) {
+        auto chunk = [&](const at::Tensor& t) {
+          return t.narrow(0, i * plan.chunk_rows, plan.chunk_rows)
+              .narrow(1, j * plan.chunk_cols, plan.chunk_cols);
+        };
+        const at::Tensor c = chunk(x).reshape(-1);
+        std::vector<int64_t> order(size_t(c.numel()));
+        for (size_t q = 0; q < order.size(); ++q) order[q] = int64_t(q);
+        auto v = c.accessor<double, 1>();
+        std::stable_sort(order.begin(), order.end(),
+                         [&](int64_t a, int64_t b) { return std::fabs(v[a]) > std::fabs(v[b]); });
+        at::Tensor kc = at::zeros_like(c), wc = at::zeros_like(c);
+        for (int64_t q = 0; q < k; ++q) kc[order[q]] = v[order[q]], wc[order[q]] = 1.0;
+        chunk(kept).copy_(kc.view({plan.chunk_rows, plan.chunk_cols}));
+        chunk(where).copy_(wc.view({plan.chunk_rows, plan.chunk_cols}));
+      }
+    }
+    return {kept, where};
+  }
+
+  void step(const std::vector<std::vector<at::Tensor>>& grads) {  // [replica][tensor]
+    for (size_t t = 0; t < plans.size(); ++t) {
+      const dct::ChunkPlan& plan = plans[t];
+      at::Tensor sum = at::zeros_like(params[t]), count = at::zeros_like(params[t]);
+      for (int q = 0; q < R; ++q) {
+        at::Tensor& d = residual[q][t];
+        d = o.decay * d +
+            o.lr * transform(grads[q][t].reshape({plan.rows, plan.cols}), plan, false);
+        const auto [sent, where] = topk(d, plan);
+        d -= sent;
+        sum += sent;
+        count += where;
+      }
+      const at::Tensor mean = at::where(count > 0, sum / count.clamp_min(1), at::zeros_like(sum));
+      const at::Tensor kept = topk(mean, plan).first;
+      const at::Tensor left = mean - kept;
+      for (int64_t i = 0; i < plan.row_chunks(); ++i) {
+        residual[owner[t][i]][t]
+            .narrow(0, i * plan.chunk_rows, plan.chunk_rows)
+            .add_(left.narrow(0, i * plan.chunk_rows, plan.chunk_rows));
+      }
+      params[t] -= o.lr * transform(kept, plan, true);
+    }
+  }
+};
+
+}  // namespace
+
+TEST(DemoMpi, OwnersEqualFloat64Reference) {
+  // Every rank replays every replica in float64 and compares its own parameters and residuals
+  // with the reference's after each step: the owners' mean, top-k and leftover included.
+  auto world = test_world();
+  const int R = world->size(), me = world->rank();
+  optim::OptimizerOptions o = owners_options(compress::ValueEncoding::Fp32);
+  o.sign = false;
+  o.decay = 0.9;
+  o.lr = 0.05;
+  o.topk = 4;
+  o.chunk = 8;
+  std::vector<at::Tensor> params = make_params();
+  optim::Optimizer demo(params, o, world->split(0, me));
+  NaiveOwners naive(plans_of(o), o, R, make_params());
+  std::set<int> owners;
+  for (const auto& rows : naive.owner) owners.insert(rows.begin(), rows.end());
+  EXPECT_EQ(int(owners.size()), R) << "every replica owns some chunk rows";
+  for (int step = 0; step < 5; ++step) {
+    std::vector<std::vector<at::Tensor>> grads;
+    for (int q = 0; q < R; ++q) {
+      std::vector<at::Tensor> replica = make_params();
+      set_gradients(replica, q, step);
+      grads.emplace_back();
+      for (auto& p : replica) grads.back().push_back(p.grad().to(at::kDouble));
+    }
+    set_gradients(params, me, step);
+    demo.step();
+    naive.step(grads);
+    for (size_t t = 0; t < params.size(); ++t) {
+      const dct::ChunkPlan& plan = naive.plans[t];
+      const at::Tensor got = params[t].detach().to(at::kDouble).reshape({plan.rows, plan.cols});
+      EXPECT_LT((got - naive.params[t]).abs().max().item<double>(), 1e-5)
+          << "parameter " << t << " step " << step + 1;
+      const at::Tensor residual = demo.residual(t).to(at::kDouble);
+      EXPECT_LT((residual - naive.residual[me][t]).abs().max().item<double>(), 1e-5)
+          << "residual " << t << " step " << step + 1;
+    }
+  }
+}
+
+TEST(DemoMpi, OwnersKeepReplicasBitIdenticalWithinTwoPayloads) {
+  // Every encoding: replicas stay bit-identical, and each moves at most two all-gather payloads
+  // a step each way (2 (R - 1) / R of one, plus the pieces' own headers), where the all-gather
+  // moves R - 1.
+  auto world = test_world();
+  const int R = world->size();
+  for (auto values : values_of<compress::ValueEncoding>()) {
+    const optim::OptimizerOptions o = owners_options(values);
+    auto group = world->split(0, world->rank());
+    std::vector<at::Tensor> params = make_params();
+    std::vector<at::Tensor> initial;
+    for (auto& p : params) initial.push_back(p.detach().clone());
+    optim::Optimizer demo(params, o, group);
+    const int steps = 10;
+    for (int step = 0; step < steps; ++step) {
+      set_gradients(params, world->rank(), step);
+      demo.step();
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      at::Tensor mine = params[i].detach().clone();
+      at::Tensor root = mine.clone();
+      world->broadcast(root, 0);
+      EXPECT_TRUE(at::equal(mine, root)) << "parameter " << i << " " << name_of(values);
+      EXPECT_FALSE(at::equal(mine, initial[i])) << "parameter " << i << " never moved";
+    }
+    const uint64_t payload = closed_form_payload_bytes(plans_of(o), o);
+    EXPECT_LE(group->stats().bytes_sent, uint64_t(steps) * 2 * payload) << name_of(values);
+    EXPECT_LE(group->stats().bytes_received, uint64_t(steps) * 2 * payload) << name_of(values);
+    EXPECT_GT(group->stats().bytes_received, 0u);
+    EXPECT_EQ(group->stats().collectives, uint64_t(2 * steps));  // an all-to-all, an all-gather
+  }
+}
+
+TEST(DemoMpi, OwnersResumeExactlyFromTheirState) {
+  // The owners' state is the residuals alone (their leftovers are in them): a run stopped after
+  // step 4 and continued by a fresh optimizer equals the run that never stopped, bit for bit.
+  auto world = test_world();
+  const auto names =
+      expect_exact_resume(*world, owners_options(compress::ValueEncoding::TwoBit), 4, 8, "owners")
+          .first;
+  EXPECT_EQ(names.count("residual.0"), 1u);
+  EXPECT_EQ(names.size(), kShapes.size());
+}

@@ -9,6 +9,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace flexdemo::comm {
 
@@ -34,6 +35,8 @@ double collective_timeout();
 //   all-reduce of n bytes:                        sent = received = 2 (P-1)/P * n
 //   reduce-scatter of n input bytes:              sent = received = (P-1)/P * n
 //   broadcast of n bytes:                         sent = n on the root, received = n elsewhere
+//   all-to-all (variable sizes):                  sent = what goes to the other ranks,
+//                                                 received = what comes from them
 struct CommStats {
   uint64_t bytes_sent = 0;      // bytes this rank put on the wire
   uint64_t bytes_received = 0;  // bytes this rank took off the wire
@@ -73,6 +76,13 @@ class Communicator {
   // Variable sizes: counts[r] = numel of rank r's input; output holds them back to back.
   virtual std::unique_ptr<Work> iall_gather_v(const at::Tensor& input, const at::Tensor& output,
                                               const std::vector<int64_t>& counts) = 0;
+  // Personalised, variable sizes: input holds send_counts[r] elements for each rank r back to
+  // back (rank order); output receives recv_counts[r] elements from each rank r back to back.
+  // Every rank's send_counts[r] must equal rank r's recv_counts[rank()]. Same dtype.
+  virtual std::unique_ptr<Work> iall_to_all_v(const at::Tensor& input,
+                                              const std::vector<int64_t>& send_counts,
+                                              const at::Tensor& output,
+                                              const std::vector<int64_t>& recv_counts) = 0;
   // In place. float32, float64, bfloat16 (Sum and Avg); int32, int64 (Sum only).
   virtual std::unique_ptr<Work> iall_reduce(const at::Tensor& tensor, ReduceOp op) = 0;
   // input.numel() == size() * output.numel(); output = reduction of every rank's slice rank().
@@ -88,6 +98,10 @@ class Communicator {
   void all_gather_v(const at::Tensor& input, const at::Tensor& output,
                     const std::vector<int64_t>& counts) {
     iall_gather_v(input, output, counts)->wait();
+  }
+  void all_to_all_v(const at::Tensor& input, const std::vector<int64_t>& send_counts,
+                    const at::Tensor& output, const std::vector<int64_t>& recv_counts) {
+    iall_to_all_v(input, send_counts, output, recv_counts)->wait();
   }
   void all_reduce(const at::Tensor& tensor, ReduceOp op) { iall_reduce(tensor, op)->wait(); }
   void reduce_scatter(const at::Tensor& input, const at::Tensor& output, ReduceOp op) {

@@ -34,6 +34,15 @@ enum class ReplicatorKind {
   Random,  // a seeded random subset of rows (elements of vectors), dense-averaged, with residual
 };
 
+// How DeMo's replicas exchange their payloads.
+enum class DemoExchange {
+  AllGather,  // every replica gathers every other's payload: R - 1 payloads in, a node, a step
+  Owners,     // each replica owns a share of the chunks: one all-to-all sends each owner its
+              // chunks' coefficients, the owner keeps the top-k of their mean (what it leaves
+              // out re-enters its own residual), one all-gather returns every owner's share:
+              // about 2 (R - 1) / R payloads in, whatever R is
+};
+
 // The per-chunk transform DeMo's residual is kept and selected in.
 enum class Transform {
   Dct,   // the orthonormal chunked DCT-II (DeMo's)
@@ -60,6 +69,10 @@ struct OptimizerOptions {
   bool sign = true;           // apply sign(direction) instead of the direction
   bool normalize = false;     // sign off: each chunk of the direction scaled to unit RMS (the
                               // size of sign's step, the direction's shape within the chunk)
+  double update_rms = 0.0;    // sign off, > 0: each tensor's update (this rank's share of it)
+                              // scaled to this RMS before the rate (0: off)
+  double step_bound = 0.0;    // sign off, > 0: each element of the update clamped to
+                              // [-step_bound, step_bound] before the rate (0: off)
   InnerKind inner = InnerKind::Sgd;
   double beta1 = 0.9;     // AdamW, in [0, 1)
   double beta2 = 0.999;   // AdamW, in [0, 1)
@@ -83,6 +96,7 @@ struct OptimizerOptions {
                           // reference the fast path is tested against)
   // ====== Exchange ======
   ReplicatorKind replicator = ReplicatorKind::Demo;
+  DemoExchange demo_exchange = DemoExchange::AllGather;  // Demo: the collectives
   int64_t replicate_every = 1;        // exchange and update every N steps (>= 1); the steps in
                                       // between only fold their gradients into the state
   bool overlap_step = false;          // Demo: the exchange runs non-blocking through the next
@@ -281,6 +295,13 @@ struct NameTable<optim::ReplicatorKind> {
       {optim::ReplicatorKind::Full, "full"},
       {optim::ReplicatorKind::None, "none"},
       {optim::ReplicatorKind::Random, "random"}};
+};
+
+template <>
+struct NameTable<optim::DemoExchange> {
+  static constexpr const char* what = "DeMo exchange";
+  static constexpr std::pair<optim::DemoExchange, const char*> entries[] = {
+      {optim::DemoExchange::AllGather, "all-gather"}, {optim::DemoExchange::Owners, "owners"}};
 };
 
 template <>

@@ -150,11 +150,20 @@ struct OptionSpec {
     "full exchange)")                                                                              \
   X(replicator, std::optional<optim::ReplicatorKind>, std::nullopt, State, anything(),             \
     "exchange between nodes (default: the optimizer's)")                                           \
+  X(demo_exchange, optim::DemoExchange, optim::DemoExchange::AllGather, Run, anything(),           \
+    "DeMo's collectives between nodes: all-gather (every node receives every other's payload) "    \
+    "or owners (each node owns a share of the chunks and keeps the top-k of their mean: about "    \
+    "two payloads a node a step whatever the node count)")                                         \
   X(sign, std::optional<bool>, std::nullopt, State, anything(),                                    \
     "apply sign(update) (default: on for flexdemo, off otherwise); --no-sign: the update itself")  \
   X(normalize, bool, false, State, anything(),                                                     \
     "with --no-sign: scale each DCT chunk of the update to unit RMS (sign's step size, the "       \
     "update's shape within the chunk)")                                                            \
+  X(update_rms, double, 0.0, State, at_least(0, " (0: off)"),                                      \
+    "with --no-sign: scale each tensor's update (this rank's shard of it) to this RMS before the " \
+    "rate (0: off)")                                                                               \
+  X(step_bound, double, 0.0, State, at_least(0, " (0: off)"),                                      \
+    "with --no-sign: clamp each element of the update to [-B, B] before the rate (0: off)")        \
   X(topk, int64_t, 32, State, at_least(1), "DCT coefficients kept per chunk")                      \
   X(chunk, int64_t, 64, Model, at_least(1), "DCT chunk edge")                                      \
   X(transform, optim::Transform, optim::Transform::Dct, State, anything(),                         \

@@ -2,6 +2,8 @@
 // other devices, byte/time accounting, and MPI errors turned into CommError (never an abort).
 #include "flexdemo/comm.h"
 
+#include "counts.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 #include <mpi.h>
@@ -175,10 +177,11 @@ class MpiWork final : public Work {
   }
 
   MPI_Request request_ = MPI_REQUEST_NULL;
-  std::vector<Staged> outputs_;         // copied back to the user's tensors at completion
-  std::vector<at::Tensor> keep_alive_;  // inputs MPI reads until completion
-  std::vector<int> counts_, displs_;    // argument arrays MPI reads until completion
-  double divide_by_ = 1.0;              // Avg: divide the outputs after the sum
+  std::vector<Staged> outputs_;                 // copied back to the user's tensors at completion
+  std::vector<at::Tensor> keep_alive_;          // inputs MPI reads until completion
+  std::vector<int> counts_, displs_;            // argument arrays MPI reads until completion
+  std::vector<int> recv_counts_, recv_displs_;  // all_to_all_v's second pair
+  double divide_by_ = 1.0;                      // Avg: divide the outputs after the sum
 
  private:
   // blocked_s: how long this rank waited for the completion (a collective overlapped with
@@ -266,6 +269,34 @@ class MpiCommunicator final : public Communicator {
     FLEXDEMO_MPI_CHECK(MPI_Iallgatherv(in.data(), work->counts_[rank_], MPI_BYTE, out.data(),
                                        work->counts_.data(), work->displs_.data(), MPI_BYTE, comm_,
                                        &work->request_));
+    work->keep_alive_.push_back(in.host);
+    work->outputs_.push_back(out);
+    return work;
+  }
+
+  std::unique_ptr<Work> iall_to_all_v(const at::Tensor& input,
+                                      const std::vector<int64_t>& send_counts,
+                                      const at::Tensor& output,
+                                      const std::vector<int64_t>& recv_counts) override {
+    const auto [sent, received] =
+        detail::check_all_to_all_counts(size_, rank_, input, send_counts, output, recv_counts);
+    auto work = make_work("all_to_all_v", sent, received);
+    const int64_t elem = input.element_size();
+    auto place = [elem](const std::vector<int64_t>& counts, std::vector<int>& c,
+                        std::vector<int>& d) {
+      int64_t offset = 0;
+      for (int64_t n : counts) {
+        c.push_back(checked_count(n * elem, "all_to_all_v"));
+        d.push_back(checked_count(offset * elem, "all_to_all_v offset"));
+        offset += n;
+      }
+    };
+    place(send_counts, work->counts_, work->displs_);
+    place(recv_counts, work->recv_counts_, work->recv_displs_);
+    Staged in = Staged::input(input), out = Staged::output(output, false);
+    FLEXDEMO_MPI_CHECK(MPI_Ialltoallv(in.data(), work->counts_.data(), work->displs_.data(),
+                                      MPI_BYTE, out.data(), work->recv_counts_.data(),
+                                      work->recv_displs_.data(), MPI_BYTE, comm_, &work->request_));
     work->keep_alive_.push_back(in.host);
     work->outputs_.push_back(out);
     return work;

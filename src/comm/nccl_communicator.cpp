@@ -7,6 +7,8 @@
 // Tensors elsewhere than this GPU are staged through it. Byte counts follow comm.h's formulas.
 #include "flexdemo/comm.h"
 
+#include "counts.h"
+
 #include "comm/comm_life.h"
 
 #include <ATen/ATen.h>
@@ -260,6 +262,37 @@ class NcclCommunicator final : public Communicator {
         FLEXDEMO_NCCL_ENQUEUE(ncclBroadcast(send, base + offset * element, size_t(counts[r]), type,
                                             r, comm_, stream_.stream()));
         offset += counts[r];
+      }
+      FLEXDEMO_NCCL_ENQUEUE(ncclGroupEnd());
+    });
+  }
+
+  std::unique_ptr<Work> iall_to_all_v(const at::Tensor& input,
+                                      const std::vector<int64_t>& send_counts,
+                                      const at::Tensor& output,
+                                      const std::vector<int64_t>& recv_counts) override {
+    const auto [sent, received] =
+        detail::check_all_to_all_counts(size(), rank(), input, send_counts, output, recv_counts);
+    const Staged in = Staged::of(input, gpu_, true, false);
+    const Staged out = Staged::of(output, gpu_, false, true);
+    const size_t element = input.element_size();
+    return launch("all_to_all_v", {out}, {in.device}, sent, received, [&] {
+      const ncclDataType_t type = nccl_type(input.scalar_type(), false);
+      auto* send = static_cast<uint8_t*>(in.device.data_ptr());
+      auto* recv = static_cast<uint8_t*>(out.device.data_ptr());
+      FLEXDEMO_NCCL_ENQUEUE(ncclGroupStart());  // one send and one receive per peer, grouped
+      int64_t send_at = 0, recv_at = 0;
+      for (int r = 0; r < size(); ++r) {
+        if (send_counts[r] > 0) {
+          FLEXDEMO_NCCL_ENQUEUE(ncclSend(send + send_at * element, size_t(send_counts[r]), type, r,
+                                         comm_, stream_.stream()));
+        }
+        if (recv_counts[r] > 0) {
+          FLEXDEMO_NCCL_ENQUEUE(ncclRecv(recv + recv_at * element, size_t(recv_counts[r]), type, r,
+                                         comm_, stream_.stream()));
+        }
+        send_at += send_counts[r];
+        recv_at += recv_counts[r];
       }
       FLEXDEMO_NCCL_ENQUEUE(ncclGroupEnd());
     });

@@ -82,6 +82,18 @@ std::unique_ptr<Backend> make_backend(const std::vector<dct::ChunkPlan>& plans,
                                       const std::vector<at::Tensor>& residuals, at::Device device,
                                       at::Device replica_device);
 
+// ====== A gathered bucket's payloads, shared by the replicators (replicator.cpp, owners.cpp)
+// ====== The replicas (of `replicas`, b's layout back to back in `gathered`) whose payloads all
+// pass the checks (screen.h), in rank order; every failure is appended to `faults` (tensor: the
+// replicator's index). Under PeerPolicy::Stop the first failure throws PeerFaultError.
+std::vector<int> passing_replicas(const Bucket& b, const at::Tensor& gathered, int replicas,
+                                  const std::vector<dct::ChunkPlan>& plans,
+                                  const optim::OptimizerOptions& options,
+                                  std::vector<optim::PeerFault>& faults);
+// backend.decode of the `kept` replicas' payloads alone (none kept: nothing is applied).
+void decode_passing(Backend& backend, const Bucket& b, const at::Tensor& gathered, int replicas,
+                    const std::vector<int>& kept, const Updates& updates);
+
 // The implementations (host_backend.cpp, cuda_backend.cpp).
 std::unique_ptr<Backend> make_plain_backend(const std::vector<dct::ChunkPlan>& plans,
                                             const optim::OptimizerOptions& options,

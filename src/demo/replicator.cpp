@@ -215,44 +215,9 @@ class DemoReplicator final : public optim::Replicator {
     Updates updates;
     for (size_t i = 0; i < plans_.size(); ++i) updates.fused.push_back(inner.fused_update(i));
     updates.apply = [&inner](size_t i, const at::Tensor& d) { inner.apply(i, d); };
-    const std::vector<int> kept = screen(b);
-    if (int(kept.size()) == replicas()) {
-      backend_->decode(b, b.recv, replicas(), updates);
-    } else if (!kept.empty()) {  // the peers that passed, in rank order
-      const at::Tensor passed = backend_->buffer(int64_t(b.bytes * kept.size()));
-      for (size_t j = 0; j < kept.size(); ++j) {
-        passed.narrow(0, int64_t(j * b.bytes), int64_t(b.bytes))
-            .copy_(b.recv.narrow(0, int64_t(kept[j] * b.bytes), int64_t(b.bytes)));
-      }
-      backend_->decode(b, passed, int(kept.size()), updates);
-    }  // no replica passed: nothing to apply
-  }
-
-  // Checks every replica's payloads of the bucket before a value is decoded: each validated
-  // (header, checksum, indices), its values finite, and its values' norm at most
-  // peer_scale_bound times the lower median of the replicas' norms for that tensor. Returns
-  // the replicas whose payloads all pass, in rank order; each fault is recorded, and under
-  // PeerPolicy::Stop the first throws. Every replica sees the same bytes, so all decide alike.
-  std::vector<int> screen(const Bucket& b) {
-    const int R = replicas();
-    const at::Tensor host = b.recv.is_cpu() ? b.recv : b.recv.to(at::kCPU);
-    std::vector<dct::ChunkPlan> plans;
-    for (size_t i : b.tensors) plans.push_back(plans_[i]);
-    std::vector<optim::PeerFault> found =
-        screen_payloads(host.data_ptr<uint8_t>(), R, b.bytes, plans, b.offsets, b.topk, b.values,
-                        options_.peer_scale_bound);
-    for (optim::PeerFault& f : found) f.tensor = b.tensors[f.tensor];
-    if (!found.empty() && options_.peer_policy == optim::PeerPolicy::Stop) {
-      throw optim::PeerFaultError(found.front());
-    }
-    std::vector<char> bad(size_t(R), 0);
-    for (const optim::PeerFault& f : found) bad[f.replica] = 1;
-    peer_faults_.insert(peer_faults_.end(), found.begin(), found.end());
-    std::vector<int> kept;
-    for (int r = 0; r < R; ++r) {
-      if (!bad[r]) kept.push_back(r);
-    }
-    return kept;
+    const std::vector<int> kept =
+        passing_replicas(b, b.recv, replicas(), plans_, options_, peer_faults_);
+    decode_passing(*backend_, b, b.recv, replicas(), kept, updates);
   }
 
   // The test aid: this replica's payloads in the bucket, tampered before they are sent.
@@ -318,6 +283,44 @@ class DemoReplicator final : public optim::Replicator {
 
 }  // namespace
 
+std::vector<int> passing_replicas(const Bucket& b, const at::Tensor& gathered, int replicas,
+                                  const std::vector<dct::ChunkPlan>& plans,
+                                  const optim::OptimizerOptions& options,
+                                  std::vector<optim::PeerFault>& faults) {
+  const at::Tensor host = gathered.is_cpu() ? gathered : gathered.to(at::kCPU);
+  std::vector<dct::ChunkPlan> bucket_plans;
+  for (size_t i : b.tensors) bucket_plans.push_back(plans[i]);
+  std::vector<optim::PeerFault> found =
+      screen_payloads(host.data_ptr<uint8_t>(), replicas, b.bytes, bucket_plans, b.offsets, b.topk,
+                      b.values, options.peer_scale_bound);
+  for (optim::PeerFault& f : found) f.tensor = b.tensors[f.tensor];
+  if (!found.empty() && options.peer_policy == optim::PeerPolicy::Stop) {
+    throw optim::PeerFaultError(found.front());
+  }
+  std::vector<char> bad(size_t(replicas), 0);
+  for (const optim::PeerFault& f : found) bad[f.replica] = 1;
+  faults.insert(faults.end(), found.begin(), found.end());
+  std::vector<int> kept;
+  for (int r = 0; r < replicas; ++r) {
+    if (!bad[r]) kept.push_back(r);
+  }
+  return kept;
+}
+
+void decode_passing(Backend& backend, const Bucket& b, const at::Tensor& gathered, int replicas,
+                    const std::vector<int>& kept, const Updates& updates) {
+  if (int(kept.size()) == replicas) {
+    backend.decode(b, gathered, replicas, updates);
+  } else if (!kept.empty()) {  // the peers that passed, in rank order
+    const at::Tensor passed = backend.buffer(int64_t(b.bytes * kept.size()));
+    for (size_t j = 0; j < kept.size(); ++j) {
+      passed.narrow(0, int64_t(j * b.bytes), int64_t(b.bytes))
+          .copy_(gathered.narrow(0, int64_t(kept[j] * b.bytes), int64_t(b.bytes)));
+    }
+    backend.decode(b, passed, int(kept.size()), updates);
+  }  // no replica passed: nothing to apply
+}
+
 std::unique_ptr<Backend> make_backend(const std::vector<dct::ChunkPlan>& plans,
                                       const optim::OptimizerOptions& options,
                                       const std::vector<at::Tensor>& residuals, at::Device device,
@@ -335,6 +338,9 @@ std::unique_ptr<Replicator> make_demo_replicator(const std::vector<dct::ChunkPla
                                                  const OptimizerOptions& options,
                                                  std::shared_ptr<comm::Communicator> group,
                                                  at::Device device) {
+  if (options.demo_exchange == DemoExchange::Owners) {
+    return make_owner_replicator(plans, options, std::move(group), device);
+  }
   return std::make_unique<demo::DemoReplicator>(plans, options, std::move(group), device);
 }
 

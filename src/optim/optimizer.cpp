@@ -60,6 +60,12 @@ void OptimizerOptions::validate() const {
     fail("{weight_decay} must be >= 0 with {lr} x {weight_decay} < 1, got " + str(weight_decay));
   }
   if (normalize && sign) fail("{normalize} needs {sign} off (sign's step is unit RMS already)");
+  if (!(update_rms >= 0.0)) fail("{update_rms} must be >= 0 (0: off), got " + str(update_rms));
+  if (!(step_bound >= 0.0)) fail("{step_bound} must be >= 0 (0: off), got " + str(step_bound));
+  if ((update_rms > 0.0 || step_bound > 0.0) && sign) {
+    fail("{update_rms} and {step_bound} need {sign} off (sign's step is bounded already)");
+  }
+  if (update_rms > 0.0 && normalize) fail("{update_rms} and {normalize} exclude each other");
   if (!(beta1 >= 0.0 && beta1 < 1.0)) fail("{beta1} must be in [0, 1), got " + str(beta1));
   if (!(beta2 >= 0.0 && beta2 < 1.0)) fail("{beta2} must be in [0, 1), got " + str(beta2));
   if (!(eps > 0.0)) fail("{eps} must be > 0, got " + str(eps));
@@ -71,6 +77,12 @@ void OptimizerOptions::validate() const {
   }
   if (overlap_step && replicator != ReplicatorKind::Demo) {
     fail("{overlap_step} needs {replicator} demo");
+  }
+  if (demo_exchange == DemoExchange::Owners && replicator != ReplicatorKind::Demo) {
+    fail("{demo_exchange} owners needs {replicator} demo");
+  }
+  if (demo_exchange == DemoExchange::Owners && overlap_step) {
+    fail("{demo_exchange} owners and {overlap_step} exclude each other");
   }
   if (!(random_fraction > 0.0 && random_fraction <= 1.0)) {
     fail("{random_fraction} must be in (0, 1], got " + str(random_fraction));

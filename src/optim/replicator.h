@@ -88,6 +88,11 @@ std::unique_ptr<Replicator> make_demo_replicator(const std::vector<dct::ChunkPla
                                                  const OptimizerOptions& options,
                                                  std::shared_ptr<comm::Communicator> group,
                                                  at::Device device);
+// Demo with options.demo_exchange Owners (src/demo/owners.cpp).
+std::unique_ptr<Replicator> make_owner_replicator(const std::vector<dct::ChunkPlan>& plans,
+                                                  const OptimizerOptions& options,
+                                                  std::shared_ptr<comm::Communicator> group,
+                                                  at::Device device);
 // Full (exchange = true) and None (exchange = false): the mean gradient since the last exchange.
 std::unique_ptr<Replicator> make_dense_replicator(const std::vector<dct::ChunkPlan>& plans,
                                                   const OptimizerOptions& options,

@@ -74,6 +74,12 @@ at::Tensor chunk_rms_normalized(const at::Tensor& d, const dct::ChunkPlan& plan)
   return scaled.narrow(0, 0, plan.rows).narrow(1, 0, plan.cols).contiguous();
 }
 
+// d scaled so that its RMS is `rms` (a tensor of zeros stays zero); the sum is float64.
+at::Tensor rms_scaled(const at::Tensor& d, double rms) {
+  const double now = std::sqrt(d.to(at::kDouble).square().mean().item<double>());
+  return now > 0.0 ? d * (rms / now) : d;
+}
+
 }  // namespace
 
 std::pair<double, double> StepRule::bias_corrections() const {
@@ -85,7 +91,9 @@ void StepRule::apply(size_t i, const at::Tensor& direction) {
   at::Tensor& p = params_.at(i);
   const OptimizerOptions& o = options_;
   if (o.weight_decay != 0.0) p.mul_(1.0 - lr_ * o.weight_decay);
-  const at::Tensor d = o.normalize ? chunk_rms_normalized(direction, plans_.at(i)) : direction;
+  at::Tensor d = o.normalize ? chunk_rms_normalized(direction, plans_.at(i)) : direction;
+  if (o.update_rms > 0.0) d = rms_scaled(d, o.update_rms);
+  if (o.step_bound > 0.0) d = d.clamp(-o.step_bound, o.step_bound);
   if (o.inner == InnerKind::Sgd) {
     sgd_update(p, d, float(lr_), o.sign);
     return;
@@ -108,8 +116,8 @@ void StepRule::apply(size_t i, const at::Tensor& direction) {
 
 std::optional<demo::Update> StepRule::fused_update(size_t i) const {
   const OptimizerOptions& o = options_;
-  const bool fusable =
-      ((o.inner == InnerKind::Sgd && o.sign) || o.inner == InnerKind::AdamW) && !o.normalize;
+  const bool fusable = ((o.inner == InnerKind::Sgd && o.sign) || o.inner == InnerKind::AdamW) &&
+                       !o.normalize && o.update_rms == 0.0 && o.step_bound == 0.0;
   if (!fusable || params_.at(i).scalar_type() != at::kFloat) return std::nullopt;
   demo::Update u;
   u.param = params_[i];

@@ -1,7 +1,8 @@
 // Step rules: apply a direction, the same on every replica, to this rank's tensors. Sign-SGD
 // (DeMo's; plain SGD with sign off), AdamW (the same formula as torch.optim.AdamW) or SGD with
 // Nesterov momentum (the same as torch.optim.SGD(nesterov=True)), with decoupled weight decay.
-// With sign off and `normalize`, each chunk of the direction is first scaled to unit RMS.
+// With sign off, the direction may first be rescaled: each chunk to unit RMS (`normalize`), the
+// whole tensor to `update_rms`, and each element clamped to `step_bound`, in that order.
 // The Optimizer's inner step is one (--inner); with --inner-steps the outer step is another.
 #pragma once
 

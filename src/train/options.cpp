@@ -342,8 +342,11 @@ optim::OptimizerOptions optimizer_options(const TrainConfig& c) {
                 ? optim::InnerKind::Sgd
                 : optim::InnerKind::AdamW;
   o.replicator = c.replicator.value();
+  o.demo_exchange = c.demo_exchange;
   o.sign = c.sign.value();
   o.normalize = c.normalize;
+  o.update_rms = c.update_rms;
+  o.step_bound = c.step_bound;
   o.lr = c.lr.value();
   o.weight_decay = c.weight_decay;
   o.beta1 = c.beta1.value();

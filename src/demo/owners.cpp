@@ -1,0 +1,325 @@
+// The owners' exchange (--demo-exchange owners): DeMo whose bytes a node a step stay about two
+// payloads whatever the number of replicas R, where the all-gather's grow as R - 1 (docs/
+// algorithm.md, "The owners' exchange"). Every tensor's chunk rows, in order, are cut into R runs
+// of about equal payload bytes; replica r owns run r. A step:
+//   1. each replica encodes its payloads as the all-gather's replicator does (residual, DCT,
+//      top-k, error feedback), one payload per piece (a tensor's rows within one run);
+//   2. one all-to-all sends each owner its pieces' payloads from every replica;
+//   3. the owner decodes their mean (the replicas whose payloads pass the checks), keeps its own
+//      top-k of it, and adds what it leaves out to its own residual, from which it is sent later
+//      (the owner's error feedback: no state but the residual, so checkpoints, elastic resume
+//      and a change between the two exchanges work as they do for the all-gather);
+//   4. one all-gather returns every owner's share to every replica, which decodes each (one
+//      payload per coefficient) and applies the direction with the inner optimizer.
+// The collectives are blocking; the payloads' bytes are the wire format's (compress.h).
+#include "backend.h"
+
+#include "optim/replicator.h"
+#include "optim/step_rule.h"
+
+#include "flexdemo/comm.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <utility>
+
+namespace flexdemo::demo {
+namespace {
+
+using optim::NamedTensors;
+using optim::StepRule;
+
+// Some of a tensor's chunk rows, exchanged as a tensor of their own.
+struct Piece {
+  size_t tensor = 0;
+  int64_t row0 = 0;     // its first row in the tensor (a multiple of the chunk's rows)
+  dct::ChunkPlan plan;  // those rows: the tensor's plan with fewer rows
+  int owner = 0;
+};
+
+// Every tensor's chunk rows in order, cut into `owners` runs of about equal payload bytes (a
+// chunk row weighs its tensor's payload over its chunk rows); a piece: one tensor's rows in one
+// run. A tensor of one chunk row (a vector) is never cut.
+std::vector<Piece> cut_into_pieces(const std::vector<dct::ChunkPlan>& plans, int64_t topk,
+                                   compress::ValueEncoding values, int owners) {
+  std::vector<double> row_weight;
+  double total = 0.0;
+  for (const dct::ChunkPlan& plan : plans) {
+    const double bytes = double(compress::wire_payload_bytes(plan, topk, values));
+    row_weight.push_back(bytes / double(plan.row_chunks()));
+    total += bytes;
+  }
+  std::vector<Piece> pieces;
+  std::vector<int64_t> chunk_rows;  // per piece
+  double before = 0.0;
+  for (size_t t = 0; t < plans.size(); ++t) {
+    for (int64_t i = 0; i < plans[t].row_chunks(); ++i) {
+      const double middle = before + row_weight[t] / 2;
+      before += row_weight[t];
+      const int owner = std::min(owners - 1, int(middle * owners / total));
+      if (!pieces.empty() && pieces.back().tensor == t && pieces.back().owner == owner) {
+        ++chunk_rows.back();
+        continue;
+      }
+      Piece p;
+      p.tensor = t;
+      p.row0 = i * plans[t].chunk_rows;
+      p.owner = owner;
+      pieces.push_back(p);
+      chunk_rows.push_back(1);
+    }
+  }
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    Piece& p = pieces[k];
+    p.plan = plans[p.tensor];
+    p.plan.padded_rows = chunk_rows[k] * p.plan.chunk_rows;
+    p.plan.rows = std::min(p.row0 + p.plan.padded_rows, plans[p.tensor].rows) - p.row0;
+  }
+  return pieces;
+}
+
+class OwnerReplicator final : public optim::Replicator {
+ public:
+  OwnerReplicator(const std::vector<dct::ChunkPlan>& plans, const optim::OptimizerOptions& options,
+                  std::shared_ptr<comm::Communicator> group, at::Device device)
+      : plans_(plans), options_(options), group_(std::move(group)), device_(device) {
+    if (options.transform == optim::Transform::None) options_.fast_path = false;  // DCT kernels
+    const auto floats = at::dtype(at::kFloat).device(device);
+    for (const dct::ChunkPlan& plan : plans_) {
+      residuals_.push_back(at::zeros({plan.padded_rows, plan.padded_cols}, floats));
+      directions_.push_back(at::empty({plan.rows, plan.cols}, floats));
+    }
+    use_layout();
+  }
+
+  void set_layout(int64_t topk, compress::ValueEncoding values) override {
+    if (topk == options_.topk && values == options_.values) return;
+    options_.topk = topk;  // nothing is ever in flight between steps: from the next step on
+    options_.values = values;
+    use_layout();
+  }
+  std::optional<std::pair<int64_t, compress::ValueEncoding>> layout() const override {
+    return std::make_pair(options_.topk, options_.values);
+  }
+
+  void accumulate(const std::vector<at::Tensor>& grads, double lr) override {
+    const std::vector<at::Tensor> pieces = piece_grads(grads);
+    for (size_t k = 0; k < pieces_.size(); ++k) backend_->accumulate(k, pieces[k], lr);
+  }
+
+  void exchange(const std::vector<at::Tensor>& grads, double lr, StepRule& inner) override {
+    const int R = replicas(), me = rank();
+    // 1. This replica's payloads, one per piece, in the owners' order.
+    backend_->encode(all_, piece_grads(grads), lr);
+    if (tamper_) tamper();
+    // 2. Each owner its pieces' payloads from every replica.
+    if (R > 1) {
+      group_->all_to_all_v(all_.send, share_bytes_, received_,
+                           std::vector<int64_t>(size_t(R), share_bytes_[me]));
+    } else {
+      received_.copy_(all_.send);
+    }
+    // 3. The owner: the mean of the replicas that pass, its top-k (the payloads of its share),
+    // and what it left out back into its own residual.
+    for (at::Tensor& g : owner_grads_) g.zero_();
+    Updates mean;
+    mean.fused.assign(pieces_.size(), std::nullopt);
+    mean.apply = [this](size_t piece, const at::Tensor& d) {  // an owner's pieces are a run
+      owner_grads_[piece - shares_[rank()].tensors.front()].copy_(d);
+    };
+    std::vector<optim::PeerFault> found;
+    const std::vector<int> kept =
+        passing_replicas(shares_[me], received_, R, piece_plans_, options_, found);
+    note_faults(found, -1);
+    decode_passing(*backend_, shares_[me], received_, R, kept, mean);
+    if (owner_backend_) {  // an owner of nothing (more replicas than chunk rows) skips this
+      owner_backend_->encode(owned_, owner_grads_, 1.0);
+      for (size_t k = 0; k < owner_scratch_.size(); ++k) {
+        piece_residuals_[shares_[me].tensors[k]].add_(owner_scratch_[k]);
+      }
+    }
+    // 4. Every owner's share to every replica; each decoded and the directions applied.
+    if (R > 1) {
+      group_->all_gather_v(owned_.send, gathered_, share_bytes_);
+    } else {
+      gathered_.copy_(owned_.send);
+    }
+    for (at::Tensor& d : directions_) d.zero_();
+    Updates put;
+    put.fused.assign(pieces_.size(), std::nullopt);
+    put.apply = [this](size_t piece, const at::Tensor& d) {
+      const Piece& p = pieces_[piece];
+      directions_[p.tensor].narrow(0, p.row0, p.plan.rows).copy_(d);
+    };
+    for (int r = 0; r < R; ++r) {
+      if (share_bytes_[r] == 0) continue;
+      const at::Tensor share = gathered_.narrow(0, share_offsets_[r], share_bytes_[r]);
+      found.clear();
+      const std::vector<int> whole =
+          passing_replicas(shares_[r], share, 1, piece_plans_, options_, found);
+      note_faults(found, r);
+      decode_passing(*backend_, shares_[r], share, 1, whole, put);
+    }
+    for (size_t i = 0; i < plans_.size(); ++i) inner.apply(i, directions_[i]);
+  }
+
+  std::vector<optim::PeerFault> take_peer_faults() override {
+    return std::exchange(peer_faults_, {});
+  }
+  void tamper_next_exchange(compress::Tamper how, double factor) override {
+    tamper_ = {how, factor};
+  }
+
+  optim::ExchangeTraffic traffic() const override { return traffic_; }
+  NamedTensors state_tensors() const override { return optim::numbered("residual", residuals_); }
+  const at::Tensor& residual(size_t i) const override { return residuals_.at(i); }
+
+ private:
+  int replicas() const { return group_ ? group_->size() : 1; }
+  int rank() const { return group_ ? group_->rank() : 0; }
+
+  // The pieces for options_'s top-k and values, their residuals (views of the tensors'), the
+  // owners' shares and every buffer.
+  void use_layout() {
+    const int R = replicas(), me = rank();
+    pieces_ = cut_into_pieces(plans_, options_.topk, options_.values, R);
+    piece_plans_.clear();
+    piece_residuals_.clear();
+    for (const Piece& p : pieces_) {
+      piece_plans_.push_back(p.plan);
+      piece_residuals_.push_back(
+          residuals_[p.tensor].narrow(0, p.row0, p.plan.padded_rows));  // whole rows: contiguous
+    }
+    const at::Device replica_device = group_ ? group_->device() : at::Device(at::kCPU);
+    backend_ = make_backend(piece_plans_, options_, piece_residuals_, device_, replica_device);
+    // The shares: owner r's pieces are a run of pieces_ (the runs are in owner order).
+    shares_.clear();
+    shares_.resize(size_t(R));
+    share_bytes_.assign(size_t(R), 0);
+    share_offsets_.assign(size_t(R), 0);
+    all_ = Bucket{};
+    all_.topk = options_.topk;
+    all_.values = options_.values;
+    traffic_ = {};
+    for (size_t k = 0; k < pieces_.size(); ++k) {
+      const size_t bytes = compress::wire_payload_bytes(piece_plans_[k], all_.topk, all_.values);
+      Bucket& share = shares_[size_t(pieces_[k].owner)];
+      share.tensors.push_back(k);
+      share.offsets.push_back(share.bytes);
+      share.bytes += bytes;
+      all_.tensors.push_back(k);
+      all_.offsets.push_back(all_.bytes);
+      all_.bytes += bytes;
+      traffic_.kept_coefficients +=
+          piece_plans_[k].num_chunks() * compress::clamp_topk(options_.topk, piece_plans_[k]);
+    }
+    for (const dct::ChunkPlan& plan : plans_) traffic_.params += plan.numel();
+    traffic_.wire_bytes = all_.bytes;
+    int64_t offset = 0;
+    for (int r = 0; r < R; ++r) {
+      shares_[r].topk = all_.topk;
+      shares_[r].values = all_.values;
+      share_bytes_[r] = int64_t(shares_[r].bytes);
+      share_offsets_[r] = offset;
+      offset += share_bytes_[r];
+    }
+    all_.send = backend_->buffer(int64_t(all_.bytes));
+    received_ = backend_->buffer(int64_t(shares_[me].bytes) * R);
+    gathered_ = backend_->buffer(int64_t(all_.bytes));
+    // The owner's stage: its pieces again, with a scratch residual that each encode overwrites
+    // (decay 0) with the mean's coefficients, leaving what the top-k left out.
+    std::vector<dct::ChunkPlan> owned_plans;
+    owner_grads_.clear();
+    owner_scratch_.clear();
+    const auto floats = at::dtype(at::kFloat).device(device_);
+    for (size_t k : shares_[me].tensors) {
+      const dct::ChunkPlan& plan = piece_plans_[k];
+      owned_plans.push_back(plan);
+      owner_grads_.push_back(at::zeros({plan.rows, plan.cols}, floats));
+      owner_scratch_.push_back(at::zeros({plan.padded_rows, plan.padded_cols}, floats));
+    }
+    optim::OptimizerOptions owner_options = options_;
+    owner_options.decay = 0.0;
+    owned_ = Bucket{};
+    owned_.topk = all_.topk;
+    owned_.values = all_.values;
+    owned_.offsets = shares_[me].offsets;
+    owned_.bytes = shares_[me].bytes;
+    for (size_t k = 0; k < owned_plans.size(); ++k) owned_.tensors.push_back(k);
+    owner_backend_ = owned_plans.empty() ? nullptr
+                                         : make_backend(owned_plans, owner_options, owner_scratch_,
+                                                        device_, replica_device);
+    owned_.send = backend_->buffer(int64_t(owned_.bytes));
+  }
+
+  // Each piece's rows of its tensor's gradient (undefined where the gradient is).
+  std::vector<at::Tensor> piece_grads(const std::vector<at::Tensor>& grads) const {
+    std::vector<at::Tensor> out;
+    for (const Piece& p : pieces_) {
+      const at::Tensor& g = grads[p.tensor];
+      const dct::ChunkPlan& plan = plans_[p.tensor];
+      out.push_back(g.defined() ? g.reshape({plan.rows, plan.cols}).narrow(0, p.row0, p.plan.rows)
+                                : at::Tensor());
+    }
+    return out;
+  }
+
+  // Faults found in a bucket of pieces: named by tensor, and (owner >= 0) by the owner whose
+  // share it was.
+  void note_faults(std::vector<optim::PeerFault>& found, int owner) {
+    for (optim::PeerFault& f : found) {
+      f.tensor = pieces_[f.tensor].tensor;
+      if (owner >= 0) f.replica = owner;
+    }
+    peer_faults_.insert(peer_faults_.end(), found.begin(), found.end());
+  }
+
+  // The test aid: this replica's payloads of the exchange, tampered before they are sent.
+  void tamper() {
+    at::Tensor host = all_.send.is_cpu() ? all_.send : all_.send.to(at::kCPU);
+    for (size_t k = 0; k < pieces_.size(); ++k) {
+      compress::tamper_payload(host.data_ptr<uint8_t>() + all_.offsets[k], piece_plans_[k],
+                               all_.topk, all_.values, tamper_->first, tamper_->second);
+    }
+    if (!all_.send.is_cpu()) all_.send.copy_(host);
+    tamper_.reset();
+  }
+
+  std::vector<dct::ChunkPlan> plans_;  // the tensors'
+  optim::OptimizerOptions options_;
+  std::shared_ptr<comm::Communicator> group_;
+  at::Device device_;
+  std::vector<at::Tensor> residuals_;   // per tensor: float32 block-layout DCT coefficients
+  std::vector<at::Tensor> directions_;  // per tensor: this step's decoded direction
+  std::vector<Piece> pieces_;
+  std::vector<dct::ChunkPlan> piece_plans_;
+  std::vector<at::Tensor> piece_residuals_;  // views of residuals_
+  std::unique_ptr<Backend> backend_;         // over the pieces
+  Bucket all_;                               // every piece; send: this replica's payloads
+  std::vector<Bucket> shares_;               // per owner: its pieces (offsets within the share)
+  std::vector<int64_t> share_bytes_, share_offsets_;
+  at::Tensor received_;  // R x this owner's share: every replica's payloads of it
+  at::Tensor gathered_;  // every owner's share, back to back
+  // The owner's stage: its pieces' mean directions, scratch residuals, backend and payloads.
+  std::vector<at::Tensor> owner_grads_, owner_scratch_;
+  std::unique_ptr<Backend> owner_backend_;
+  Bucket owned_;
+  optim::ExchangeTraffic traffic_;
+  std::vector<optim::PeerFault> peer_faults_;
+  std::optional<std::pair<compress::Tamper, double>> tamper_;
+};
+
+}  // namespace
+}  // namespace flexdemo::demo
+
+namespace flexdemo::optim {
+
+std::unique_ptr<Replicator> make_owner_replicator(const std::vector<dct::ChunkPlan>& plans,
+                                                  const OptimizerOptions& options,
+                                                  std::shared_ptr<comm::Communicator> group,
+                                                  at::Device device) {
+  return std::make_unique<demo::OwnerReplicator>(plans, options, std::move(group), device);
+}
+
+}  // namespace flexdemo::optim
