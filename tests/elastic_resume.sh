@@ -14,6 +14,8 @@
 #   4. FlexDeMo, 2 x 2 -> 1 x 2 -> 2 x 2, with --check-replicas 10 (the regrown replicas must
 #      stay identical): the final loss within 1% of the uninterrupted run's.
 #   5. The same with --overlap-step (the exchange in flight settled by its preview): within 1%.
+#   6. The same with --demo-exchange owners (the owners' leftovers are in their residuals, so
+#      the residuals map as the all-gather's do, and the owners are cut again): within 1%.
 #   tests/elastic_resume.sh BUILD_DIR
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
@@ -86,9 +88,10 @@ compare adamw "4 2" "2 2" "4 2" 20 40 --optimizer adamw --clip 0
 within "$max1" 0 && within "$max2" 1e-6 && within "$max3" 1e-6 ||
   { echo "FAIL (adamw): the mapped moments do not continue the run"; fail=1; }
 
-for variant in flexdemo overlap; do
+for variant in flexdemo overlap owners; do
   options=(--check-replicas 10)
   [ $variant = overlap ] && options+=(--overlap-step)
+  [ $variant = owners ] && options+=(--demo-exchange owners)
   compare "$variant" "4 2" "2 2" "4 2" 20 40 "${options[@]}"
   whole=$(final_loss "$work/$variant-whole")
   elastic=$(final_loss "$work/$variant")
