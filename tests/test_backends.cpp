@@ -1,6 +1,7 @@
 // The host-staged backend (the GPU's fallback when its kernels disagree with the CPU's) against
 // the CPU backend it wraps: on tensors that already lie on the host its staging is a copy, so
 // payloads, residuals and updates must be equal bit for bit.
+#include "closed_form.h"
 #include "demo/backend.h"
 
 #include "flexdemo/comm.h"
@@ -79,3 +80,30 @@ TEST(Backends, HostStagedEqualsTheCpuBackendItWraps) {
 }
 
 }  // namespace
+
+TEST(Backends, OwnersReturnAsManyCoefficientsAsFitInAPayload) {
+  // --demo-exchange owners: at 2-bit values an owner returns the most coefficients a chunk whose
+  // payload fits in the bytes of a replica's (the closed form decides), never fewer than top-k
+  // and never more than the chunk holds.
+  using compress::ValueEncoding;
+  const dct::ChunkPlan chunk = dct::make_chunk_plan({64, 64}, 64, dct::ChunkMode::Divisor);
+  const dct::ChunkPlan wide = dct::make_chunk_plan({128, 256}, 64, dct::ChunkMode::Divisor);
+  auto bytes = [&](int64_t k, ValueEncoding values) {
+    optim::OptimizerOptions o;
+    o.topk = k;
+    o.values = values;
+    return closed_form_payload_bytes({chunk}, o);
+  };
+  for (ValueEncoding values : {ValueEncoding::Bf16, ValueEncoding::Fp32, ValueEncoding::Fp8}) {
+    const int64_t k = demo::owner_topk_that_fits({wide}, 32, values, ValueEncoding::TwoBit);
+    EXPECT_LE(bytes(k, ValueEncoding::TwoBit), bytes(32, values)) << name_of(values);
+    EXPECT_GT(bytes(k + 1, ValueEncoding::TwoBit), bytes(32, values)) << name_of(values);
+  }
+  EXPECT_EQ(demo::owner_topk_that_fits({wide}, 32, ValueEncoding::Bf16, ValueEncoding::TwoBit),
+            104);
+  EXPECT_EQ(demo::owner_topk_that_fits({wide}, 32, ValueEncoding::TwoBit, ValueEncoding::TwoBit),
+            32);
+  const dct::ChunkPlan vector = dct::make_chunk_plan({64}, 64, dct::ChunkMode::Divisor);  // 64
+  EXPECT_EQ(demo::owner_topk_that_fits({vector}, 32, ValueEncoding::Bf16, ValueEncoding::TwoBit),
+            64);
+}

@@ -13,6 +13,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 
 using namespace flexdemo;
@@ -49,6 +50,30 @@ optim::OptimizerOptions bf16_options() {
   return o;
 }
 
+// Trains `steps` steps over `group` (each rank its own gradients) and expects every parameter
+// to have moved and to be bit-identical on every rank of `world`. Returns the traffic.
+optim::ExchangeTraffic train_and_expect_identical(comm::Communicator& world,
+                                                  const optim::OptimizerOptions& o,
+                                                  std::shared_ptr<comm::Communicator> group,
+                                                  int steps) {
+  std::vector<at::Tensor> params = make_params();
+  std::vector<at::Tensor> initial;
+  for (auto& p : params) initial.push_back(p.detach().clone());
+  optim::Optimizer demo(params, o, std::move(group));
+  for (int step = 0; step < steps; ++step) {
+    set_gradients(params, world.rank(), step);
+    demo.step();
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    at::Tensor mine = params[i].detach().clone();
+    at::Tensor root = mine.clone();
+    world.broadcast(root, 0);
+    EXPECT_TRUE(at::equal(mine, root)) << "parameter " << i << " " << name_of(o.values);
+    EXPECT_FALSE(at::equal(mine, initial[i])) << "parameter " << i << " never moved";
+  }
+  return demo.traffic();
+}
+
 }  // namespace
 
 TEST(DemoMpi, ReplicasStayBitIdenticalAndBytesMatchClosedForm) {
@@ -62,24 +87,10 @@ TEST(DemoMpi, ReplicasStayBitIdenticalAndBytesMatchClosedForm) {
         compress::ValueEncoding::Int8 == values ? dct::ChunkMode::Padded : dct::ChunkMode::Divisor;
     o.values = values;
     auto group = world->split(0, world->rank());
-    std::vector<at::Tensor> params = make_params();
-    std::vector<at::Tensor> initial;
-    for (auto& p : params) initial.push_back(p.detach().clone());
-    optim::Optimizer demo(params, o, group);
     const int steps = 20;
-    for (int step = 0; step < steps; ++step) {
-      set_gradients(params, world->rank(), step);
-      demo.step();
-    }
-    for (size_t i = 0; i < params.size(); ++i) {
-      at::Tensor mine = params[i].detach().clone();
-      at::Tensor root = mine.clone();
-      world->broadcast(root, 0);
-      EXPECT_TRUE(at::equal(mine, root)) << "parameter " << i << " " << name_of(values);
-      EXPECT_FALSE(at::equal(mine, initial[i])) << "parameter " << i << " never moved";
-    }
+    const optim::ExchangeTraffic traffic = train_and_expect_identical(*world, o, group, steps);
     const uint64_t payload = closed_form_payload_bytes(plans_of(o), o);
-    EXPECT_EQ(demo.traffic().wire_bytes, payload);
+    EXPECT_EQ(traffic.wire_bytes, payload);
     EXPECT_EQ(group->stats().bytes_sent, steps * (world->size() - 1) * payload);
     EXPECT_EQ(group->stats().collectives, uint64_t(steps));  // one bucketed all-gather per step
   }
@@ -689,8 +700,9 @@ optim::OptimizerOptions owners_options(compress::ValueEncoding values) {
 // replica's residual in the DCT domain (per chunk, direct-formula bases), the tensors' chunk
 // rows cut into R runs of about equal payload bytes (run r: replica r's), each replica's top-k
 // per chunk out of its residual, the owner's mean of the replicas that chose a coefficient, its
-// own top-k of that mean, what it leaves out added to the owner's residual, and the step by the
-// inverse DCT of what it kept (sign off, no weight decay). Divisor chunks only (no padding).
+// own top owner_topk of that mean, what it leaves out back into its senders' residuals, and the
+// step by the inverse DCT of what it kept (sign off, no weight decay, fp32 values both ways).
+// Divisor chunks only (no padding).
 struct NaiveOwners {
   std::vector<dct::ChunkPlan> plans;
   optim::OptimizerOptions o;
@@ -732,10 +744,11 @@ struct NaiveOwners {
     return out;
   }
 
-  // Each chunk's k largest magnitudes of x (the rest zero), and where they are.
-  std::pair<at::Tensor, at::Tensor> topk(const at::Tensor& x, const dct::ChunkPlan& plan) const {
+  // Each chunk's `count` largest magnitudes of x (the rest zero), and where they are.
+  std::pair<at::Tensor, at::Tensor> topk(const at::Tensor& x, const dct::ChunkPlan& plan,
+                                         int64_t count) const {
     at::Tensor kept = at::zeros_like(x), where = at::zeros_like(x);
-    const int64_t k = std::min(o.topk, plan.chunk_numel());
+    const int64_t k = std::min(count, plan.chunk_numel());
     for (int64_t i = 0; i < plan.row_chunks(); ++i) {
       for (int64_t j = 0; j < plan.col_chunks(); ++j) {
         auto chunk = [&](const at::Tensor& t) {
@@ -761,23 +774,19 @@ struct NaiveOwners {
     for (size_t t = 0; t < plans.size(); ++t) {
       const dct::ChunkPlan& plan = plans[t];
       at::Tensor sum = at::zeros_like(params[t]), count = at::zeros_like(params[t]);
+      std::vector<at::Tensor> sent(static_cast<size_t>(R));
       for (int q = 0; q < R; ++q) {
         at::Tensor& d = residual[q][t];
-        d = o.decay * d +
-            o.lr * transform(grads[q][t].reshape({plan.rows, plan.cols}), plan, false);
-        const auto [sent, where] = topk(d, plan);
-        d -= sent;
-        sum += sent;
+        d = o.decay * d + o.lr * transform(grads[q][t].reshape({plan.rows, plan.cols}), plan, false);
+        at::Tensor where;
+        std::tie(sent[q], where) = topk(d, plan, o.topk);
+        d -= sent[q];
+        sum += sent[q];
         count += where;
       }
       const at::Tensor mean = at::where(count > 0, sum / count.clamp_min(1), at::zeros_like(sum));
-      const at::Tensor kept = topk(mean, plan).first;
-      const at::Tensor left = mean - kept;
-      for (int64_t i = 0; i < plan.row_chunks(); ++i) {
-        residual[owner[t][i]][t]
-            .narrow(0, i * plan.chunk_rows, plan.chunk_rows)
-            .add_(left.narrow(0, i * plan.chunk_rows, plan.chunk_rows));
-      }
+      const auto [kept, taken] = topk(mean, plan, o.owner_topk);
+      for (int q = 0; q < R; ++q) residual[q][t] += sent[q] * (1 - taken);
       params[t] -= o.lr * transform(kept, plan, true);
     }
   }
@@ -787,7 +796,8 @@ struct NaiveOwners {
 
 TEST(DemoMpi, OwnersEqualFloat64Reference) {
   // Every rank replays every replica in float64 and compares its own parameters and residuals
-  // with the reference's after each step: the owners' mean, top-k and leftover included.
+  // with the reference's after each step: the owners' mean, their top-6 (more than a replica's
+  // top-4, fewer than the replicas send together) and what they leave out included.
   auto world = test_world();
   const int R = world->size(), me = world->rank();
   optim::OptimizerOptions o = owners_options(compress::ValueEncoding::Fp32);
@@ -795,6 +805,8 @@ TEST(DemoMpi, OwnersEqualFloat64Reference) {
   o.decay = 0.9;
   o.lr = 0.05;
   o.topk = 4;
+  o.owner_topk = 6;
+  o.owner_values = compress::ValueEncoding::Fp32;
   o.chunk = 8;
   std::vector<at::Tensor> params = make_params();
   optim::Optimizer demo(params, o, world->split(0, me));
@@ -827,29 +839,14 @@ TEST(DemoMpi, OwnersEqualFloat64Reference) {
 
 TEST(DemoMpi, OwnersKeepReplicasBitIdenticalWithinTwoPayloads) {
   // Every encoding: replicas stay bit-identical, and each moves at most two all-gather payloads
-  // a step each way (2 (R - 1) / R of one, plus the pieces' own headers), where the all-gather
-  // moves R - 1.
+  // a step each way (2 (R - 1) / R of one: the owners return no more bytes than they receive,
+  // plus the pieces' own headers), where the all-gather moves R - 1.
   auto world = test_world();
-  const int R = world->size();
   for (auto values : values_of<compress::ValueEncoding>()) {
     const optim::OptimizerOptions o = owners_options(values);
     auto group = world->split(0, world->rank());
-    std::vector<at::Tensor> params = make_params();
-    std::vector<at::Tensor> initial;
-    for (auto& p : params) initial.push_back(p.detach().clone());
-    optim::Optimizer demo(params, o, group);
     const int steps = 10;
-    for (int step = 0; step < steps; ++step) {
-      set_gradients(params, world->rank(), step);
-      demo.step();
-    }
-    for (size_t i = 0; i < params.size(); ++i) {
-      at::Tensor mine = params[i].detach().clone();
-      at::Tensor root = mine.clone();
-      world->broadcast(root, 0);
-      EXPECT_TRUE(at::equal(mine, root)) << "parameter " << i << " " << name_of(values);
-      EXPECT_FALSE(at::equal(mine, initial[i])) << "parameter " << i << " never moved";
-    }
+    train_and_expect_identical(*world, o, group, steps);
     const uint64_t payload = closed_form_payload_bytes(plans_of(o), o);
     EXPECT_LE(group->stats().bytes_sent, uint64_t(steps) * 2 * payload) << name_of(values);
     EXPECT_LE(group->stats().bytes_received, uint64_t(steps) * 2 * payload) << name_of(values);
@@ -859,7 +856,7 @@ TEST(DemoMpi, OwnersKeepReplicasBitIdenticalWithinTwoPayloads) {
 }
 
 TEST(DemoMpi, OwnersResumeExactlyFromTheirState) {
-  // The owners' state is the residuals alone (their leftovers are in them): a run stopped after
+  // The owners' state is the residuals alone (what they leave out is in them): a run stopped after
   // step 4 and continued by a fresh optimizer equals the run that never stopped, bit for bit.
   auto world = test_world();
   const auto names =

@@ -38,9 +38,10 @@ enum class ReplicatorKind {
 enum class DemoExchange {
   AllGather,  // every replica gathers every other's payload: R - 1 payloads in, a node, a step
   Owners,     // each replica owns a share of the chunks: one all-to-all sends each owner its
-              // chunks' coefficients, the owner keeps the top-k of their mean (what it leaves
-              // out re-enters its own residual), one all-gather returns every owner's share:
-              // about 2 (R - 1) / R payloads in, whatever R is
+              // chunks' coefficients, the owner keeps the top owner_topk of their mean, one
+              // all-gather returns every owner's share (what an owner leaves out goes back into
+              // its senders' residuals): at most about 2 (R - 1) / R payloads each way a node,
+              // whatever R is
 };
 
 // The per-chunk transform DeMo's residual is kept and selected in.
@@ -97,6 +98,10 @@ struct OptimizerOptions {
   // ====== Exchange ======
   ReplicatorKind replicator = ReplicatorKind::Demo;
   DemoExchange demo_exchange = DemoExchange::AllGather;  // Demo: the collectives
+  // Owners: what an owner returns a chunk. owner_topk 0: as many coefficients as fit, at
+  // owner_values, in the bytes of a replica's payload (top-k 32 at bf16: 104 at 2-bit values).
+  int64_t owner_topk = 0;  // >= 0
+  compress::ValueEncoding owner_values = compress::ValueEncoding::TwoBit;
   int64_t replicate_every = 1;        // exchange and update every N steps (>= 1); the steps in
                                       // between only fold their gradients into the state
   bool overlap_step = false;          // Demo: the exchange runs non-blocking through the next

@@ -154,6 +154,11 @@ struct OptionSpec {
     "DeMo's collectives between nodes: all-gather (every node receives every other's payload) "    \
     "or owners (each node owns a share of the chunks and keeps the top-k of their mean: about "    \
     "two payloads a node a step whatever the node count)")                                         \
+  X(owner_topk, int64_t, 0, Run, at_least(0, " (0: as many as fit in a payload's bytes)"),          \
+    "--demo-exchange owners: coefficients a chunk each owner returns (0: as many as fit, at "      \
+    "--owner-values, in the bytes of a node's payload)")                                           \
+  X(owner_values, compress::ValueEncoding, compress::ValueEncoding::TwoBit, Run, anything(),       \
+    "--demo-exchange owners: the value encoding of the owners' returned coefficients")             \
   X(sign, std::optional<bool>, std::nullopt, State, anything(),                                    \
     "apply sign(update) (default: on for flexdemo, off otherwise); --no-sign: the update itself")  \
   X(normalize, bool, false, State, anything(),                                                     \

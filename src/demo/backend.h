@@ -94,6 +94,11 @@ std::vector<int> passing_replicas(const Bucket& b, const at::Tensor& gathered, i
 void decode_passing(Backend& backend, const Bucket& b, const at::Tensor& gathered, int replicas,
                     const std::vector<int>& kept, const Updates& updates);
 
+// The owners' exchange (owners.cpp): the most coefficients a chunk (at least topk) whose payload
+// at owner_values fits in the bytes of one at topk and values, for the plans' largest chunk.
+int64_t owner_topk_that_fits(const std::vector<dct::ChunkPlan>& plans, int64_t topk,
+                             compress::ValueEncoding values, compress::ValueEncoding owner_values);
+
 // The implementations (host_backend.cpp, cuda_backend.cpp).
 std::unique_ptr<Backend> make_plain_backend(const std::vector<dct::ChunkPlan>& plans,
                                             const optim::OptimizerOptions& options,

@@ -5,12 +5,15 @@
 //   1. each replica encodes its payloads as the all-gather's replicator does (residual, DCT,
 //      top-k, error feedback), one payload per piece (a tensor's rows within one run);
 //   2. one all-to-all sends each owner its pieces' payloads from every replica;
-//   3. the owner decodes their mean (the replicas whose payloads pass the checks), keeps its own
-//      top-k of it, and adds what it leaves out to its own residual, from which it is sent later
-//      (the owner's error feedback: no state but the residual, so checkpoints, elastic resume
-//      and a change between the two exchanges work as they do for the all-gather);
+//   3. the owner decodes their mean (the replicas whose payloads pass the checks) and keeps its
+//      own top-k' of it, encoded at its own values (by default 2-bit values and as many
+//      coefficients as fit in the replicas' payload bytes: about three times top-k at bf16);
 //   4. one all-gather returns every owner's share to every replica, which decodes each (one
-//      payload per coefficient) and applies the direction with the inner optimizer.
+//      payload per coefficient) and applies the direction with the inner optimizer;
+//   5. every coefficient a replica sent that its owner did not keep goes back into that
+//      replica's residual (error feedback at the senders: the state is the residuals alone, so
+//      checkpoints, elastic resume and a change between the two exchanges work as they do for
+//      the all-gather).
 // The collectives are blocking; the payloads' bytes are the wire format's (compress.h).
 #include "backend.h"
 
@@ -79,6 +82,28 @@ std::vector<Piece> cut_into_pieces(const std::vector<dct::ChunkPlan>& plans, int
   return pieces;
 }
 
+}  // namespace
+
+int64_t owner_topk_that_fits(const std::vector<dct::ChunkPlan>& plans, int64_t topk,
+                             compress::ValueEncoding values, compress::ValueEncoding owner_values) {
+  dct::ChunkPlan chunk;  // one chunk of the largest size among the plans
+  for (const dct::ChunkPlan& plan : plans) {
+    if (plan.chunk_numel() > chunk.chunk_numel()) {
+      chunk.chunk_rows = chunk.rows = chunk.padded_rows = plan.chunk_rows;
+      chunk.chunk_cols = chunk.cols = chunk.padded_cols = plan.chunk_cols;
+    }
+  }
+  const size_t budget = compress::wire_payload_bytes(chunk, topk, values);
+  int64_t k = std::min(topk, chunk.chunk_numel());
+  while (k < chunk.chunk_numel() &&
+         compress::wire_payload_bytes(chunk, k + 1, owner_values) <= budget) {
+    ++k;
+  }
+  return std::max(k, topk);
+}
+
+namespace {
+
 class OwnerReplicator final : public optim::Replicator {
  public:
   OwnerReplicator(const std::vector<dct::ChunkPlan>& plans, const optim::OptimizerOptions& options,
@@ -120,8 +145,7 @@ class OwnerReplicator final : public optim::Replicator {
     } else {
       received_.copy_(all_.send);
     }
-    // 3. The owner: the mean of the replicas that pass, its top-k (the payloads of its share),
-    // and what it left out back into its own residual.
+    // 3. The owner: the mean of the replicas that pass and its top-k' (its share's payloads).
     for (at::Tensor& g : owner_grads_) g.zero_();
     Updates mean;
     mean.fused.assign(pieces_.size(), std::nullopt);
@@ -129,19 +153,17 @@ class OwnerReplicator final : public optim::Replicator {
       owner_grads_[piece - shares_[rank()].tensors.front()].copy_(d);
     };
     std::vector<optim::PeerFault> found;
+    std::vector<char> share_passed(size_t(R), 0);
     const std::vector<int> kept =
         passing_replicas(shares_[me], received_, R, piece_plans_, options_, found);
     note_faults(found, -1);
     decode_passing(*backend_, shares_[me], received_, R, kept, mean);
     if (owner_backend_) {  // an owner of nothing (more replicas than chunk rows) skips this
       owner_backend_->encode(owned_, owner_grads_, 1.0);
-      for (size_t k = 0; k < owner_scratch_.size(); ++k) {
-        piece_residuals_[shares_[me].tensors[k]].add_(owner_scratch_[k]);
-      }
     }
     // 4. Every owner's share to every replica; each decoded and the directions applied.
     if (R > 1) {
-      group_->all_gather_v(owned_.send, gathered_, share_bytes_);
+      group_->all_gather_v(owned_.send, gathered_, return_bytes_);
     } else {
       gathered_.copy_(owned_.send);
     }
@@ -153,15 +175,18 @@ class OwnerReplicator final : public optim::Replicator {
       directions_[p.tensor].narrow(0, p.row0, p.plan.rows).copy_(d);
     };
     for (int r = 0; r < R; ++r) {
-      if (share_bytes_[r] == 0) continue;
-      const at::Tensor share = gathered_.narrow(0, share_offsets_[r], share_bytes_[r]);
+      if (return_bytes_[r] == 0) continue;
+      const at::Tensor share = gathered_.narrow(0, return_offsets_[r], return_bytes_[r]);
       found.clear();
       const std::vector<int> whole =
-          passing_replicas(shares_[r], share, 1, piece_plans_, options_, found);
+          passing_replicas(returns_[r], share, 1, piece_plans_, options_, found);
       note_faults(found, r);
-      decode_passing(*backend_, shares_[r], share, 1, whole, put);
+      share_passed[r] = !whole.empty();
+      decode_passing(*backend_, returns_[r], share, 1, whole, put);
     }
     for (size_t i = 0; i < plans_.size(); ++i) inner.apply(i, directions_[i]);
+    // 5. What the owners left out stays with its senders.
+    keep_what_owners_left_out(share_passed);
   }
 
   std::vector<optim::PeerFault> take_peer_faults() override {
@@ -184,6 +209,10 @@ class OwnerReplicator final : public optim::Replicator {
   void use_layout() {
     const int R = replicas(), me = rank();
     pieces_ = cut_into_pieces(plans_, options_.topk, options_.values, R);
+    owner_values_ = options_.owner_values;
+    owner_topk_ = options_.owner_topk > 0
+                      ? options_.owner_topk
+                      : owner_topk_that_fits(plans_, options_.topk, options_.values, owner_values_);
     piece_plans_.clear();
     piece_residuals_.clear();
     for (const Piece& p : pieces_) {
@@ -197,7 +226,6 @@ class OwnerReplicator final : public optim::Replicator {
     shares_.clear();
     shares_.resize(size_t(R));
     share_bytes_.assign(size_t(R), 0);
-    share_offsets_.assign(size_t(R), 0);
     all_ = Bucket{};
     all_.topk = options_.topk;
     all_.values = options_.values;
@@ -216,19 +244,37 @@ class OwnerReplicator final : public optim::Replicator {
     }
     for (const dct::ChunkPlan& plan : plans_) traffic_.params += plan.numel();
     traffic_.wire_bytes = all_.bytes;
-    int64_t offset = 0;
     for (int r = 0; r < R; ++r) {
       shares_[r].topk = all_.topk;
       shares_[r].values = all_.values;
       share_bytes_[r] = int64_t(shares_[r].bytes);
-      share_offsets_[r] = offset;
-      offset += share_bytes_[r];
+    }
+    // The owners' payloads back: the same pieces at the owners' top-k and values.
+    returns_.clear();
+    returns_.resize(size_t(R));
+    return_bytes_.assign(size_t(R), 0);
+    return_offsets_.assign(size_t(R), 0);
+    return_at_.clear();
+    int64_t returned = 0;
+    for (int r = 0; r < R; ++r) {
+      Bucket& back = returns_[r];
+      back.topk = owner_topk_;
+      back.values = owner_values_;
+      back.tensors = shares_[r].tensors;
+      return_offsets_[r] = returned;
+      for (size_t k : back.tensors) {
+        back.offsets.push_back(back.bytes);
+        return_at_.push_back(size_t(returned) + back.bytes);
+        back.bytes += compress::wire_payload_bytes(piece_plans_[k], back.topk, back.values);
+      }
+      return_bytes_[r] = int64_t(back.bytes);
+      returned += return_bytes_[r];
     }
     all_.send = backend_->buffer(int64_t(all_.bytes));
     received_ = backend_->buffer(int64_t(shares_[me].bytes) * R);
-    gathered_ = backend_->buffer(int64_t(all_.bytes));
+    gathered_ = backend_->buffer(returned);
     // The owner's stage: its pieces again, with a scratch residual that each encode overwrites
-    // (decay 0) with the mean's coefficients, leaving what the top-k left out.
+    // (decay 0) with the mean's coefficients.
     std::vector<dct::ChunkPlan> owned_plans;
     owner_grads_.clear();
     owner_scratch_.clear();
@@ -242,15 +288,65 @@ class OwnerReplicator final : public optim::Replicator {
     optim::OptimizerOptions owner_options = options_;
     owner_options.decay = 0.0;
     owned_ = Bucket{};
-    owned_.topk = all_.topk;
-    owned_.values = all_.values;
-    owned_.offsets = shares_[me].offsets;
-    owned_.bytes = shares_[me].bytes;
+    owned_.topk = owner_topk_;
+    owned_.values = owner_values_;
+    owned_.offsets = returns_[me].offsets;
+    owned_.bytes = returns_[me].bytes;
     for (size_t k = 0; k < owned_plans.size(); ++k) owned_.tensors.push_back(k);
     owner_backend_ = owned_plans.empty() ? nullptr
                                          : make_backend(owned_plans, owner_options, owner_scratch_,
                                                         device_, replica_device);
     owned_.send = backend_->buffer(int64_t(owned_.bytes));
+  }
+
+  // What the owners left out stays with its senders: every coefficient this replica sent that
+  // its owner did not keep (all of a piece whose owner's share failed the checks) goes back
+  // into this replica's residual. The owners' shares lie in gathered_ as this replica's own
+  // payloads lie in all_.send (the same pieces, order and layout).
+  void keep_what_owners_left_out(const std::vector<char>& share_passed) {
+    const at::Tensor mine = all_.send.to(at::kCPU), owners = gathered_.to(at::kCPU);
+    std::vector<char> taken;
+    for (size_t k = 0; k < pieces_.size(); ++k) {
+      const dct::ChunkPlan& plan = piece_plans_[k];
+      const size_t size = compress::wire_payload_bytes(plan, all_.topk, all_.values);
+      const compress::SparseChunks sent = compress::decode_mean_sparse(
+          {mine.data_ptr<uint8_t>() + all_.offsets[k]}, size, plan, all_.topk, all_.values);
+      const bool applied = share_passed[size_t(pieces_[k].owner)];
+      compress::SparseChunks kept;
+      if (applied) {
+        kept = compress::decode_mean_sparse(
+            {owners.data_ptr<uint8_t>() + return_at_[k]},
+            compress::wire_payload_bytes(plan, owner_topk_, owner_values_), plan, owner_topk_,
+            owner_values_);
+      }
+      const int64_t* sent_counts = sent.counts.data_ptr<int64_t>();
+      const int64_t* kept_counts = applied ? kept.counts.data_ptr<int64_t>() : nullptr;
+      std::vector<int64_t> index;
+      std::vector<float> value;
+      taken.assign(size_t(plan.chunk_numel()), 0);
+      for (int64_t c = 0; c < plan.num_chunks(); ++c) {
+        const int32_t* pos = sent.positions.data_ptr<int32_t>() + c * sent.positions.size(1);
+        const float* val = sent.values.data_ptr<float>() + c * sent.values.size(1);
+        if (applied) {
+          const int32_t* k_pos = kept.positions.data_ptr<int32_t>() + c * kept.positions.size(1);
+          for (int64_t j = 0; j < kept_counts[c]; ++j) taken[k_pos[j]] = 1;
+        }
+        for (int64_t j = 0; j < sent_counts[c]; ++j) {
+          if (!taken[pos[j]]) {
+            index.push_back(plan.chunk_origin(c) + plan.offset_in_chunk(pos[j]));
+            value.push_back(val[j]);
+          }
+        }
+        if (applied) {
+          const int32_t* k_pos = kept.positions.data_ptr<int32_t>() + c * kept.positions.size(1);
+          for (int64_t j = 0; j < kept_counts[c]; ++j) taken[k_pos[j]] = 0;
+        }
+      }
+      if (index.empty()) continue;
+      at::Tensor flat = piece_residuals_[k].view(-1);
+      flat.index_add_(0, at::tensor(index, at::kLong).to(flat.device()),
+                      at::tensor(value, at::kFloat).to(flat.device()));
+    }
   }
 
   // Each piece's rows of its tensor's gradient (undefined where the gradient is).
@@ -298,7 +394,13 @@ class OwnerReplicator final : public optim::Replicator {
   std::unique_ptr<Backend> backend_;         // over the pieces
   Bucket all_;                               // every piece; send: this replica's payloads
   std::vector<Bucket> shares_;               // per owner: its pieces (offsets within the share)
-  std::vector<int64_t> share_bytes_, share_offsets_;
+  std::vector<int64_t> share_bytes_;
+  // The owners' payloads back (their own top-k and values): per owner, and each piece's offset.
+  std::vector<Bucket> returns_;
+  std::vector<int64_t> return_bytes_, return_offsets_;
+  std::vector<size_t> return_at_;
+  int64_t owner_topk_ = 0;
+  compress::ValueEncoding owner_values_ = compress::ValueEncoding::Bf16;
   at::Tensor received_;  // R x this owner's share: every replica's payloads of it
   at::Tensor gathered_;  // every owner's share, back to back
   // The owner's stage: its pieces' mean directions, scratch residuals, backend and payloads.

@@ -81,6 +81,9 @@ void OptimizerOptions::validate() const {
   if (demo_exchange == DemoExchange::Owners && replicator != ReplicatorKind::Demo) {
     fail("{demo_exchange} owners needs {replicator} demo");
   }
+  if (owner_topk < 0) {
+    fail("{owner_topk} must be >= 0 (0: as many as fit), got " + std::to_string(owner_topk));
+  }
   if (demo_exchange == DemoExchange::Owners && overlap_step) {
     fail("{demo_exchange} owners and {overlap_step} exclude each other");
   }

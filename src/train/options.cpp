@@ -343,6 +343,8 @@ optim::OptimizerOptions optimizer_options(const TrainConfig& c) {
                 : optim::InnerKind::AdamW;
   o.replicator = c.replicator.value();
   o.demo_exchange = c.demo_exchange;
+  o.owner_topk = c.owner_topk;
+  o.owner_values = c.owner_values;
   o.sign = c.sign.value();
   o.normalize = c.normalize;
   o.update_rms = c.update_rms;
