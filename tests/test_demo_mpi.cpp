@@ -777,7 +777,8 @@ struct NaiveOwners {
       std::vector<at::Tensor> sent(static_cast<size_t>(R));
       for (int q = 0; q < R; ++q) {
         at::Tensor& d = residual[q][t];
-        d = o.decay * d + o.lr * transform(grads[q][t].reshape({plan.rows, plan.cols}), plan, false);
+        d = o.decay * d +
+            o.lr * transform(grads[q][t].reshape({plan.rows, plan.cols}), plan, false);
         at::Tensor where;
         std::tie(sent[q], where) = topk(d, plan, o.topk);
         d -= sent[q];
