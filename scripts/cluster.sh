@@ -65,10 +65,15 @@ up() {
   mkdir -p "$state"
   printf 'N=%s\nS=%s\nRATE=%s\n' "$n" "$s" "$rate" > "$state/env"
   # mpirun's rsh agent: start the remote command inside the namespace of the address it names.
+  # Each node's daemon gets a session directory of its own: the nodes share one /tmp, where
+  # daemons starting at once collide ("mkdir ... File exists", seen at 8 nodes).
   cat > "$state/agent" <<AGENT
 #!/bin/sh
 host=\$1; shift
-exec ip netns exec ${prefix}-node\${host##*.} /bin/sh -c "\$*"
+node=\${host##*.}
+mkdir -p $state/tmp/node\$node
+exec ip netns exec ${prefix}-node\$node env OMPI_MCA_orte_tmpdir_base=$state/tmp/node\$node \\
+  /bin/sh -c "\$*"
 AGENT
   chmod +x "$state/agent"
   trap - ERR
@@ -104,6 +109,7 @@ run() {
     -np $((count * S)) -H "$hosts" --mca plm_rsh_agent "$state/agent" \
     --mca btl tcp,self --mca btl_tcp_if_include "$subnet.0/24" \
     --mca oob_tcp_if_include "$subnet.0/24" \
+    --mca rtc_hwloc_vmhole none \
     -x OMP_NUM_THREADS=1 -x FLEXDEMO_RANKS_PER_NODE="$S" -x PATH "${pass[@]}" "$@"
 }
 
