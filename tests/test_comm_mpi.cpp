@@ -85,6 +85,17 @@ TEST(Comm, AllReduceSumAndAverage) {
     EXPECT_TRUE(at::allclose(a.to(at::kDouble), at::full({5}, sum / P, at::kDouble), 1e-2))
         << dtype;
   }
+  // Sizes on both sides of Open MPI's algorithm choices (under one element a rank, the
+  // reduce-scatter and all-gather from 64 KiB), each element its own sum: r + 1 + (i mod 7).
+  for (int64_t n : {int64_t(1), int64_t(3), int64_t(100003)}) {
+    for (auto dtype : {at::kFloat, at::kBFloat16}) {
+      const at::Tensor pattern = at::arange(n, at::kLong).remainder(7);
+      at::Tensor t = (pattern + (r + 1)).to(dtype);
+      world->all_reduce(t, ReduceOp::Sum);
+      const at::Tensor expected = pattern.to(at::kDouble) * P + sum;
+      EXPECT_TRUE(at::equal(t.to(at::kDouble), expected)) << n << " " << dtype;
+    }
+  }
   at::Tensor i = at::full({2}, int64_t(r), at::kLong);
   world->all_reduce(i, ReduceOp::Sum);
   EXPECT_EQ(i[0].item<int64_t>(), int64_t(P) * (P - 1) / 2);
