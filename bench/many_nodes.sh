@@ -6,7 +6,8 @@
 # (--demo-exchange owners), AdamW-HSDP (the dense all-reduce) and AdamW's
 # local steps with their change through DeMo every 10 steps (SparseLoCo's recipe). Then the
 # projection (python -m flexdemo.project) of each measured point from its own measured compute
-# time, and its error.
+# time, and its error: once with the links' nominal rate, once with the latency and rate each
+# way that `flexdemo bench link` measures on the same cluster (link.json beside the runs).
 #   bash bench/many_nodes.sh   NODES (default "2 4 8"), RATES (default "1gbit 100mbit"),
 #                              STEPS (default 40: the mean of the steps after the first 10),
 #                              MODEL (default gpt-nano), LATENCY_MS (the projection's message
@@ -37,6 +38,15 @@ mkdir -p "$out"
 for rate in $rates; do
   for n in $nodes; do
     up=0
+    probe="$out/$rate/$n/link.json"  # the network as the ranks see it (flexdemo bench link)
+    if [ ! -f "$probe" ]; then
+      echo "== $rate, $n nodes, the link's latency and rate =="
+      bash "$cluster" up "$n" 1 "$rate" >/dev/null
+      up=1
+      mkdir -p "$(dirname "$probe")"
+      bash "$cluster" run -- "$PWD/build/flexdemo" bench link --json >"$probe.tmp"
+      mv "$probe.tmp" "$probe"
+    fi
     for e in "${exchanges[@]}"; do
       name=${e%%|*}
       d="$out/$rate/$n/$name"

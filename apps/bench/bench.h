@@ -61,4 +61,12 @@ struct ExchangeBenchArgs : DemoBenchArgs {
 // Collective over world: FlexDeMo on a GPT-2-shaped model sharded inside nodes.
 int run_bench_exchange(const ExchangeBenchArgs& args, std::shared_ptr<comm::Communicator> world);
 
+struct LinkBenchArgs {
+  int64_t bytes = 4 << 20;  // each rank's ring shift
+  int repeats = 10;         // timed runs of each probe (the median is reported)
+  bool json = false;        // one JSON object instead of text
+};
+// Collective over world (one rank a node): a message's latency and a node's rate each way.
+int run_bench_link(const LinkBenchArgs& args, std::shared_ptr<comm::Communicator> world);
+
 }  // namespace flexdemo::bench

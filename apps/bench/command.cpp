@@ -1,4 +1,4 @@
-// `flexdemo bench optimizer|exchange`: the benchmarks' command lines (the runners are
+// `flexdemo bench optimizer|exchange|link`: the benchmarks' command lines (the runners are
 // optimizer.cpp and exchange.cpp beside this file).
 #include "../subcommand.h"
 #include "bench.h"
@@ -68,7 +68,20 @@ std::vector<Subcommand> add_bench(CLI::App& app) {
   exchange.run = [ex](std::shared_ptr<comm::Communicator> world) {
     return bench::run_bench_exchange(*ex, std::move(world));
   };
-  return {optimizer, exchange};
+  auto li = std::make_shared<bench::LinkBenchArgs>();
+  Subcommand link;
+  link.cli = bench->add_subcommand(
+      "link", "under mpirun, one rank a node: the network's latency a message and rate each way");
+  link.cli->add_option("--bytes", li->bytes, "bytes each rank sends in the ring shift (the rate)")
+      ->capture_default_str();
+  link.cli->add_option("--repeats", li->repeats, "timed runs of each probe (the median counts)")
+      ->capture_default_str();
+  link.cli->add_flag("--json", li->json, "print one JSON object (rank 0)");
+  link.uses_mpi = true;
+  link.run = [li](std::shared_ptr<comm::Communicator> world) {
+    return bench::run_bench_link(*li, std::move(world));
+  };
+  return {optimizer, exchange, link};
 }
 
 }  // namespace flexdemo::app
