@@ -57,11 +57,18 @@ def sync_wait_ms(run):
 def main():
     root, latency_ms = sys.argv[1], float(sys.argv[2])
     sizes_of = {}
+    links = {}  # (rate, nodes): (the bench link probe's JSON, a step's wait without an exchange)
     rows = []
     for rate in sorted(os.listdir(root)):
         if not os.path.isdir(os.path.join(root, rate)):
             continue
         for nodes in sorted(os.listdir(os.path.join(root, rate)), key=int):
+            probe = os.path.join(root, rate, nodes, "link.json")
+            if os.path.isfile(probe):
+                links[(rate, int(nodes))] = (json.load(open(probe)),
+                                             sync_wait_ms(os.path.join(root, rate, nodes,
+                                                                       "local-10")))
+            p, wait_ms = links.get((rate, int(nodes)), (None, None))
             for name in KIND:
                 run = os.path.join(root, rate, nodes, name)
                 if not os.path.isfile(os.path.join(run, "summary.json")):
@@ -80,15 +87,12 @@ def main():
                 link = project.Link(rate_gbit(rate) * 1e9 / 8, latency_ms / 1000)
                 got_bytes = project.exchange_cost(KIND[name], n, s, h)[0]
                 got_ms = 1000 * project.step_seconds(KIND[name], n, s, h, link, compute_s, False)
-                probe = os.path.join(root, rate, nodes, "link.json")
                 probed_ms = None
-                if os.path.isfile(probe):
-                    p = json.load(open(probe))
+                if p is not None:
                     probed = project.Link(p["rate_mbit"] * 1e6 / 8, p["latency_ms"] / 1000)
                     probed_ms = 1000 * project.step_seconds(KIND[name], n, s, h, probed,
                                                             compute_s, False)
                 paced_ms = None
-                wait_ms = sync_wait_ms(os.path.join(root, rate, nodes, "local-10"))
                 if probed_ms is not None and wait_ms is not None:
                     paced_ms = 1000 * project.step_seconds(KIND[name], n, s, h, probed,
                                                            compute_s + wait_ms / 1000, False)
@@ -108,20 +112,18 @@ def main():
         print(f"| {rate} | {n} | {name} | {m['sent']:,.0f} | {m['recv']:,.0f} | "
               f"{got_bytes:,.0f} | {m['compute_ms']:.1f} | {m['step_ms']:.1f} | {got_ms:.1f} | "
               f"{error(got_ms, m)} {probed}|")
-    probes = sorted({(r[0], r[1]) for r in rows})
-    shown = [(rate, n, json.load(open(os.path.join(root, rate, str(n), "link.json"))))
-             for rate, n in probes if os.path.isfile(os.path.join(root, rate, str(n), "link.json"))]
-    if shown:
+    if links:
+        some = next(iter(links.values()))[0]
         print("\nThe links as `flexdemo bench link` measured them (one rank a node; latency: a "
               "1-byte all-gather over its n - 1 messages; rate: a ring shift of "
-              f"{shown[0][2]['ring_shift_bytes']:,} bytes, each link loaded both ways):\n")
+              f"{some['ring_shift_bytes']:,} bytes, each link loaded both ways):\n")
         print("| rate | nodes | latency ms a message | rate each way, Mbit/s | a step's wait "
               "without an exchange, ms |")
         print("|---|---:|---:|---:|---:|")
-        for rate, n, p in shown:
-            wait = sync_wait_ms(os.path.join(root, rate, str(n), "local-10"))
+        for (rate, n), (p, wait) in links.items():
             print(f"| {rate} | {n} | {p['latency_ms']:.3f} | {p['rate_mbit']:.1f} | "
                   + ("" if wait is None else f"{wait:.1f}") + " |")
+
 
 if __name__ == "__main__":
     main()

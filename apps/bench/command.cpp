@@ -1,5 +1,5 @@
 // `flexdemo bench optimizer|exchange|link`: the benchmarks' command lines (the runners are
-// optimizer.cpp and exchange.cpp beside this file).
+// optimizer.cpp, exchange.cpp and link.cpp beside this file).
 #include "../subcommand.h"
 #include "bench.h"
 
