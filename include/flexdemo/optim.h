@@ -270,7 +270,7 @@ class Optimizer {
   // Demo: parameter i's residual momentum in the DCT domain (block layout, see dct.h).
   const at::Tensor& residual(size_t i) const;
   // What is identical on every replica after a step: the parameters ([rows, cols] views), or
-  // with --overlap-step and sign-SGD the committed parameters (the ones in the model also carry
+  // with --overlap-step and the SGD rule the committed parameters (the ones in the model also carry
   // this replica's preview of the update in flight), or with inner_steps > 1 the parameters of
   // the last exchange.
   std::vector<at::Tensor> replicated_params() const;

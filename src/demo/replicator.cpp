@@ -230,24 +230,23 @@ class DemoReplicator final : public optim::Replicator {
     if (!b.send.is_cpu()) b.send.copy_(host);
   }
 
-  // --overlap-step with sign-SGD previews this replica's own update (see exchange_overlapped).
-  bool previews() const {
-    return options_.overlap_step && options_.inner == optim::InnerKind::Sgd && options_.sign;
-  }
+  // --overlap-step with the SGD rule (sign-SGD or the adaptive step) previews this replica's own
+  // update (see exchange_overlapped).
+  bool previews() const { return options_.overlap_step && options_.inner == optim::InnerKind::Sgd; }
   void save_committed(StepRule& inner) {
     for (size_t i = 0; i < plans_.size(); ++i) committed_[i].copy_(inner.param(i));
   }
   void restore_committed(StepRule& inner) {
     for (size_t i = 0; i < plans_.size(); ++i) inner.param(i).copy_(committed_[i]);
   }
-  // The parameters step by -lr * sign(direction) of this replica's own payloads alone (no
-  // weight decay: that comes with the committed update).
+  // The parameters step by -lr * sign(direction) (or the adaptive step's rescaled direction) of
+  // this replica's own payloads alone (no weight decay: that comes with the committed update).
   void preview(double lr, StepRule& inner) {
     Updates updates;
     for (size_t i = 0; i < plans_.size(); ++i) {
       const at::Tensor param = inner.param(i);
       std::optional<Update> u;
-      if (param.scalar_type() == at::kFloat) {
+      if (param.scalar_type() == at::kFloat && options_.sign) {
         u.emplace();
         u->param = param;
         u->hyper.lr = lr;
@@ -255,7 +254,7 @@ class DemoReplicator final : public optim::Replicator {
       updates.fused.push_back(u);
     }
     updates.apply = [&inner, lr](size_t i, const at::Tensor& d) {
-      inner.param(i).sub_(d.sign(), lr);
+      inner.param(i).sub_(inner.shaped(i, d), lr);
     };
     backend_->decode(all_, all_.send, 1, updates);
   }

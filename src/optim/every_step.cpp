@@ -6,8 +6,9 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
-
+#include <optional>
 #include <stdexcept>
+#include <utility>
 
 namespace flexdemo::optim {
 namespace {
@@ -25,11 +26,13 @@ class ExchangeEveryStep final : public Stepping {
       for (const dct::ChunkPlan& plan : plans) {
         grad_sq_.push_back(at::zeros({plan.rows, plan.cols}, at::dtype(at::kFloat).device(device)));
       }
+      started_.resize(plans.size());
     }
   }
 
   void step(const std::vector<at::Tensor>& given, double lr, int64_t) override {
     const std::vector<at::Tensor> grads = options_.precondition ? preconditioned(given) : given;
+    if (options_.precondition) ++preconditioned_;
     if (counters_.folded + 1 < schedule_.every) {
       ++counters_.folded;
       replicator_->accumulate(grads, folded(lr));
@@ -44,8 +47,17 @@ class ExchangeEveryStep final : public Stepping {
   void start(const std::vector<size_t>& tensors, const std::vector<at::Tensor>& grads,
              double lr) override {
     if (counters_.folded + 1 < schedule_.every) return;  // step() only folds them in
-    if (options_.precondition) return;  // a hint: step() preconditions and exchanges them all
-    replicator_->start(tensors, grads, folded(lr));
+    if (!options_.precondition) {
+      replicator_->start(tensors, grads, folded(lr));
+      return;
+    }
+    // Preconditioned now, once: step() takes these as they are.
+    std::vector<at::Tensor> scaled;
+    for (size_t k = 0; k < tensors.size(); ++k) {
+      started_[tensors[k]] = precondition(tensors[k], grads[k]);
+      scaled.push_back(*started_[tensors[k]]);
+    }
+    replicator_->start(tensors, scaled, folded(lr));
   }
 
   NamedTensors state_tensors() const override {
@@ -99,24 +111,29 @@ class ExchangeEveryStep final : public Stepping {
   // The scale of a gradient entering the replicator's residual.
   double folded(double lr) const { return options_.fold_lr ? lr : 1.0; }
 
-  // v = beta2 * v + (1 - beta2) * g^2, then g / (sqrt(v / (1 - beta2^t)) + eps), t the steps
-  // so far: AdamW's denominator on this replica's own gradient (a missing one counts as zero).
+  // Every gradient of this step preconditioned: those started early as they were then.
   std::vector<at::Tensor> preconditioned(const std::vector<at::Tensor>& grads) {
-    ++preconditioned_;
-    const double beta2 = options_.beta2;
-    const double correction = std::sqrt(1.0 - std::pow(beta2, double(preconditioned_)));
     std::vector<at::Tensor> out(grads.size());
     for (size_t i = 0; i < grads.size(); ++i) {
-      at::Tensor& v = grad_sq_[i];
-      if (!grads[i].defined()) {
-        v.mul_(beta2);
-        continue;
-      }
-      const at::Tensor g = grads[i].reshape(v.sizes()).to(at::kFloat);
-      v.mul_(beta2).addcmul_(g, g, 1.0 - beta2);
-      out[i] = (g / (v.sqrt() / correction).add_(options_.eps)).view(grads[i].sizes());
+      out[i] = started_[i] ? *std::exchange(started_[i], std::nullopt) : precondition(i, grads[i]);
     }
     return out;
+  }
+
+  // v = beta2 * v + (1 - beta2) * g^2, then g / (sqrt(v / (1 - beta2^t)) + eps), t this step's
+  // number: AdamW's denominator on this replica's own gradient of tensor i (a missing one counts
+  // as zero and stays undefined).
+  at::Tensor precondition(size_t i, const at::Tensor& grad) {
+    const double beta2 = options_.beta2;
+    const double correction = std::sqrt(1.0 - std::pow(beta2, double(preconditioned_ + 1)));
+    at::Tensor& v = grad_sq_[i];
+    if (!grad.defined()) {
+      v.mul_(beta2);
+      return {};
+    }
+    const at::Tensor g = grad.reshape(v.sizes()).to(at::kFloat);
+    v.mul_(beta2).addcmul_(g, g, 1.0 - beta2);
+    return (g / (v.sqrt() / correction).add_(options_.eps)).view(grad.sizes());
   }
 
   OptimizerOptions options_;
@@ -127,6 +144,8 @@ class ExchangeEveryStep final : public Stepping {
   ExchangeCounters counters_;
   std::vector<at::Tensor> grad_sq_;  // precondition: each gradient's running mean square
   int64_t preconditioned_ = 0;       // the steps in it
+  // precondition: this step's gradients started early (start()), preconditioned then.
+  std::vector<std::optional<at::Tensor>> started_;
 };
 
 }  // namespace

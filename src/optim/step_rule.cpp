@@ -87,13 +87,23 @@ std::pair<double, double> StepRule::bias_corrections() const {
           1.0 - std::pow(options_.beta2, double(step_))};
 }
 
+at::Tensor StepRule::rescaled(size_t i, const at::Tensor& direction) const {
+  const OptimizerOptions& o = options_;
+  at::Tensor d = o.normalize ? chunk_rms_normalized(direction, plans_.at(i)) : direction;
+  if (o.update_rms > 0.0) d = rms_scaled(d, o.update_rms);
+  if (o.step_bound > 0.0) d = d.clamp(-o.step_bound, o.step_bound);
+  return d;
+}
+
+at::Tensor StepRule::shaped(size_t i, const at::Tensor& direction) const {
+  return options_.sign ? direction.sign() : rescaled(i, direction);
+}
+
 void StepRule::apply(size_t i, const at::Tensor& direction) {
   at::Tensor& p = params_.at(i);
   const OptimizerOptions& o = options_;
   if (o.weight_decay != 0.0) p.mul_(1.0 - lr_ * o.weight_decay);
-  at::Tensor d = o.normalize ? chunk_rms_normalized(direction, plans_.at(i)) : direction;
-  if (o.update_rms > 0.0) d = rms_scaled(d, o.update_rms);
-  if (o.step_bound > 0.0) d = d.clamp(-o.step_bound, o.step_bound);
+  const at::Tensor d = rescaled(i, direction);
   if (o.inner == InnerKind::Sgd) {
     sgd_update(p, d, float(lr_), o.sign);
     return;

@@ -25,6 +25,9 @@ class StepRule {
   void begin_step(double lr);  // once per applied step, before the apply() calls
   // Tensor i: p *= 1 - lr*wd, then the update from direction ([rows, cols] float32).
   void apply(size_t i, const at::Tensor& direction);
+  // SGD's step for tensor i before the rate: sign(direction), or the direction rescaled and
+  // bounded as the options say (what apply() subtracts, times the rate, with the SGD rule).
+  at::Tensor shaped(size_t i, const at::Tensor& direction) const;
   // Tensor i's update as a DeMo backend applies it fused into the decode (the same update as
   // apply()): sign-SGD with sign, or AdamW, on a float32 tensor; none otherwise (then apply()).
   std::optional<demo::Update> fused_update(size_t i) const;
@@ -37,6 +40,8 @@ class StepRule {
 
  private:
   std::pair<double, double> bias_corrections() const;  // AdamW's 1 - beta1^t, 1 - beta2^t
+  // The direction rescaled and bounded as the options say (normalize, update_rms, step_bound).
+  at::Tensor rescaled(size_t i, const at::Tensor& direction) const;
 
   std::vector<at::Tensor> params_;  // views [rows, cols] of the leaves
   std::vector<dct::ChunkPlan> plans_;

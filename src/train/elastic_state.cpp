@@ -66,7 +66,7 @@ std::vector<std::pair<int64_t, int64_t>> rank_places(const nlohmann::json& manif
 // checkpoint's replica r mod R (R: the checkpoint's replicas), each tensor's state put together
 // from that replica's shards and cut again for this rank's shard; under --overlap-step the exchange
 // in flight is not applied: the parameters stay as saved, with replica 0's preview of it (its own
-// sign step) in place of the replicas' mean; the random state is seeded from --seed, the rank and
+// step) in place of the replicas' mean; the random state is seeded from --seed, the rank and
 // the step.
 void load_state_elastic(Session& s, const fs::path& dir, const nlohmann::json& manifest,
                         int64_t step) {
