@@ -26,9 +26,10 @@ train() {  # OUT [options...]
     -x FLEXDEMO_INJECT_LINK \
     "$build/flexdemo" train --model gpt-nano --width 32 --layers 2 --heads 2 --context 32 \
     --seq 32 --batch 8 --chunk 8 --tokenizer bytes --data "$work/corpus" --steps "$steps" \
-    --ranks-per-node 2 --optimizer flexdemo --overlap-step --link-budget auto \
-    --link-min-topk 4 --link-max-topk 32 --link-max-every 2 --link-probe-every 5 \
-    --check-replicas 1 --checkpoint-every 1000 --eval-seqs 4 --eval-every 1000 \
+    --ranks-per-node 2 --optimizer flexdemo --topk 32 --values bf16 --overlap-step \
+    --link-budget auto --link-min-topk 4 --link-max-topk 32 --link-max-every 2 \
+    --link-probe-every 5 --check-replicas 1 --checkpoint-every 1000 --eval-seqs 4 \
+    --eval-every 1000 \
     --progress lines --log-every 1000 --out "$out" "$@" > "$work/last.log" 2>&1
 }
 

@@ -21,7 +21,7 @@ namespace flexdemo::train {
 
 // ====== The option types that are words ======
 enum class OptimizerKind {
-  FlexDemo,       // DeMo between nodes + sign-SGD
+  FlexDemo,       // DeMo between nodes + the adaptive step (or sign-SGD)
   FlexDemoAdamW,  // DeMo between nodes + AdamW
   AdamW,          // dense: full exchange, AdamW (the AdamW-HSDP baseline)
   Sgd,            // dense: full exchange, SGD
@@ -146,7 +146,7 @@ struct OptionSpec {
     "(0: no limit)")                                                                               \
   /* ====== Optimizer ====== */                                                                    \
   X(optimizer, OptimizerKind, OptimizerKind::FlexDemo, State, anything(),                          \
-    "flexdemo (DeMo between nodes + sign-SGD), flexdemo-adamw (+ AdamW), adamw or sgd (dense, "    \
+    "flexdemo (DeMo between nodes + the adaptive step, or sign-SGD with --sign), flexdemo-adamw (+ AdamW), adamw or sgd (dense, "    \
     "full exchange)")                                                                              \
   X(replicator, std::optional<optim::ReplicatorKind>, std::nullopt, State, anything(),             \
     "exchange between nodes (default: the optimizer's)")                                           \
@@ -159,31 +159,35 @@ struct OptionSpec {
     "--owner-values, in the bytes of a node's payload)")                                           \
   X(owner_values, compress::ValueEncoding, compress::ValueEncoding::TwoBit, Run, anything(),       \
     "--demo-exchange owners: the value encoding of the owners' returned coefficients")             \
-  X(sign, std::optional<bool>, std::nullopt, State, anything(),                                    \
-    "apply sign(update) (default: on for flexdemo, off otherwise); --no-sign: the update itself")  \
+  X(sign, bool, false, State, anything(),                                                          \
+    "apply sign(update), DeMo's sign-SGD step; --no-sign: the update itself (for flexdemo: the "   \
+    "adaptive step, with --precondition, --no-fold-lr and --step-bound)")                          \
   X(normalize, bool, false, State, anything(),                                                     \
     "with --no-sign: scale each DCT chunk of the update to unit RMS (sign's step size, the "       \
     "update's shape within the chunk)")                                                            \
   X(update_rms, double, 0.0, State, at_least(0, " (0: off)"),                                      \
     "with --no-sign: scale each tensor's update (this rank's shard of it) to this RMS before the " \
     "rate (0: off)")                                                                               \
-  X(step_bound, double, 0.0, State, at_least(0, " (0: off)"),                                      \
-    "with --no-sign: clamp each element of the update to [-B, B] before the rate (0: off)")        \
-  X(topk, int64_t, 32, State, at_least(1), "DCT coefficients kept per chunk")                      \
+  X(step_bound, std::optional<double>, std::nullopt, State, at_least(0, " (0: off)"),               \
+    "with --no-sign: clamp each element of the update to [-B, B] before the rate (default: 1 for " \
+    "flexdemo without --sign, 0 (off) otherwise)")                                                 \
+  X(topk, std::optional<int64_t>, std::nullopt, State, at_least(1),                                \
+    "DCT coefficients kept per chunk (default: 112 for flexdemo, 32 otherwise; at most a chunk's)") \
   X(chunk, int64_t, 64, Model, at_least(1), "DCT chunk edge")                                      \
   X(transform, optim::Transform, optim::Transform::Dct, State, anything(),                         \
     "the per-chunk transform DeMo selects in: dct, or none (the residual's own entries; CPUs "      \
     "only, without the fused kernels)")                                                            \
   X(decay, double, 0.999, State, half_open(0, 1), "DeMo residual decay")                           \
-  X(fold_lr, bool, true, State, anything(),                                                        \
+  X(fold_lr, std::optional<bool>, std::nullopt, State, anything(),                                 \
     "scale each gradient by the step's learning rate as it enters DeMo's residual (the "           \
-    "reference's); --no-fold-lr: add it as it is, so a decaying schedule does not weight old "     \
-    "gradients above new ones")                                                                    \
-  X(precondition, bool, false, State, anything(),                                                  \
+    "reference's; default: off for flexdemo, on otherwise); --no-fold-lr: add it as it is, so a "  \
+    "decaying schedule does not weight old gradients above new ones")                              \
+  X(precondition, std::optional<bool>, std::nullopt, State, anything(),                            \
     "divide each gradient by the root of its running mean square (AdamW's second moment: "         \
-    "--beta2, bias-corrected) before it enters DeMo's residual; each replica keeps its own")        \
-  X(values, compress::ValueEncoding, compress::ValueEncoding::Bf16, State, anything(),             \
-    "wire value encoding of DeMo's payloads")                                                      \
+    "--beta2, bias-corrected) before it enters DeMo's residual; each replica keeps its own "       \
+    "(default: on for flexdemo without --inner-steps, off otherwise)")                             \
+  X(values, std::optional<compress::ValueEncoding>, std::nullopt, State, anything(),               \
+    "wire value encoding of DeMo's payloads (default: fp8 for flexdemo, bf16 otherwise)")          \
   X(replicate_every, int64_t, 1, State, at_least(1), "exchange every N steps")                     \
   X(inner_steps, int64_t, 1, State, at_least(1),                                                   \
     "take H local steps on each replica, then exchange the parameters' change since the last "     \
@@ -278,7 +282,7 @@ struct TrainConfig {
   // Throws std::invalid_argument naming the bad option: every check that needs no data and no
   // other rank, so that bad input fails at once.
   void validate() const;
-  // Fills in what defaults to the optimizer's choice (replicator, sign, lr, beta1).
+  // Fills in what defaults to the optimizer's choice (replicator, lr, beta1, the DeMo step's).
   void resolve();
 };
 

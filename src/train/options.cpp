@@ -250,8 +250,8 @@ void TrainConfig::validate() const {
   if (!tokenizer_model.empty() && tokenizer != TokenizerKind::Bpe) {
     fail("--tokenizer-model needs --tokenizer bpe");
   }
-  if (topk > chunk * chunk) {
-    fail(fmt::format("--topk {} exceeds the {} coefficients of a --chunk {} chunk", topk,
+  if (topk && *topk > chunk * chunk) {
+    fail(fmt::format("--topk {} exceeds the {} coefficients of a --chunk {} chunk", *topk,
                      chunk * chunk, chunk));
   }
   check_optimizer(*this);
@@ -265,11 +265,21 @@ void TrainConfig::resolve() {
   const bool demo =
       optimizer == OptimizerKind::FlexDemo || optimizer == OptimizerKind::FlexDemoAdamW;
   if (!replicator) replicator = demo ? optim::ReplicatorKind::Demo : optim::ReplicatorKind::Full;
-  if (!sign) sign = optimizer == OptimizerKind::FlexDemo;
   if (!lr) lr = default_lr(optimizer);
   // AdamW's first moment on top of DeMo's residual (itself a momentum) trains worse: measured
   // in docs/results/equal-steps.md.
   if (!beta1) beta1 = optimizer == OptimizerKind::FlexDemoAdamW ? 0.0 : 0.9;
+  // flexdemo's step: AdamW's per-weight step with DeMo's residual as its momentum (each
+  // gradient preconditioned, entering the residual unscaled, the decoded mean applied with its
+  // size, each element bounded), over a denser selection at fewer bits: the one setting within
+  // the marks on fortunes, code and translation (docs/results/loss-parity.md). The others keep
+  // the reference DeMo's.
+  const bool adaptive = optimizer == OptimizerKind::FlexDemo;
+  if (!precondition) precondition = adaptive && inner_steps == 1;
+  if (!fold_lr) fold_lr = !adaptive;
+  if (!step_bound) step_bound = adaptive && !sign ? 1.0 : 0.0;
+  if (!topk) topk = std::min<int64_t>(adaptive ? 112 : 32, chunk * chunk);
+  if (!values) values = adaptive ? compress::ValueEncoding::Fp8 : compress::ValueEncoding::Bf16;
 }
 
 std::vector<compress::ValueEncoding> link_encodings(const std::string& list) {
@@ -345,20 +355,20 @@ optim::OptimizerOptions optimizer_options(const TrainConfig& c) {
   o.demo_exchange = c.demo_exchange;
   o.owner_topk = c.owner_topk;
   o.owner_values = c.owner_values;
-  o.sign = c.sign.value();
+  o.sign = c.sign;
   o.normalize = c.normalize;
   o.update_rms = c.update_rms;
-  o.step_bound = c.step_bound;
+  o.step_bound = c.step_bound.value();
   o.lr = c.lr.value();
   o.weight_decay = c.weight_decay;
   o.beta1 = c.beta1.value();
   o.beta2 = c.beta2;
-  o.topk = c.topk;  // the chunk geometry is the sharded units' (session.cpp)
+  o.topk = c.topk.value();  // the chunk geometry is the sharded units' (session.cpp)
   o.transform = c.transform;
   o.decay = c.decay;
-  o.fold_lr = c.fold_lr;
-  o.precondition = c.precondition;
-  o.values = c.values;
+  o.fold_lr = c.fold_lr.value();
+  o.precondition = c.precondition.value();
+  o.values = c.values.value();
   o.replicate_every = c.replicate_every;
   o.inner_steps = c.inner_steps;
   o.outer_lr = c.outer_lr;
