@@ -146,8 +146,8 @@ struct OptionSpec {
     "(0: no limit)")                                                                               \
   /* ====== Optimizer ====== */                                                                    \
   X(optimizer, OptimizerKind, OptimizerKind::FlexDemo, State, anything(),                          \
-    "flexdemo (DeMo between nodes + the adaptive step, or sign-SGD with --sign), flexdemo-adamw (+ AdamW), adamw or sgd (dense, "    \
-    "full exchange)")                                                                              \
+    "flexdemo (DeMo between nodes + the adaptive step, or sign-SGD with --sign), flexdemo-adamw "  \
+    "(+ AdamW), adamw or sgd (dense, full exchange)")                                              \
   X(replicator, std::optional<optim::ReplicatorKind>, std::nullopt, State, anything(),             \
     "exchange between nodes (default: the optimizer's)")                                           \
   X(demo_exchange, optim::DemoExchange, optim::DemoExchange::AllGather, Run, anything(),           \

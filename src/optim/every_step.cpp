@@ -31,8 +31,11 @@ class ExchangeEveryStep final : public Stepping {
   }
 
   void step(const std::vector<at::Tensor>& given, double lr, int64_t) override {
-    const std::vector<at::Tensor> grads = options_.precondition ? preconditioned(given) : given;
-    if (options_.precondition) ++preconditioned_;
+    std::vector<at::Tensor> grads = given;
+    if (options_.precondition) {
+      grads = preconditioned(given);
+      ++preconditioned_;
+    }
     if (counters_.folded + 1 < schedule_.every) {
       ++counters_.folded;
       replicator_->accumulate(grads, folded(lr));

@@ -271,9 +271,9 @@ void TrainConfig::resolve() {
   if (!beta1) beta1 = optimizer == OptimizerKind::FlexDemoAdamW ? 0.0 : 0.9;
   // flexdemo's step: AdamW's per-weight step with DeMo's residual as its momentum (each
   // gradient preconditioned, entering the residual unscaled, the decoded mean applied with its
-  // size, each element bounded), over a denser selection at fewer bits: the one setting within
-  // the marks on fortunes, code and translation (docs/results/loss-parity.md). The others keep
-  // the reference DeMo's.
+  // size, each element bounded), over a denser selection at fewer bits: the best measured over
+  // fortunes, code and translation, though not within every mark of issue 32
+  // (docs/results/loss-parity.md). The others keep the reference DeMo's.
   const bool adaptive = optimizer == OptimizerKind::FlexDemo;
   if (!precondition) precondition = adaptive && inner_steps == 1;
   if (!fold_lr) fold_lr = !adaptive;
