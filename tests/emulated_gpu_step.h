@@ -143,8 +143,7 @@ class EmulatedGpuStep {
     launch_blocks(kernels::cuda::decode_step_kernel, blocks != nullptr ? *blocks : all_blocks(),
                   threads_, shared_bytes(), counts, table(descs),
                   static_cast<const uint8_t*>(gathered.data_ptr<uint8_t>()), int64_t(bytes()),
-                  replicas, float(hyper.lr), float(1.0 - hyper.lr * hyper.weight_decay),
-                  kernels::adamw_constants(hyper), adamw);
+                  replicas, kernels::sgd_constants(hyper), kernels::adamw_constants(hyper), adamw);
   }
 
   const kernels::cuda::HostTable& layout() const { return layout_; }

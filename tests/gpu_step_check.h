@@ -169,16 +169,19 @@ void expect_gpu_step_equals_cpu(const Step& subject, const std::vector<dct::Chun
         << "byte " << at << " corrupted";
   }
 
-  // Decode and step: sign-SGD, then AdamW (with and without sign), against the CPU's.
-  for (int variant = 0; variant < 3; ++variant) {
+  // Decode and step: sign-SGD, AdamW (with and without sign), then the plain SGD step with its
+  // direction bounded (at a bound some elements reach), against the CPU's.
+  for (int variant = 0; variant < 4; ++variant) {
+    const bool adamw = variant == 1 || variant == 2;
     kernels::AdamWHyper hyper;
-    hyper.lr = 0.01, hyper.weight_decay = 0.1, hyper.sign = variant != 2;
+    hyper.lr = 0.01, hyper.weight_decay = 0.1, hyper.sign = variant < 2;
+    hyper.step_bound = variant == 3 ? 1e-3 : 0.0;
     hyper.bias_correction1 = 1 - 0.9 * 0.9, hyper.bias_correction2 = 1 - 0.999 * 0.999;
     std::vector<at::Tensor> params, m, v, params_gpu, m_gpu, v_gpu;
     for (const dct::ChunkPlan& p : plans) {
       params.push_back(at::randn({p.rows, p.cols}));
       params_gpu.push_back(params.back().to(gpu));
-      if (variant > 0) {
+      if (adamw) {
         m.push_back(at::randn({p.rows, p.cols}) * 0.1);
         v.push_back(at::rand({p.rows, p.cols}) * 0.1);
         m_gpu.push_back(m.back().to(gpu));
@@ -195,10 +198,11 @@ void expect_gpu_step_equals_cpu(const Step& subject, const std::vector<dct::Chun
         }
         const compress::SparseChunks coeffs = compress::decode_mean_sparse(
             payloads, compress::wire_payload_bytes(plans[i], k, encoding), plans[i], k, encoding);
-        if (variant == 0) {
-          kernels::idct_sparse_sign_step(
+        if (!adamw) {
+          kernels::idct_sparse_sgd_step(
               coeffs, plans[i],
-              {params[i], float(hyper.lr), float(1.0 - hyper.lr * hyper.weight_decay)});
+              {params[i], float(hyper.lr), float(1.0 - hyper.lr * hyper.weight_decay), hyper.sign,
+               float(hyper.step_bound)});
         } else {
           kernels::AdamWStep step;
           static_cast<kernels::AdamWHyper&>(step) = hyper;
@@ -210,7 +214,7 @@ void expect_gpu_step_equals_cpu(const Step& subject, const std::vector<dct::Chun
     subject.decode_step(gathered_cpu.to(gpu), replicas, params_gpu, m_gpu, v_gpu, hyper);
     for (size_t i = 0; i < plans.size(); ++i) {
       EXPECT_TRUE(bit_equal(params_gpu[i], params[i])) << "param " << i << " variant " << variant;
-      if (variant > 0) {
+      if (adamw) {
         EXPECT_TRUE(bit_equal(m_gpu[i], m[i])) << "exp_avg " << i << " variant " << variant;
         EXPECT_TRUE(bit_equal(v_gpu[i], v[i])) << "exp_avg_sq " << i << " variant " << variant;
       }

@@ -107,7 +107,7 @@ TEST(EmulatedKernels, Gpt2SmallGridSampledChunksEqualTheCpu) {
       const uint8_t* payload = cpu.payloads.data() + offsets[i];
       const compress::SparseChunks coeffs = compress::decode_mean_sparse(
           {payload}, compress::wire_payload_bytes(plans[i], k, encoding), plans[i], k, encoding);
-      kernels::idct_sparse_sign_step(coeffs, plans[i], {cpu_params[i], 0.01f, 1.0f});
+      kernels::idct_sparse_sgd_step(coeffs, plans[i], {cpu_params[i], 0.01f, 1.0f});
     }
   }
 

@@ -285,14 +285,26 @@ TEST(Kernels, SparseInverseMatchesFloat64Reference) {
         // The fused sign-SGD step: p = keep * p - lr * sign(x) where x is not within rounding
         // of 0, p itself where x = 0 exactly (no coefficient in its chunk).
         const at::Tensor param = at::randn({plan.rows, plan.cols});
-        flexdemo::kernels::SignStep step{param.clone(), 0.25f, 0.5f};
-        flexdemo::kernels::idct_sparse_sign_step(sparse, plan, step);
+        flexdemo::kernels::SgdStep step{param.clone(), 0.25f, 0.5f};
+        flexdemo::kernels::idct_sparse_sgd_step(sparse, plan, step);
         const at::Tensor x = want.narrow(0, 0, plan.rows).narrow(1, 0, plan.cols);
         const at::Tensor expect = param.to(at::kDouble) * 0.5 - 0.25 * x.sign();
         const at::Tensor clear = (x.abs() > 1e-4) | (x == 0);
         EXPECT_TRUE(at::allclose(step.param.to(at::kDouble).masked_select(clear),
                                  expect.masked_select(clear), 1e-6, 1e-6))
             << at::IntArrayRef(c.shape) << " nnz " << nnz << " " << to_string(isa);
+        // The fused plain step, sign off: p = keep * p - lr * clamp(x, -bound, bound), with
+        // the bound at the middle of |x| (half the elements clamped) and without one (0).
+        const double middle = x.abs().median().item<double>();
+        for (double bound : {middle, 0.0}) {
+          flexdemo::kernels::SgdStep plain{param.clone(), 0.25f, 0.5f, false, float(bound)};
+          flexdemo::kernels::idct_sparse_sgd_step(sparse, plan, plain);
+          const at::Tensor g = bound > 0 ? x.clamp(-bound, bound) : x;
+          EXPECT_TRUE(at::allclose(plain.param.to(at::kDouble),
+                                   param.to(at::kDouble) * 0.5 - 0.25 * g, 1e-5, 1e-5))
+              << at::IntArrayRef(c.shape) << " nnz " << nnz << " " << to_string(isa) << " bound "
+              << bound;
+        }
         // The fused AdamW step (torch.optim.AdamW's formula, step 3, weight decay), fed with
         // sign(x) or x, on the parameters and both moments.
         for (bool sign : {true, false}) {

@@ -51,16 +51,20 @@ compress::TopK select_topk(const at::Tensor& coeffs, const dct::ChunkPlan& plan,
 void idct_sparse(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan,
                  const at::Tensor& samples);
 
-// DeMo's sign-SGD step with decoupled weight decay, param = keep * param - lr * sign(direction),
-// where direction is what idct_sparse would write: applied chunk by chunk as it is made, so the
-// direction never goes through memory. param: float32 [plan.rows, plan.cols], rows contiguous.
-struct SignStep {
+// SGD with decoupled weight decay, param = keep * param - lr * g, where g is DeMo's
+// sign(direction), or with sign off the direction clamped to [-bound, bound] (bound 0: not
+// clamped), and direction is what idct_sparse would write: applied chunk by chunk as it is made,
+// so the direction never goes through memory. param: float32 [plan.rows, plan.cols], rows
+// contiguous.
+struct SgdStep {
   at::Tensor param;
   float lr = 0.0f;
   float keep = 1.0f;  // 1 - lr * weight_decay
+  bool sign = true;
+  float bound = 0.0f;
 };
-void idct_sparse_sign_step(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan,
-                           const SignStep& step);
+void idct_sparse_sgd_step(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan,
+                          const SgdStep& step);
 
 // The AdamW step (torch.optim.AdamW's formula, with decoupled weight decay) fed with
 // sign(direction), or the direction with sign off, applied the same way: the parameters and
@@ -71,6 +75,7 @@ struct AdamWHyper {
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
   double bias_correction1 = 1.0, bias_correction2 = 1.0;
   bool sign = true;
+  double step_bound = 0.0;  // the SGD rule's, with sign off (SgdStep::bound)
 };
 struct AdamWStep : AdamWHyper {
   at::Tensor param, exp_avg, exp_avg_sq;

@@ -211,7 +211,7 @@ void encode(at::TensorList params, const TensorList& grads, at::TensorList resid
   backend_for(l, r, params[0].device(), payloads.device())->encode(b, g, lr);
 }
 
-// decode_sign_sgd and decode_adamw: from `replicas` buckets in `gathered` (rank order), every
+// decode_sgd and decode_adamw: from `replicas` buckets in `gathered` (rank order), every
 // payload validated, the mean per coefficient, the inverse DCT and the update of each param.
 void decode(const std::string& op, const at::Tensor& gathered, int64_t replicas,
             at::TensorList params, const Layout& l, const demo::Updates& updates) {
@@ -224,18 +224,25 @@ void decode(const std::string& op, const at::Tensor& gathered, int64_t replicas,
       ->decode(b, gathered, int(replicas), updates);
 }
 
-void decode_sign_sgd(const at::Tensor& gathered, int64_t replicas, at::TensorList params,
-                     int64_t chunk, const std::string& chunk_mode, int64_t topk,
-                     const std::string& values, double lr, double weight_decay) {
-  const Layout l = layout_of("decode_sign_sgd", params, chunk, chunk_mode, topk, values);
+// SGD: param = (1 - lr * weight_decay) * param - lr * g, g = sign(direction) (DeMo's), or with
+// sign off the direction clamped to [-step_bound, step_bound] (0: not clamped).
+void decode_sgd(const at::Tensor& gathered, int64_t replicas, at::TensorList params, int64_t chunk,
+                const std::string& chunk_mode, int64_t topk, const std::string& values, double lr,
+                double weight_decay, bool sign, double step_bound) {
+  const std::string op = "decode_sgd";
+  const Layout l = layout_of(op, params, chunk, chunk_mode, topk, values);
+  TORCH_CHECK_VALUE(step_bound >= 0.0, "flexdemo.", op, ": step_bound ", step_bound,
+                    "; it must be >= 0 (0: none)");
   demo::Updates updates;
   for (size_t i = 0; i < params.size(); ++i) {
     demo::Update& u = updates.fused.emplace_back().emplace();
     u.param = params[i].view({l.plans[i].rows, l.plans[i].cols});
     u.hyper.lr = lr;
     u.hyper.weight_decay = weight_decay;
+    u.hyper.sign = sign;
+    u.hyper.step_bound = sign ? 0.0 : step_bound;
   }
-  decode("decode_sign_sgd", gathered, replicas, params, l, updates);
+  decode(op, gathered, replicas, params, l, updates);
 }
 
 void decode_adamw(const at::Tensor& gathered, int64_t replicas, at::TensorList params,
@@ -336,8 +343,8 @@ TORCH_LIBRARY(flexdemo, m) {
   m.def(("encode(Tensor[] params, Tensor?[] grads, Tensor(a!)[] residuals, Tensor(b!) payloads, " +
          layout + ", float decay, float lr) -> ()")
             .c_str());
-  m.def(("decode_sign_sgd(Tensor gathered, int replicas, Tensor(a!)[] params, " + layout +
-         ", float lr, float weight_decay) -> ()")
+  m.def(("decode_sgd(Tensor gathered, int replicas, Tensor(a!)[] params, " + layout +
+         ", float lr, float weight_decay, bool sign, float step_bound) -> ()")
             .c_str());
   m.def(("decode_adamw(Tensor gathered, int replicas, Tensor(a!)[] params, Tensor(b!)[] exp_avg, "
          "Tensor(c!)[] exp_avg_sq, " +
@@ -365,13 +372,13 @@ TORCH_LIBRARY_IMPL(flexdemo, CompositeExplicitAutograd, m) {
 TORCH_LIBRARY_IMPL(flexdemo, CPU, m) {
   m.impl("accumulate", &accumulate);
   m.impl("encode", &encode);
-  m.impl("decode_sign_sgd", &decode_sign_sgd);
+  m.impl("decode_sgd", &decode_sgd);
   m.impl("decode_adamw", &decode_adamw);
 }
 TORCH_LIBRARY_IMPL(flexdemo, CUDA, m) {
   m.impl("accumulate", &accumulate);
   m.impl("encode", &encode);
-  m.impl("decode_sign_sgd", &decode_sign_sgd);
+  m.impl("decode_sgd", &decode_sgd);
   m.impl("decode_adamw", &decode_adamw);
 }
 

@@ -8,7 +8,10 @@ by --scale (0.25: 3.8M parameters).
 
 flexdemo's step here is what FlexDeMo.step runs between the all-gather's ends: encode every
 tensor into one bucket, then decode ``replicas`` copies of it (as if all-gathered) and apply
-sign-SGD. Times are medians of --repeats steps after --warmup; the ratios are of this run.
+sign-SGD: the reference DeMo's step, which the ratios compare. Also timed: ``FlexDeMo.step`` with
+its defaults (each gradient preconditioned, top-k 112 at fp8, the bounded step; one replica, so
+nothing is exchanged). Times are medians of --repeats steps after --warmup; the ratios are of
+this run.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import time
 import torch
 
 from . import ops
+from .optim import FlexDeMo
 from .reference import CompactTorchDeMo, ReferenceTorchDeMo
 
 
@@ -79,7 +83,7 @@ class FlexdemoStep:
         ops.encode(data, [p.grad for p in self.params], self.residuals, self.bucket,
                    decay=0.999, lr=1e-3, **self.layout)
         self.gathered.view(self.replicas, -1).copy_(self.bucket)
-        ops.decode_sign_sgd(self.gathered, self.replicas, data, lr=1e-3, **self.layout)
+        ops.decode_sgd(self.gathered, self.replicas, data, lr=1e-3, **self.layout)
 
 
 def main(argv=None):
@@ -111,6 +115,9 @@ def main(argv=None):
                  timed(FlexdemoStep(params_of(shapes, device), args.chunk, args.topk,
                                     args.values, args.replicas), device, args.warmup,
                        args.repeats)))
+    flexdemo_default = FlexDeMo(params_of(shapes, device), lr=1e-3, compression_chunk=args.chunk)
+    rows.append(("FlexDeMo.step (its defaults)",
+                 timed(flexdemo_default.step, device, args.warmup, args.repeats)))
     # torch's default picks the per-tensor loop for CPU tensors and foreach for CUDA ones.
     adamw_kinds = [("default", {}), ("foreach", dict(foreach=True)), ("fused", dict(fused=True))]
     for name, kwargs in adamw_kinds:

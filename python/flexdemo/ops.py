@@ -47,13 +47,14 @@ def encode(params, grads, residuals, payloads, *, chunk, chunk_mode, topk, value
                 values, decay, lr)
 
 
-def decode_sign_sgd(gathered, replicas, params, *, chunk, chunk_mode, topk, values, lr,
-                    weight_decay=0.0) -> None:
+def decode_sgd(gathered, replicas, params, *, chunk, chunk_mode, topk, values, lr,
+               weight_decay=0.0, sign=True, step_bound=0.0) -> None:
     """From ``replicas`` buckets (rank order), each payload validated: per coefficient the mean
     of the replicas that sent it, the inverse DCT, and
-    ``param = (1 - lr * weight_decay) * param - lr * sign(direction)``."""
-    _ops.decode_sign_sgd(gathered, replicas, list(params), chunk, chunk_mode, topk, values, lr,
-                         weight_decay)
+    ``param = (1 - lr * weight_decay) * param - lr * g`` with g = sign(direction) (DeMo's), or
+    with ``sign=False`` the direction clamped to [-step_bound, step_bound] (0: not clamped)."""
+    _ops.decode_sgd(gathered, replicas, list(params), chunk, chunk_mode, topk, values, lr,
+                    weight_decay, sign, step_bound)
 
 
 def decode_adamw(gathered, replicas, params, exp_avg, exp_avg_sq, *, chunk, chunk_mode, topk,
@@ -102,9 +103,9 @@ def _encode_fake(params, grads, residuals, payloads, chunk, chunk_mode, topk, va
     return None
 
 
-@torch.library.register_fake("flexdemo::decode_sign_sgd")
-def _decode_sign_sgd_fake(gathered, replicas, params, chunk, chunk_mode, topk, values, lr,
-                          weight_decay):
+@torch.library.register_fake("flexdemo::decode_sgd")
+def _decode_sgd_fake(gathered, replicas, params, chunk, chunk_mode, topk, values, lr,
+                     weight_decay, sign, step_bound):
     return None
 
 
@@ -112,7 +113,6 @@ def _decode_sign_sgd_fake(gathered, replicas, params, chunk, chunk_mode, topk, v
 def _decode_adamw_fake(gathered, replicas, params, exp_avg, exp_avg_sq, chunk, chunk_mode, topk,
                        values, lr, weight_decay, beta1, beta2, eps, step, sign):
     return None
-
 
 
 @torch.library.register_fake("flexdemo::screen")

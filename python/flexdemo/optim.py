@@ -1,10 +1,11 @@
 """FlexDeMo and DeMo as torch optimizers.
 
-A step: every tensor's gradient goes into its residual (decayed momentum, kept as chunked DCT
-coefficients), each chunk's top-k leaves the residual as a compact payload, one bucket of all
-payloads is all-gathered over the replicate group (``torch.distributed``, asynchronously), and
-the replicas' mean of every coefficient, transformed back, steps each parameter by sign-SGD or
-AdamW. Every replica decodes the same bytes in the same order, so replicas stay bit-identical.
+A step: every tensor's gradient (FlexDeMo's default: first divided by the root of its running
+mean square) goes into its residual (decayed momentum, kept as chunked DCT coefficients), each
+chunk's top-k leaves the residual as a compact payload, one bucket of all payloads is
+all-gathered over the replicate group (``torch.distributed``, asynchronously), and the replicas'
+mean of every coefficient, transformed back, steps each parameter: by the direction bounded
+elementwise (FlexDeMo's default), by its sign (DeMo's) or by AdamW. Every replica decodes the same bytes in the same order, so replicas stay bit-identical.
 With FSDP2 inside a node (``flexdemo.shard_model``), parameters are ``Shard(0)`` DTensors on the
 node's shard mesh; the step works on each rank's local shard, and the ranks of one replicate
 group hold the same shard index, so their payloads match.
@@ -70,15 +71,28 @@ class FlexDeMo(torch.optim.Optimizer):
     Args:
         params: float32 parameters (or param groups: lr, weight_decay, betas, eps per group),
             all on one device; plain tensors or the DTensors of ``fully_shard``.
-        lr: learning rate; DeMo also folds it into the residual.
+        lr: learning rate.
         compression_decay: residual decay per step, in [0, 1).
-        compression_topk: coefficients kept per chunk (clamped to smaller chunks).
+        compression_topk: coefficients kept per chunk (clamped to smaller chunks); default 112
+            with inner "sgd", 32 with "adamw" (at most the chunk's).
         compression_chunk: target chunk edge.
         chunk_mode: "divisor" (per dimension the largest divisor <= chunk, the reference's) or
             "padded" (min(dim, chunk), the tensor zero-padded).
-        values: wire encoding of the kept values: fp32, bf16, int8, 1bit, 2bit, fp8.
-        inner: "sgd" (sign-SGD, DeMo's) or "adamw" (AdamW fed with sign(direction), or the
-            direction with ``sign=False``).
+        values: wire encoding of the kept values: fp32, bf16, int8, 1bit, 2bit, fp8; default
+            fp8 with inner "sgd", bf16 with "adamw".
+        inner: "sgd" (SGD on the direction: bounded, or its sign) or "adamw" (AdamW fed with
+            sign(direction), or the direction with ``sign=False``).
+        sign: step by the direction's sign (DeMo's sign-SGD); default off with inner "sgd",
+            on with "adamw".
+        step_bound: with sign off and inner "sgd", each element of the direction clamped to
+            [-step_bound, step_bound] before the step (0: not clamped); default 1.
+        precondition: divide each gradient by the root of its running mean square (AdamW's
+            denominator, beta2 and eps of the param group, on this replica's own gradient)
+            before it enters the residual; default on with inner "sgd".
+        fold_lr: scale each gradient by lr as it enters the residual (the reference DeMo's);
+            default off with inner "sgd", on with "adamw".
+        The defaults with inner "sgd" are ``flexdemo train --optimizer flexdemo``'s (the bounded
+        adaptive step, docs/results/loss-parity.md); ``DeMo`` sets the reference's.
         weight_decay: decoupled, ``param *= 1 - lr * weight_decay``.
         exchange_every: exchange and update every N steps; the steps between only fold their
             gradients into the residuals.
@@ -97,12 +111,23 @@ class FlexDeMo(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float = 1e-3, *, compression_decay: float = 0.999,
-                 compression_topk: int = 32, compression_chunk: int = 64,
-                 chunk_mode: str = "divisor", values: str = "bf16", inner: str = "sgd",
-                 sign: bool = True, betas=(0.9, 0.999), eps: float = 1e-8,
+                 compression_topk: Optional[int] = None, compression_chunk: int = 64,
+                 chunk_mode: str = "divisor", values: Optional[str] = None, inner: str = "sgd",
+                 sign: Optional[bool] = None, step_bound: Optional[float] = None,
+                 precondition: Optional[bool] = None, fold_lr: Optional[bool] = None,
+                 betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, exchange_every: int = 1, mesh=None,
                  replicate_group=None, shard_group=None, on_nonfinite: str = "skip",
                  on_bad_peer: str = "drop", peer_scale_bound: float = 100.0):
+        # The defaults: flexdemo train's per inner rule (src/train/options.cpp, resolve()).
+        adaptive = inner == "sgd"
+        sign = (not adaptive) if sign is None else bool(sign)
+        if compression_topk is None:
+            compression_topk = min(112 if adaptive else 32, int(compression_chunk) ** 2)
+        values = ("fp8" if adaptive else "bf16") if values is None else values
+        step_bound = (1.0 if adaptive and not sign else 0.0) if step_bound is None else step_bound
+        precondition = adaptive if precondition is None else bool(precondition)
+        fold_lr = (not adaptive) if fold_lr is None else bool(fold_lr)
         _check_options(lr, compression_decay, compression_topk, compression_chunk, chunk_mode,
                        values, inner, betas, eps, weight_decay, exchange_every, on_nonfinite)
         if on_bad_peer not in ON_BAD_PEER:
@@ -111,9 +136,11 @@ class FlexDeMo(torch.optim.Optimizer):
         if not (peer_scale_bound == 0 or peer_scale_bound > 1):
             raise _bad("peer_scale_bound {}; it must be 0 (no scale check) or > 1".format(
                 peer_scale_bound))
-        if inner == "sgd" and not sign:
-            raise _bad("sign=False with inner 'sgd': the fused step is sign-SGD; sign=False "
-                       "needs inner 'adamw'")
+        if not step_bound >= 0:
+            raise _bad("step_bound {}; it must be >= 0 (0: none)".format(step_bound))
+        if step_bound > 0 and (sign or inner != "sgd"):
+            raise _bad("step_bound {} needs inner 'sgd' with sign=False, not inner {!r} with "
+                       "sign={} (give step_bound=0)".format(step_bound, inner, sign))
         defaults = dict(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps)
         super().__init__(params, defaults)
         self.decay = float(compression_decay)
@@ -122,7 +149,10 @@ class FlexDeMo(torch.optim.Optimizer):
         self.chunk_mode = chunk_mode
         self.values = values
         self.inner = inner
-        self.sign = bool(sign)
+        self.sign = sign
+        self.step_bound = float(step_bound)
+        self.precondition = precondition
+        self.fold_lr = fold_lr
         self.exchange_every = int(exchange_every)
         self.on_nonfinite = on_nonfinite
         self.on_bad_peer = on_bad_peer
@@ -130,9 +160,11 @@ class FlexDeMo(torch.optim.Optimizer):
         self.replicate_group, self.shard_group = _groups(mesh, replicate_group, shard_group)
         self.replicas = dist.get_world_size(self.replicate_group) if self.replicate_group else 1
         self._check_params()
-        self._residual_key = "residual.replica{}.shard{}".format(
+        # Per replica and per shard: DCP keeps tensors of equal keys once.
+        where = "replica{}.shard{}".format(
             dist.get_rank(self.replicate_group) if self.replicate_group else 0,
             dist.get_rank(self.shard_group) if self.shard_group else 0)
+        self._residual_key, self._grad_sq_key = "residual." + where, "grad_sq." + where
         self._init_state()
         # Per param group, the tensors a step updates (fixed: the bucket's layout follows them);
         # the groups' hyperparameters are read from param_groups at each step.
@@ -206,8 +238,9 @@ class FlexDeMo(torch.optim.Optimizer):
                 if local.numel() == 0:
                     continue
                 shape = ops.residual_shape(local, self.chunk, self.chunk_mode)
-                # Per replica and per shard: DCP keeps tensors of equal keys once.
                 state[self._residual_key] = torch.zeros(shape, device=local.device)
+                if self.precondition:  # this replica's own gradients': per replica too
+                    state[self._grad_sq_key] = torch.zeros_like(local)
                 if self.inner == "adamw":
                     state["exp_avg"] = self._like(p, torch.zeros_like(local))
                     state["exp_avg_sq"] = self._like(p, torch.zeros_like(local))
@@ -288,12 +321,15 @@ class FlexDeMo(torch.optim.Optimizer):
             log.warning("flexdemo: step %d: non-finite gradient on this node; its gradient is "
                         "dropped from the step (on_nonfinite='skip')", step)
             grads = [[None] * len(params) for _, params in groups]
+        if self.precondition:
+            grads = [self._preconditioned(group, params, gs, step)
+                     for (group, params), gs in zip(groups, grads)]
         if step % self.exchange_every != 0:
             for (group, params), gs in zip(groups, grads):
                 if params:
                     ops.accumulate([_local(p) for p in params], gs, self._residuals(params),
                                    chunk=self.chunk, chunk_mode=self.chunk_mode,
-                                   decay=self.decay, lr=group["lr"])
+                                   decay=self.decay, lr=self._folded(group))
             return None
         device = next((_local(p).device for _, params in groups for p in params),
                       torch.device("cpu"))
@@ -303,7 +339,7 @@ class FlexDeMo(torch.optim.Optimizer):
                 ops.encode([_local(p) for p in params], gs, self._residuals(params),
                            send.narrow(0, offset, n), chunk=self.chunk,
                            chunk_mode=self.chunk_mode, topk=self.topk, values=self.values,
-                           decay=self.decay, lr=group["lr"])
+                           decay=self.decay, lr=self._folded(group))
         if self._tamper is not None:
             how, factor = self._tamper
             self._tamper = None
@@ -329,6 +365,30 @@ class FlexDeMo(torch.optim.Optimizer):
 
     def _residuals(self, params) -> List[torch.Tensor]:
         return [self.state[p][self._residual_key] for p in params]
+
+    def _folded(self, group) -> float:
+        """The scale of a gradient entering the residual."""
+        return group["lr"] if self.fold_lr else 1.0
+
+    def _preconditioned(self, group, params, grads, step: int) -> List[Optional[torch.Tensor]]:
+        """v = beta2 * v + (1 - beta2) * g^2, then g / (sqrt(v / (1 - beta2^step)) + eps): AdamW's
+        denominator on this replica's own gradients (a missing one counts as zero, stays None)."""
+        beta2, eps = group["betas"][1], group["eps"]
+        sq = [self.state[p][self._grad_sq_key] for p in params]
+        for v, g in zip(sq, grads):
+            if g is None:
+                v.mul_(beta2)
+        here = [(v, g.reshape(v.shape).float()) for v, g in zip(sq, grads) if g is not None]
+        if not here:
+            return list(grads)
+        vs, gs = [v for v, _ in here], [g for _, g in here]
+        torch._foreach_mul_(vs, beta2)
+        torch._foreach_addcmul_(vs, gs, gs, 1.0 - beta2)
+        denom = torch._foreach_sqrt(vs)
+        torch._foreach_div_(denom, (1.0 - beta2 ** step) ** 0.5)
+        torch._foreach_add_(denom, eps)
+        scaled = iter(torch._foreach_div(gs, denom))
+        return [None if g is None else next(scaled) for g in grads]
 
     def _layout(self):
         return dict(chunk=self.chunk, chunk_mode=self.chunk_mode, topk=self.topk,
@@ -385,8 +445,9 @@ class FlexDeMo(torch.optim.Optimizer):
             locals_ = [_local(p) for p in params]
             layout = self._layout()
             if self.inner == "sgd":
-                ops.decode_sign_sgd(gathered, replicas, locals_, lr=group["lr"],
-                                    weight_decay=group["weight_decay"], **layout)
+                ops.decode_sgd(gathered, replicas, locals_, lr=group["lr"],
+                               weight_decay=group["weight_decay"], sign=self.sign,
+                               step_bound=self.step_bound, **layout)
             else:
                 beta1, beta2 = group["betas"]
                 state = [self.state[p] for p in params]
@@ -421,7 +482,8 @@ class DeMo(FlexDeMo):
         group = process_group if process_group is not None else dist.group.WORLD
         super().__init__(params, lr=lr, compression_decay=compression_decay,
                          compression_topk=compression_topk, compression_chunk=compression_chunk,
-                         values=values, weight_decay=weight_decay, replicate_group=group)
+                         values=values, sign=True, step_bound=0.0, precondition=False,
+                         fold_lr=True, weight_decay=weight_decay, replicate_group=group)
         self.data_transmit = 0
         self.data_receive = 0
 

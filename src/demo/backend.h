@@ -36,11 +36,12 @@ struct Bucket {
   std::unique_ptr<comm::Work> work;
 };
 
-// The update of one tensor, fused into its decode where the backend can: sign-SGD
-// (param = keep * param - lr * sign(direction), keep = 1 - lr * weight_decay) or AdamW (its
-// formula on sign(direction), or the direction with hyper.sign off), from this step's numbers.
+// The update of one tensor, fused into its decode where the backend can: SGD
+// (param = keep * param - lr * g, keep = 1 - lr * weight_decay, g = sign(direction), or with
+// hyper.sign off the direction clamped to hyper.step_bound) or AdamW (its formula on
+// sign(direction), or the direction with hyper.sign off), from this step's numbers.
 struct Update {
-  enum class Rule { SignSgd, AdamW } rule = Rule::SignSgd;
+  enum class Rule { Sgd, AdamW } rule = Rule::Sgd;
   at::Tensor param;  // float32 [rows, cols], rows contiguous
   kernels::AdamWHyper hyper;
   at::Tensor exp_avg, exp_avg_sq;  // AdamW

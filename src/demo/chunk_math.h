@@ -104,9 +104,18 @@ FLEXDEMO_HD float mean_of(float sum, uint32_t count) {
 FLEXDEMO_HD float sign_of(float x) {
   return float((x > 0.0f) - (x < 0.0f));  // 0 for 0 and NaN
 }
-// Sign-SGD with decoupled weight decay: keep * p - lr * sign(x).
-FLEXDEMO_HD float sign_step(float p, float x, float keep, float lr) {
-  return fma32(keep, p, -(lr * sign_of(x)));
+// SGD with decoupled weight decay, keep * p - lr * g: DeMo's sign-SGD (g = sign(x)), or the
+// direction itself (g = x), clamped to [-bound, bound] when bound > 0.
+struct SgdConstants {
+  float lr = 0.0f, keep = 1.0f;
+  bool sign = true;
+  float bound = 0.0f;  // without sign: the largest |g| (0: none)
+};
+FLEXDEMO_HD float bounded(float x, float bound) {  // NaN stays NaN, as torch's clamp keeps it
+  return bound > 0.0f && x > bound ? bound : bound > 0.0f && x < -bound ? -bound : x;
+}
+FLEXDEMO_HD float sgd_step(float p, float x, const SgdConstants& c) {
+  return fma32(c.keep, p, -(c.lr * (c.sign ? sign_of(x) : bounded(x, c.bound))));
 }
 // AdamW (torch.optim.AdamW's formula) on g = sign(x), or x without sign; lr is already divided by
 // 1 - beta1^t, sqrt_bc2 = sqrt(1 - beta2^t).

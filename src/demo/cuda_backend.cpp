@@ -80,8 +80,8 @@ class CudaBackend final : public Backend {
     for (const std::optional<Update>& u : updates.fused) {
       if (!u) {
         throw std::invalid_argument(
-            "DeMo on a GPU: its kernels update by sign-SGD or AdamW only (plain SGD without sign "
-            "and Nesterov SGD run on CPUs)");
+            "DeMo on a GPU: its kernels update by SGD (sign or bounded) or AdamW only (Nesterov "
+            "SGD, --normalize, --update-rms and AdamW with --step-bound run on CPUs)");
       }
       params.push_back(u->param);
       if (u->rule == Update::Rule::AdamW) {
@@ -144,7 +144,7 @@ std::string kernels_disagree(at::Device device) {
     const uint8_t* payload = expected.data() + gpu.offset(i);
     coeffs.push_back(compress::decode_mean_sparse(
         {payload}, compress::wire_payload_bytes(plans[i], k, values), plans[i], k, values));
-    kernels::idct_sparse_sign_step(coeffs.back(), plans[i], {cpu_params[i], 0.01f, 1.0f});
+    kernels::idct_sparse_sgd_step(coeffs.back(), plans[i], {cpu_params[i], 0.01f, 1.0f});
   }
   kernels::set_active_isa(saved);
 

@@ -151,9 +151,10 @@ class CpuBackend final : public HostBackend {
       return true;
     }
     const kernels::AdamWHyper& h = update->hyper;
-    if (update->rule == Update::Rule::SignSgd) {
-      kernels::idct_sparse_sign_step(
-          coeffs, plan, {update->param, float(h.lr), float(1.0 - h.lr * h.weight_decay)});
+    if (update->rule == Update::Rule::Sgd) {
+      kernels::idct_sparse_sgd_step(coeffs, plan,
+                                    {update->param, float(h.lr), float(1.0 - h.lr * h.weight_decay),
+                                     h.sign, float(h.step_bound)});
     } else {
       kernels::AdamWStep step;
       static_cast<kernels::AdamWHyper&>(step) = h;

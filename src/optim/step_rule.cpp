@@ -126,8 +126,11 @@ void StepRule::apply(size_t i, const at::Tensor& direction) {
 
 std::optional<demo::Update> StepRule::fused_update(size_t i) const {
   const OptimizerOptions& o = options_;
-  const bool fusable = ((o.inner == InnerKind::Sgd && o.sign) || o.inner == InnerKind::AdamW) &&
-                       !o.normalize && o.update_rms == 0.0 && o.step_bound == 0.0;
+  // The kernels bound the SGD rule's direction themselves; AdamW's bounded input and the
+  // rescalings go through apply().
+  const bool fusable =
+      (o.inner == InnerKind::Sgd || (o.inner == InnerKind::AdamW && o.step_bound == 0.0)) &&
+      !o.normalize && o.update_rms == 0.0;
   if (!fusable || params_.at(i).scalar_type() != at::kFloat) return std::nullopt;
   demo::Update u;
   u.param = params_[i];
@@ -149,6 +152,7 @@ kernels::AdamWHyper StepRule::hyper() const {
   h.eps = options_.eps;
   std::tie(h.bias_correction1, h.bias_correction2) = bias_corrections();
   h.sign = options_.sign;
+  h.step_bound = options_.sign ? 0.0 : options_.step_bound;
   return h;
 }
 

@@ -1,6 +1,6 @@
 """flexdemo's torch ops against DeMo written here from the paper in float64: the chunked
 orthonormal DCT-II from its cosine formula, top-k per chunk, error feedback, the replicas' mean
-per coefficient, the inverse and the sign-SGD / AdamW update. Every value encoding; and
+per coefficient, the inverse and the sign-SGD / bounded SGD / AdamW update. Every value encoding; and
 torch.library.opcheck on every op."""
 
 import pytest
@@ -91,7 +91,7 @@ def test_encode_and_decode_match_float64_demo(values):
 
     # Decode: per coefficient the mean of the replicas that sent it; inverse; sign-SGD.
     stepped = [p.clone() for p in params]
-    ops.decode_sign_sgd(gathered, REPLICAS, stepped, lr=LR, weight_decay=WD, **layout(values))
+    ops.decode_sgd(gathered, REPLICAS, stepped, lr=LR, weight_decay=WD, **layout(values))
     for t, (ref, p, new) in enumerate(zip(refs, params, stepped)):
         total = torch.zeros(ref.rows // ref.h * (ref.cols // ref.w), ref.h * ref.w,
                             dtype=torch.float64)
@@ -105,6 +105,42 @@ def test_encode_and_decode_match_float64_demo(values):
         clear = direction.abs() > 1e-5 * direction.abs().max()  # sign() certain
         got = new.double().reshape(ref.rows, ref.cols)
         assert torch.allclose(got[clear], want[clear], rtol=0, atol=1e-6), (values, t)
+
+
+def decoded_direction(ref, pairs, t):
+    """Tensor t's direction as float64 DeMo decodes it: per coefficient the mean of the replicas
+    that sent it (what left each replica's residual), transformed back."""
+    total = torch.zeros(ref.rows // ref.h * (ref.cols // ref.w), ref.h * ref.w,
+                        dtype=torch.float64)
+    count = torch.zeros_like(total)
+    for r in range(REPLICAS):
+        before, after, grad = pairs[r][t]
+        accumulated = DECAY * ref.dct_block(before.double()) + LR * ref.dct(grad)
+        chosen = ref.topk(accumulated)
+        sent = (accumulated - ref.dct_block(after.double())).gather(1, chosen)
+        total.scatter_add_(1, chosen, sent)
+        count.scatter_add_(1, chosen, torch.ones_like(sent))
+    return ref.idct(total / count.clamp(min=1))
+
+
+@pytest.mark.parametrize("bound", [0.0, "median"])
+def test_bounded_sgd_decode_matches_float64(bound):
+    """sign=False: param = (1 - lr wd) param - lr clamp(direction, -bound, bound), the bound at
+    the median |direction| of each tensor (half the elements clamped), or none (0)."""
+    params = [torch.randn(s) for s in SHAPES]
+    gathered, pairs = encode_replicas("fp32", params)
+    for t, s in enumerate(SHAPES):
+        ref = Reference(s, CHUNK, TOPK)
+        d = decoded_direction(ref, pairs, t)
+        b = d.abs().median().item() if bound == "median" else 0.0
+        new = [p.clone() for p in params]
+        ops.decode_sgd(gathered, REPLICAS, new, lr=LR, weight_decay=WD, sign=False, step_bound=b,
+                       **layout("fp32"))
+        want = (1 - LR * WD) * params[t].double().reshape(d.shape) - LR * (
+            d.clamp(-b, b) if b > 0 else d)
+        assert torch.allclose(new[t].double().reshape(d.shape), want, rtol=0, atol=1e-6), t
+        if b > 0:
+            assert (d.abs() > b).sum() >= d.numel() // 3  # the bound did clamp
 
 
 @pytest.mark.parametrize("sign", [True, False])
@@ -122,17 +158,7 @@ def test_adamw_decode_matches_float64_adamw(sign):
     ops.decode_adamw(gathered, REPLICAS, new, m, v, lr=LR, weight_decay=WD, beta1=b1, beta2=b2,
                      eps=eps, step=step, sign=sign, **layout(values))
     for t, ref in enumerate(refs):
-        total = torch.zeros(ref.rows // ref.h * (ref.cols // ref.w), ref.h * ref.w,
-                            dtype=torch.float64)
-        count = torch.zeros_like(total)
-        for r in range(REPLICAS):
-            before, after, grad = pairs[r][t]
-            accumulated = DECAY * ref.dct_block(before.double()) + LR * ref.dct(grad)
-            chosen = ref.topk(accumulated)
-            sent = (accumulated - ref.dct_block(after.double())).gather(1, chosen)
-            total.scatter_add_(1, chosen, sent)
-            count.scatter_add_(1, chosen, torch.ones_like(sent))
-        d = ref.idct(total / count.clamp(min=1))
+        d = decoded_direction(ref, pairs, t)
         u = d.sign() if sign else d
         shape = (ref.rows, ref.cols)
         m_ref = b1 * exp_avg[t].double().reshape(shape) + (1 - b1) * u
@@ -177,14 +203,14 @@ def _op_samples():
     return {
         "accumulate": (params, grads, residuals, CHUNK, "divisor", DECAY, LR),
         "encode": (params, grads, [r.clone() for r in residuals], bucket.clone()) + lay + (DECAY, LR),
-        "decode_sign_sgd": (bucket, 1, [p.clone() for p in params]) + lay + (LR, WD),
+        "decode_sgd": (bucket, 1, [p.clone() for p in params]) + lay + (LR, WD, False, 0.5),
         "decode_adamw": (bucket, 1, [p.clone() for p in params],
                          [torch.zeros(s) for s in SHAPES], [torch.zeros(s) for s in SHAPES]) +
                         lay + (LR, WD, 0.9, 0.999, 1e-8, 1, True),
     }
 
 
-@pytest.mark.parametrize("name", ["accumulate", "encode", "decode_sign_sgd", "decode_adamw"])
+@pytest.mark.parametrize("name", ["accumulate", "encode", "decode_sgd", "decode_adamw"])
 def test_opcheck(name):
     op = getattr(torch.ops.flexdemo, name).default
     torch.library.opcheck(op, _op_samples()[name])
@@ -200,6 +226,10 @@ def test_ops_reject_bad_layouts():
     with pytest.raises(ValueError, match="payloads must be contiguous uint8 of"):
         ops.encode(p, [None], [torch.zeros(8, 8)], torch.zeros(3, dtype=torch.uint8),
                    decay=0.9, lr=0.1, **dict(layout("bf16"), chunk=4))
+    with pytest.raises(ValueError, match="step_bound -1; it must be >= 0"):
+        ops.decode_sgd(torch.zeros(sum(ops.payload_bytes(p, 4, "divisor", 2, "bf16")),
+                                   dtype=torch.uint8), 1, p, lr=0.1, sign=False, step_bound=-1,
+                       **dict(layout("bf16"), chunk=4, topk=2))
     with pytest.raises(ValueError, match="residual 0 must be contiguous float32 of 64"):
         ops.accumulate(p, [None], [torch.zeros(4)], chunk=4, chunk_mode="divisor", decay=0.9,
                        lr=0.1)
@@ -210,7 +240,7 @@ def test_corrupt_payload_is_refused():
     gathered, _ = encode_replicas("bf16", params)
     gathered[40] ^= 0xFF  # a byte of the first payload's body
     with pytest.raises(RuntimeError, match="checksum"):
-        ops.decode_sign_sgd(gathered, REPLICAS, params, lr=LR, **layout("bf16"))
+        ops.decode_sgd(gathered, REPLICAS, params, lr=LR, **layout("bf16"))
 
 
 @pytest.mark.parametrize("values", ops.VALUE_ENCODINGS)

@@ -52,6 +52,42 @@ def test_demo_follows_the_reference_rule():
     assert opt.data_transmit == opt.bucket_bytes > 0
 
 
+def test_flexdemo_default_step_follows_float64():
+    """FlexDeMo's default step, written here in float64: each gradient divided by the root of its
+    bias-corrected running mean square (+ eps), entering the residual unscaled; the chunked DCT's
+    top-k transmitted (fp32 here) and taken out; the step lr times the transmission clamped to
+    [-1, 1], after decoupled weight decay."""
+    torch.manual_seed(2)
+    shapes = [(32, 24), (24,), (16, 3, 4)]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    opt = flexdemo.FlexDeMo(params, lr=LR, compression_decay=DECAY, compression_topk=TOPK,
+                            compression_chunk=CHUNK, values="fp32", weight_decay=WD)
+    assert (opt.sign, opt.precondition, opt.fold_lr, opt.step_bound) == (False, True, False, 1.0)
+    ref_params = [p.detach().double().clone() for p in params]
+    deltas = [torch.zeros(s, dtype=torch.float64) for s in shapes]
+    sq = [torch.zeros(s, dtype=torch.float64) for s in shapes]
+    beta2, eps = 0.999, 1e-8
+    clamped = False
+    for step in range(1, 5):
+        grads = [torch.randn(s) * 10 ** (step - 2) for s in shapes]  # bounds reached late
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        for p, r, g, delta, v in zip(params, ref_params, grads, deltas, sq):
+            ref = Reference(tuple(p.shape), CHUNK, TOPK)
+            v.mul_(beta2).add_((1 - beta2) * g.double() ** 2)
+            delta.mul_(DECAY).add_(g.double() / ((v / (1 - beta2 ** step)).sqrt() + eps))
+            coeffs = ref.dct(delta)
+            chosen = ref.topk(coeffs)
+            kept = torch.zeros_like(coeffs).scatter_(1, chosen, coeffs.gather(1, chosen))
+            transmitted = ref.idct(kept).reshape(p.shape)
+            delta.sub_(transmitted)
+            r.mul_(1 - LR * WD).sub_(LR * transmitted.clamp(-1, 1))
+            clamped |= bool((transmitted.abs() > 1).any())
+            assert torch.allclose(p.detach().double(), r, rtol=0, atol=1e-5), step
+    assert clamped, "the bound was never reached: the test would not see it"
+
+
 @pytest.mark.parametrize("kind", [ReferenceTorchDeMo, CompactTorchDeMo])
 def test_benchmark_baselines_compute_demo(kind):
     """The plain-torch steps flexdemo.bench times against (2 replicas' equal payloads) follow the
@@ -108,7 +144,10 @@ def one_param(**kwargs):
     (dict(on_nonfinite="ignore"), "on_nonfinite 'ignore'; accepted: skip, stop"),
     (dict(on_bad_peer="ignore"), "on_bad_peer 'ignore'; accepted: drop, stop"),
     (dict(peer_scale_bound=0.5), r"peer_scale_bound 0.5; it must be 0 \(no scale check\) or > 1"),
-    (dict(sign=False), "sign=False with inner 'sgd'"),
+    (dict(step_bound=-1), r"step_bound -1; it must be >= 0 \(0: none\)"),
+    (dict(sign=True, step_bound=1.0),
+     r"step_bound 1.0 needs inner 'sgd' with sign=False, not inner 'sgd' with sign=True"),
+    (dict(inner="adamw", step_bound=0.5), "step_bound 0.5 needs inner 'sgd' with sign=False"),
 ])
 def test_bad_options(kwargs, message):
     with pytest.raises(ValueError, match=message):

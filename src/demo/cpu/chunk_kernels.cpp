@@ -505,10 +505,20 @@ void select_topk(const float* values, int64_t n, int64_t k, int64_t* positions, 
 }
 
 // ====== The sparse inverse ======
-// p = keep * p - lr * sign(x) over the update's rows and columns (sign(0) = sign(NaN) = 0).
-void sign_step(const float* x, int64_t x_stride, const StepUpdate& update, float* p,
-               int64_t p_stride) {
+// SGD over the update's rows and columns: p = keep * p - lr * sign(x) (sign(0) = sign(NaN) =
+// 0), or with sign off p = keep * p - lr * x, x clamped to the bound.
+void sgd_step(const float* x, int64_t x_stride, const StepUpdate& update, float* p,
+              int64_t p_stride) {
+  const chunk_math::SgdConstants& c = update.sgd;
   const int rows = update.valid_h, cols = update.valid_w;
+  if (!c.sign) {
+    for (int u = 0; u < rows; ++u) {
+      const float* xr = x + u * x_stride;
+      float* pr = p + u * p_stride;
+      for (int v = 0; v < cols; ++v) pr[v] = chunk_math::sgd_step(pr[v], xr[v], c);
+    }
+    return;
+  }
   for (int u = 0; u < std::min(kPrefetchRows, rows); ++u) prefetch_row(p + u * p_stride, cols);
   for (int u = 0; u < rows; ++u) {
     if (u + kPrefetchRows < rows) prefetch_row(p + (u + kPrefetchRows) * p_stride, cols);
@@ -519,13 +529,13 @@ void sign_step(const float* x, int64_t x_stride, const StepUpdate& update, float
       using V = decltype(lanes);
       typedef int32_t Vi __attribute__((vector_size(sizeof(V))));
       const V d = load<V>(xr + v);
-      const Vi lr = (Vi)splat<V>(update.lr);
+      const Vi lr = (Vi)splat<V>(c.lr);
       const V up = (V)((d > 0.0f) & lr), down = (V)((d < 0.0f) & lr);
-      store(pr + v, update.keep * load<V>(pr + v) - up + down);
+      store(pr + v, c.keep * load<V>(pr + v) - up + down);
     });
     for (int v = whole; v < update.valid_w; ++v) {
-      const float step = update.lr * float((xr[v] > 0.0f) - (xr[v] < 0.0f));
-      pr[v] = update.keep * pr[v] - step;
+      const float step = c.lr * float((xr[v] > 0.0f) - (xr[v] < 0.0f));
+      pr[v] = c.keep * pr[v] - step;
     }
   }
 }
@@ -634,7 +644,7 @@ void idct_sparse(const ChunkShape& shape, const int32_t* positions, const float*
   if (update != nullptr && update->m != nullptr) {
     adamw_step(x, W8, *update, out, out_stride);
   } else if (update != nullptr) {
-    sign_step(x, W8, *update, out, out_stride);
+    sgd_step(x, W8, *update, out, out_stride);
   } else if (dst == x) {
     for (int i = 0; i < h; ++i) std::memcpy(out + i * out_stride, x + i * W8, sizeof(float) * w);
   }

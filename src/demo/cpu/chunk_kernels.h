@@ -46,11 +46,11 @@ struct ChunkShape {
 
 // Instead of writing the inverse x, the inner optimizer's step on the parameters at out, fused,
 // for u < valid_h, v < valid_w:
-//   sign-SGD (m == nullptr): out = keep * out - lr * sign(x)
+//   SGD (m == nullptr): chunk_math::sgd_step with the constants in sgd (sign-SGD, or the
+//   direction bounded)
 //   AdamW: chunk_math::adamw_step with the constants in adamw, the moments m and v laid out as out
 struct StepUpdate {
-  float lr = 0.0f;
-  float keep = 1.0f;
+  chunk_math::SgdConstants sgd;
   int valid_h = 0, valid_w = 0;
   float* m = nullptr;  // AdamW
   float* v = nullptr;
@@ -103,6 +103,7 @@ extern const KernelTable table;
 // AdamW's per-element constants for one step (kernels.h's numbers rounded to float once).
 struct AdamWHyper;
 chunk_math::AdamWConstants adamw_constants(const AdamWHyper& step);
+chunk_math::SgdConstants sgd_constants(const AdamWHyper& step);  // the SGD rule's
 
 // The factorised plan of size n, built once and never freed (thread safe).
 const Dct1d& dct1d(int64_t n);

@@ -410,14 +410,18 @@ float* step_target(const at::Tensor& t, const dct::ChunkPlan& plan, const char* 
 
 }  // namespace
 
-void idct_sparse_sign_step(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan,
-                           const SignStep& step) {
-  const char* who = "idct_sparse_sign_step";
+void idct_sparse_sgd_step(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan,
+                          const SgdStep& step) {
+  const char* who = "idct_sparse_sgd_step";
   StepUpdate update;
-  update.lr = step.lr;
-  update.keep = step.keep;
+  update.sgd = {step.lr, step.keep, step.sign, step.bound};
   inverse_chunks(coeffs, plan, step_target(step.param, plan, who, "param"), &update, who);
   bump_version(step.param);
+}
+
+chunk_math::SgdConstants sgd_constants(const AdamWHyper& step) {
+  return {float(step.lr), float(1.0 - step.lr * step.weight_decay), step.sign,
+          float(step.step_bound)};
 }
 
 chunk_math::AdamWConstants adamw_constants(const AdamWHyper& step) {

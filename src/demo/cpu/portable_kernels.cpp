@@ -69,7 +69,7 @@ void idct_sparse(const ChunkShape& shape, const int32_t* positions, const float*
       } else if (i < update->valid_h && j < update->valid_w) {
         float& p = out[i * out_stride + j];
         if (update->m == nullptr) {
-          p = cm::sign_step(p, x, update->keep, update->lr);
+          p = cm::sgd_step(p, x, update->sgd);
         } else {
           cm::adamw_step(p, update->m[i * out_stride + j], update->v[i * out_stride + j], x,
                          update->adamw);

@@ -105,14 +105,14 @@ void validate(const TensorTable& table, const uint8_t* gathered, int64_t bucket_
 }
 
 void decode_step(const TensorTable& table, const uint8_t* gathered, int64_t bucket_bytes,
-                 int replicas, float lr, float keep, const chunk_math::AdamWConstants* adamw,
-                 cudaStream_t stream) {
+                 int replicas, const chunk_math::SgdConstants& sgd,
+                 const chunk_math::AdamWConstants* adamw, cudaStream_t stream) {
   check_table(table);
   if (table.num_chunks == 0) return;
   const size_t bytes = shared_bytes(table);
   allow_shared(decode_step_kernel, bytes);
   decode_step_kernel<<<unsigned(table.num_chunks), kThreads, bytes, stream>>>(
-      table, gathered, bucket_bytes, replicas, lr, keep,
+      table, gathered, bucket_bytes, replicas, sgd,
       adamw != nullptr ? *adamw : chunk_math::AdamWConstants{}, adamw != nullptr);
   launched("decode kernel launch", stream);
 }

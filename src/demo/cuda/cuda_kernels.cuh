@@ -322,7 +322,7 @@ __global__ void encode_kernel(TensorTable table, float beta, float alpha, uint8_
 
 // ====== Decode and step ======
 __global__ void decode_step_kernel(TensorTable table, const uint8_t* gathered, int64_t bucket_bytes,
-                                   int replicas, float lr, float keep, cm::AdamWConstants adamw,
+                                   int replicas, cm::SgdConstants sgd, cm::AdamWConstants adamw,
                                    bool use_adamw) {
   FLEXDEMO_DYNAMIC_SHARED(float, shared);
   __shared__ int scan[kThreads];
@@ -439,7 +439,7 @@ __global__ void decode_step_kernel(TensorTable table, const uint8_t* gathered, i
         if (use_adamw) {
           cm::adamw_step(t.param[at], t.exp_avg[at], t.exp_avg_sq[at], acc[q][side], adamw);
         } else {
-          t.param[at] = cm::sign_step(t.param[at], acc[q][side], keep, lr);
+          t.param[at] = cm::sgd_step(t.param[at], acc[q][side], sgd);
         }
       }
     }

@@ -74,10 +74,11 @@ void validate(const TensorTable& table, const uint8_t* gathered, int64_t bucket_
 
 // Decode and step: `replicas` buckets of payloads back to back (each bucket_bytes, validated),
 // per coefficient the mean of the replicas that sent it (in rank order), its inverse DCT, and the
-// sign-SGD step (adamw == nullptr) or AdamW's on each tensor's param (and moments).
+// SGD step (adamw == nullptr: sign-SGD or the bounded direction, as sgd says) or AdamW's on each
+// tensor's param (and moments).
 void decode_step(const TensorTable& table, const uint8_t* gathered, int64_t bucket_bytes,
-                 int replicas, float lr, float keep, const chunk_math::AdamWConstants* adamw,
-                 cudaStream_t stream);
+                 int replicas, const chunk_math::SgdConstants& sgd,
+                 const chunk_math::AdamWConstants* adamw, cudaStream_t stream);
 
 // The largest chunk (coefficients) the kernels take: the decode's shared memory holds three.
 constexpr int kMaxChunkNumel = 16384;

@@ -382,8 +382,7 @@ void GpuStep::decode_step(const at::Tensor& gathered, int replicas,
     const PhaseScope timed("decode_step", stream,
                            (adamw ? 6.0 : 2.0) * m.param_bytes + double(m.bytes) * replicas);
     cuda::decode_step(table, gathered.data_ptr<uint8_t>(), int64_t(m.bytes), replicas,
-                      float(hyper.lr), float(1.0 - hyper.lr * hyper.weight_decay),
-                      adamw ? &constants : nullptr, stream);
+                      sgd_constants(hyper), adamw ? &constants : nullptr, stream);
   }
   for (size_t i = 0; i < m.plans.size(); ++i) {  // written by the kernel, as ATen's ops would
     params[i].unsafeGetTensorImpl()->bump_version();
