@@ -74,6 +74,9 @@ struct OptimizerOptions {
                               // scaled to this RMS before the rate (0: off)
   double step_bound = 0.0;    // sign off, > 0: each element of the update clamped to
                               // [-step_bound, step_bound] before the rate (0: off)
+  double rms_cap = 0.0;       // sign off, > 0: each tensor's update (this rank's share) whose
+                              // RMS is above rms_cap scaled down to it before the rate
+                              // (Adafactor's update clipping; 0: off)
   InnerKind inner = InnerKind::Sgd;
   double beta1 = 0.9;     // AdamW, in [0, 1)
   double beta2 = 0.999;   // AdamW, in [0, 1)

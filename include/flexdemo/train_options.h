@@ -171,6 +171,9 @@ struct OptionSpec {
   X(step_bound, std::optional<double>, std::nullopt, State, at_least(0, " (0: off)"),               \
     "with --no-sign: clamp each element of the update to [-B, B] before the rate (default: 1 for " \
     "flexdemo without --sign, 0 (off) otherwise)")                                                 \
+  X(rms_cap, double, 0.0, State, at_least(0, " (0: off)"),                                         \
+    "with --no-sign: scale each tensor's update (this rank's shard of it) whose RMS is above C "   \
+    "down to C before the rate, as Adafactor clips its update (0: off)")                            \
   X(topk, std::optional<int64_t>, std::nullopt, State, at_least(1),                                \
     "DCT coefficients kept per chunk (default: 112 for flexdemo, 32 otherwise; at most a chunk's)") \
   X(chunk, int64_t, 64, Model, at_least(1), "DCT chunk edge")                                      \

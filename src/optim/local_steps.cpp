@@ -19,6 +19,7 @@ OptimizerOptions outer_options(const OptimizerOptions& options) {
   outer.normalize = false;
   outer.update_rms = 0.0;  // the local steps' options, not the outer step's
   outer.step_bound = 0.0;
+  outer.rms_cap = 0.0;
   outer.lr = options.outer_lr;
   outer.momentum = options.outer_momentum;
   outer.weight_decay = 0.0;  // the local steps decay the weights

@@ -62,8 +62,13 @@ void OptimizerOptions::validate() const {
   if (normalize && sign) fail("{normalize} needs {sign} off (sign's step is unit RMS already)");
   if (!(update_rms >= 0.0)) fail("{update_rms} must be >= 0 (0: off), got " + str(update_rms));
   if (!(step_bound >= 0.0)) fail("{step_bound} must be >= 0 (0: off), got " + str(step_bound));
-  if ((update_rms > 0.0 || step_bound > 0.0) && sign) {
-    fail("{update_rms} and {step_bound} need {sign} off (sign's step is bounded already)");
+  if (!(rms_cap >= 0.0)) fail("{rms_cap} must be >= 0 (0: off), got " + str(rms_cap));
+  if ((update_rms > 0.0 || step_bound > 0.0 || rms_cap > 0.0) && sign) {
+    fail("{update_rms}, {step_bound} and {rms_cap} need {sign} off (sign's step is bounded "
+         "already)");
+  }
+  if (update_rms > 0.0 && rms_cap > 0.0) {
+    fail("{update_rms} and {rms_cap} exclude each other (one sets the RMS, one caps it)");
   }
   if (update_rms > 0.0 && normalize) fail("{update_rms} and {normalize} exclude each other");
   if (!(beta1 >= 0.0 && beta1 < 1.0)) fail("{beta1} must be in [0, 1), got " + str(beta1));

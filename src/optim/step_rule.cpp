@@ -74,10 +74,11 @@ at::Tensor chunk_rms_normalized(const at::Tensor& d, const dct::ChunkPlan& plan)
   return scaled.narrow(0, 0, plan.rows).narrow(1, 0, plan.cols).contiguous();
 }
 
-// d scaled so that its RMS is `rms` (a tensor of zeros stays zero); the sum is float64.
-at::Tensor rms_scaled(const at::Tensor& d, double rms) {
+// d scaled so that its RMS is `rms` (a tensor of zeros stays zero), or with only_down, where it
+// is above `rms` only; the sum is float64.
+at::Tensor rms_scaled(const at::Tensor& d, double rms, bool only_down = false) {
   const double now = std::sqrt(d.to(at::kDouble).square().mean().item<double>());
-  return now > 0.0 ? d * (rms / now) : d;
+  return now > 0.0 && (!only_down || now > rms) ? d * (rms / now) : d;
 }
 
 }  // namespace
@@ -91,6 +92,7 @@ at::Tensor StepRule::rescaled(size_t i, const at::Tensor& direction) const {
   const OptimizerOptions& o = options_;
   at::Tensor d = o.normalize ? chunk_rms_normalized(direction, plans_.at(i)) : direction;
   if (o.update_rms > 0.0) d = rms_scaled(d, o.update_rms);
+  if (o.rms_cap > 0.0) d = rms_scaled(d, o.rms_cap, /*only_down=*/true);
   if (o.step_bound > 0.0) d = d.clamp(-o.step_bound, o.step_bound);
   return d;
 }
@@ -130,7 +132,7 @@ std::optional<demo::Update> StepRule::fused_update(size_t i) const {
   // rescalings go through apply().
   const bool fusable =
       (o.inner == InnerKind::Sgd || (o.inner == InnerKind::AdamW && o.step_bound == 0.0)) &&
-      !o.normalize && o.update_rms == 0.0;
+      !o.normalize && o.update_rms == 0.0 && o.rms_cap == 0.0;
   if (!fusable || params_.at(i).scalar_type() != at::kFloat) return std::nullopt;
   demo::Update u;
   u.param = params_[i];

@@ -2,7 +2,8 @@
 // (DeMo's; plain SGD with sign off), AdamW (the same formula as torch.optim.AdamW) or SGD with
 // Nesterov momentum (the same as torch.optim.SGD(nesterov=True)), with decoupled weight decay.
 // With sign off, the direction may first be rescaled: each chunk to unit RMS (`normalize`), the
-// whole tensor to `update_rms`, and each element clamped to `step_bound`, in that order.
+// whole tensor to `update_rms` (or down to `rms_cap` where above it), and each element clamped
+// to `step_bound`, in that order.
 // The Optimizer's inner step is one (--inner); with --inner-steps the outer step is another.
 #pragma once
 
@@ -40,7 +41,8 @@ class StepRule {
 
  private:
   std::pair<double, double> bias_corrections() const;  // AdamW's 1 - beta1^t, 1 - beta2^t
-  // The direction rescaled and bounded as the options say (normalize, update_rms, step_bound).
+  // The direction rescaled and bounded as the options say (normalize, update_rms, rms_cap,
+  // step_bound).
   at::Tensor rescaled(size_t i, const at::Tensor& direction) const;
 
   std::vector<at::Tensor> params_;  // views [rows, cols] of the leaves

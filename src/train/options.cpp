@@ -359,6 +359,7 @@ optim::OptimizerOptions optimizer_options(const TrainConfig& c) {
   o.normalize = c.normalize;
   o.update_rms = c.update_rms;
   o.step_bound = c.step_bound.value();
+  o.rms_cap = c.rms_cap;
   o.lr = c.lr.value();
   o.weight_decay = c.weight_decay;
   o.beta1 = c.beta1.value();
