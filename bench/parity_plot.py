@@ -17,8 +17,10 @@ STEPS = [250, 500, 750, 1000, 1250, 1500, 1750, 2000]
 ADAMW_HSDP = [5.6113, 5.2999, 5.1360, 4.9727, 4.8565, 4.7591, 4.7081, 4.6715]
 OLD_DEFAULT = [5.6736, 5.3857, 5.2273, 5.0963, 4.9690, 4.8857, 4.8457, 4.8061]
 RUNS = {  # parity.csv's run -> the plot's label
+    "tune/gpt-micro-2000/flexdemo-cap1-topk112-fp8-lr1e-3":
+        "default: adaptive step, RMS capped at 1, top-k 112 fp8",
     "tune/gpt-micro-2000/flexdemo-pre-nosign-nofold-bound1-topk112-fp8-lr1e-3":
-        "default: bounded adaptive step, top-k 112 fp8",
+        "adaptive step bounded at 1, top-k 112 fp8",
     "tune/gpt-micro-2000/flexdemo-pre-nosign-nofold-lr1e-3":
         "adaptive step, unbounded, top-k 32 bf16",
     "tune/gpt-micro-2000/flexdemo-adaptive-rms0.5-topk112-fp8":
@@ -63,7 +65,7 @@ def main():
             "set title 'gpt-micro on fortunes, 2 nodes x 2 ranks: "
             "validation loss above AdamW-HSDP'",
             "set xlabel 'step'", "set ylabel 'gap to AdamW-HSDP (%)'", "set grid",
-            "set key below", "set yrange [0:*]", "plot " + ", ".join(plots)]) + "\n"
+            "set key below", "set yrange [-1:*]", "set xzeroaxis lt -1", "plot " + ", ".join(plots)]) + "\n"
         subprocess.run(["gnuplot"], input=script, text=True, check=True)
     print(f"plot: {args.out}")
 

@@ -169,17 +169,19 @@ void expect_gpu_step_equals_cpu(const Step& subject, const std::vector<dct::Chun
         << "byte " << at << " corrupted";
   }
 
-  // Decode and step: sign-SGD, AdamW (with and without sign), then the plain SGD step with its
-  // direction bounded (at a bound some elements reach), against the CPU's.
-  for (int variant = 0; variant < 4; ++variant) {
-    const bool adamw = variant == 1 || variant == 2;
+  // Decode and step: sign-SGD, AdamW (with and without sign), the plain SGD step with its
+  // direction bounded (at a bound some elements reach), against the CPU's; then the direction
+  // itself (kernels::direction_hyper over zeros), against the CPU's inverse bit for bit.
+  for (int variant = 0; variant < 5; ++variant) {
+    const bool adamw = variant == 1 || variant == 2, direction = variant == 4;
     kernels::AdamWHyper hyper;
     hyper.lr = 0.01, hyper.weight_decay = 0.1, hyper.sign = variant < 2;
     hyper.step_bound = variant == 3 ? 1e-3 : 0.0;
     hyper.bias_correction1 = 1 - 0.9 * 0.9, hyper.bias_correction2 = 1 - 0.999 * 0.999;
-    std::vector<at::Tensor> params, m, v, params_gpu, m_gpu, v_gpu;
+    if (direction) hyper = kernels::direction_hyper();
+    std::vector<at::Tensor> params, m, v, params_gpu, m_gpu, v_gpu, directions;
     for (const dct::ChunkPlan& p : plans) {
-      params.push_back(at::randn({p.rows, p.cols}));
+      params.push_back(direction ? at::zeros({p.rows, p.cols}) : at::randn({p.rows, p.cols}));
       params_gpu.push_back(params.back().to(gpu));
       if (adamw) {
         m.push_back(at::randn({p.rows, p.cols}) * 0.1);
@@ -198,6 +200,12 @@ void expect_gpu_step_equals_cpu(const Step& subject, const std::vector<dct::Chun
         }
         const compress::SparseChunks coeffs = compress::decode_mean_sparse(
             payloads, compress::wire_payload_bytes(plans[i], k, encoding), plans[i], k, encoding);
+        if (direction) {
+          const at::Tensor samples = at::empty({plans[i].padded_rows, plans[i].padded_cols});
+          kernels::idct_sparse(coeffs, plans[i], samples);
+          directions.push_back(
+              samples.narrow(0, 0, plans[i].rows).narrow(1, 0, plans[i].cols).contiguous());
+        }
         if (!adamw) {
           kernels::idct_sparse_sgd_step(
               coeffs, plans[i],
@@ -214,6 +222,9 @@ void expect_gpu_step_equals_cpu(const Step& subject, const std::vector<dct::Chun
     subject.decode_step(gathered_cpu.to(gpu), replicas, params_gpu, m_gpu, v_gpu, hyper);
     for (size_t i = 0; i < plans.size(); ++i) {
       EXPECT_TRUE(bit_equal(params_gpu[i], params[i])) << "param " << i << " variant " << variant;
+      if (direction) {
+        EXPECT_TRUE(bit_equal(params_gpu[i], directions[i])) << "direction " << i;
+      }
       if (adamw) {
         EXPECT_TRUE(bit_equal(m_gpu[i], m[i])) << "exp_avg " << i << " variant " << variant;
         EXPECT_TRUE(bit_equal(v_gpu[i], v[i])) << "exp_avg_sq " << i << " variant " << variant;

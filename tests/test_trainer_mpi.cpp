@@ -52,7 +52,7 @@ train::TrainConfig tiny_run(const fs::path& dir) {
 }  // namespace
 
 // The options left unset resolve per optimizer as docs/options.md says: flexdemo takes the
-// bounded adaptive step (docs/results/loss-parity.md), the others the reference DeMo's settings;
+// RMS-capped adaptive step (docs/results/loss-parity.md), the others the reference DeMo's settings;
 // what a user sets is kept.
 TEST(TrainOptions, DefaultsResolvePerOptimizer) {
   using compress::ValueEncoding;
@@ -66,11 +66,12 @@ TEST(TrainOptions, DefaultsResolvePerOptimizer) {
   EXPECT_FALSE(flexdemo.sign);
   EXPECT_TRUE(flexdemo.precondition.value());
   EXPECT_FALSE(flexdemo.fold_lr.value());
-  EXPECT_EQ(flexdemo.step_bound.value(), 1.0);
+  EXPECT_EQ(flexdemo.rms_cap.value(), 1.0);
   EXPECT_EQ(flexdemo.topk.value(), 112);
   EXPECT_EQ(flexdemo.values.value(), ValueEncoding::Fp8);
 
-  EXPECT_EQ(resolved([](train::TrainConfig& c) { c.sign = true; }).step_bound.value(), 0.0);
+  EXPECT_EQ(resolved([](train::TrainConfig& c) { c.sign = true; }).rms_cap.value(), 0.0);
+  EXPECT_EQ(resolved([](train::TrainConfig& c) { c.update_rms = 0.5; }).rms_cap.value(), 0.0);
   EXPECT_EQ(resolved([](train::TrainConfig& c) { c.chunk = 8; }).topk.value(), 64);
   EXPECT_FALSE(resolved([](train::TrainConfig& c) { c.inner_steps = 10; }).precondition.value());
 
@@ -79,17 +80,17 @@ TEST(TrainOptions, DefaultsResolvePerOptimizer) {
   EXPECT_FALSE(adamw.sign);
   EXPECT_FALSE(adamw.precondition.value());
   EXPECT_TRUE(adamw.fold_lr.value());
-  EXPECT_EQ(adamw.step_bound.value(), 0.0);
+  EXPECT_EQ(adamw.rms_cap.value(), 0.0);
   EXPECT_EQ(adamw.topk.value(), 32);
   EXPECT_EQ(adamw.values.value(), ValueEncoding::Bf16);
 
   const train::TrainConfig chosen = resolved([](train::TrainConfig& c) {
-    c.topk = 16, c.values = ValueEncoding::TwoBit, c.precondition = false, c.step_bound = 0.5;
+    c.topk = 16, c.values = ValueEncoding::TwoBit, c.precondition = false, c.rms_cap = 0.5;
   });
   EXPECT_EQ(chosen.topk.value(), 16);
   EXPECT_EQ(chosen.values.value(), ValueEncoding::TwoBit);
   EXPECT_FALSE(chosen.precondition.value());
-  EXPECT_EQ(chosen.step_bound.value(), 0.5);
+  EXPECT_EQ(chosen.rms_cap.value(), 0.5);
 }
 
 TEST(Checkpoint, SafetensorsRoundTripAndRejection) {

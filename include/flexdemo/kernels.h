@@ -77,6 +77,9 @@ struct AdamWHyper {
   bool sign = true;
   double step_bound = 0.0;  // the SGD rule's, with sign off (SgdStep::bound)
 };
+// The SGD numbers with which a fused step over a parameter of zeros writes the direction itself:
+// keep 0, lr -1, no sign or bound (keep * p - lr * x is x exactly).
+AdamWHyper direction_hyper();
 struct AdamWStep : AdamWHyper {
   at::Tensor param, exp_avg, exp_avg_sq;
 };

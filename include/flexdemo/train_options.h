@@ -161,19 +161,19 @@ struct OptionSpec {
     "--demo-exchange owners: the value encoding of the owners' returned coefficients")             \
   X(sign, bool, false, State, anything(),                                                          \
     "apply sign(update), DeMo's sign-SGD step; --no-sign: the update itself (for flexdemo: the "   \
-    "adaptive step, with --precondition, --no-fold-lr and --step-bound)")                          \
+    "adaptive step, with --precondition, --no-fold-lr and --rms-cap)")                             \
   X(normalize, bool, false, State, anything(),                                                     \
     "with --no-sign: scale each DCT chunk of the update to unit RMS (sign's step size, the "       \
     "update's shape within the chunk)")                                                            \
   X(update_rms, double, 0.0, State, at_least(0, " (0: off)"),                                      \
     "with --no-sign: scale each tensor's update (this rank's shard of it) to this RMS before the " \
     "rate (0: off)")                                                                               \
-  X(step_bound, std::optional<double>, std::nullopt, State, at_least(0, " (0: off)"),               \
-    "with --no-sign: clamp each element of the update to [-B, B] before the rate (default: 1 for " \
-    "flexdemo without --sign, 0 (off) otherwise)")                                                 \
-  X(rms_cap, double, 0.0, State, at_least(0, " (0: off)"),                                         \
+  X(step_bound, double, 0.0, State, at_least(0, " (0: off)"),                                      \
+    "with --no-sign: clamp each element of the update to [-B, B] before the rate (0: off)")         \
+  X(rms_cap, std::optional<double>, std::nullopt, State, at_least(0, " (0: off)"),                 \
     "with --no-sign: scale each tensor's update (this rank's shard of it) whose RMS is above C "   \
-    "down to C before the rate, as Adafactor clips its update (0: off)")                            \
+    "down to C before the rate, as Adafactor clips its update (default: 1 for flexdemo without "   \
+    "--sign, --update-rms or --normalize; 0 (off) otherwise)")                                     \
   X(topk, std::optional<int64_t>, std::nullopt, State, at_least(1),                                \
     "DCT coefficients kept per chunk (default: 112 for flexdemo, 32 otherwise; at most a chunk's)") \
   X(chunk, int64_t, 64, Model, at_least(1), "DCT chunk edge")                                      \

@@ -225,23 +225,39 @@ void decode(const std::string& op, const at::Tensor& gathered, int64_t replicas,
 }
 
 // SGD: param = (1 - lr * weight_decay) * param - lr * g, g = sign(direction) (DeMo's), or with
-// sign off the direction clamped to [-step_bound, step_bound] (0: not clamped).
+// sign off the direction, first scaled down to RMS rms_cap where its tensor's RMS is above it,
+// then clamped to [-step_bound, step_bound] (0: neither). Fused into the decode but for rms_cap,
+// which needs the whole direction first.
 void decode_sgd(const at::Tensor& gathered, int64_t replicas, at::TensorList params, int64_t chunk,
                 const std::string& chunk_mode, int64_t topk, const std::string& values, double lr,
-                double weight_decay, bool sign, double step_bound) {
+                double weight_decay, bool sign, double step_bound, double rms_cap) {
   const std::string op = "decode_sgd";
   const Layout l = layout_of(op, params, chunk, chunk_mode, topk, values);
   TORCH_CHECK_VALUE(step_bound >= 0.0, "flexdemo.", op, ": step_bound ", step_bound,
                     "; it must be >= 0 (0: none)");
+  TORCH_CHECK_VALUE(rms_cap >= 0.0, "flexdemo.", op, ": rms_cap ", rms_cap,
+                    "; it must be >= 0 (0: none)");
+  const bool capped = !sign && rms_cap > 0.0;
   demo::Updates updates;
   for (size_t i = 0; i < params.size(); ++i) {
-    demo::Update& u = updates.fused.emplace_back().emplace();
-    u.param = params[i].view({l.plans[i].rows, l.plans[i].cols});
-    u.hyper.lr = lr;
-    u.hyper.weight_decay = weight_decay;
-    u.hyper.sign = sign;
-    u.hyper.step_bound = sign ? 0.0 : step_bound;
+    std::optional<demo::Update>& u = updates.fused.emplace_back();
+    if (capped) continue;
+    u.emplace();
+    u->param = params[i].view({l.plans[i].rows, l.plans[i].cols});
+    u->hyper.lr = lr;
+    u->hyper.weight_decay = weight_decay;
+    u->hyper.sign = sign;
+    u->hyper.step_bound = sign ? 0.0 : step_bound;
   }
+  updates.apply = [&](size_t i, const at::Tensor& direction) {
+    at::Tensor p = params[i].view({l.plans[i].rows, l.plans[i].cols});
+    if (weight_decay != 0.0) p.mul_(1.0 - lr * weight_decay);
+    at::Tensor d = direction;
+    const double rms = std::sqrt(d.to(at::kDouble).square().mean().item<double>());
+    if (rms > rms_cap) d = d * (rms_cap / rms);
+    if (step_bound > 0.0) d = d.clamp(-step_bound, step_bound);
+    p.sub_(d, lr);
+  };
   decode(op, gathered, replicas, params, l, updates);
 }
 
@@ -344,7 +360,7 @@ TORCH_LIBRARY(flexdemo, m) {
          layout + ", float decay, float lr) -> ()")
             .c_str());
   m.def(("decode_sgd(Tensor gathered, int replicas, Tensor(a!)[] params, " + layout +
-         ", float lr, float weight_decay, bool sign, float step_bound) -> ()")
+         ", float lr, float weight_decay, bool sign, float step_bound, float rms_cap) -> ()")
             .c_str());
   m.def(("decode_adamw(Tensor gathered, int replicas, Tensor(a!)[] params, Tensor(b!)[] exp_avg, "
          "Tensor(c!)[] exp_avg_sq, " +

@@ -9,7 +9,7 @@ by --scale (0.25: 3.8M parameters).
 flexdemo's step here is what FlexDeMo.step runs between the all-gather's ends: encode every
 tensor into one bucket, then decode ``replicas`` copies of it (as if all-gathered) and apply
 sign-SGD: the reference DeMo's step, which the ratios compare. Also timed: ``FlexDeMo.step`` with
-its defaults (each gradient preconditioned, top-k 112 at fp8, the bounded step; one replica, so
+its defaults (each gradient preconditioned, top-k 112 at fp8, the RMS-capped step; one replica, so
 nothing is exchanged). Times are medians of --repeats steps after --warmup; the ratios are of
 this run.
 """

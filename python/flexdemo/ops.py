@@ -48,13 +48,14 @@ def encode(params, grads, residuals, payloads, *, chunk, chunk_mode, topk, value
 
 
 def decode_sgd(gathered, replicas, params, *, chunk, chunk_mode, topk, values, lr,
-               weight_decay=0.0, sign=True, step_bound=0.0) -> None:
+               weight_decay=0.0, sign=True, step_bound=0.0, rms_cap=0.0) -> None:
     """From ``replicas`` buckets (rank order), each payload validated: per coefficient the mean
     of the replicas that sent it, the inverse DCT, and
     ``param = (1 - lr * weight_decay) * param - lr * g`` with g = sign(direction) (DeMo's), or
-    with ``sign=False`` the direction clamped to [-step_bound, step_bound] (0: not clamped)."""
+    with ``sign=False`` the direction, scaled down to RMS ``rms_cap`` where its tensor's RMS is
+    above it, then clamped to [-step_bound, step_bound] (0: neither)."""
     _ops.decode_sgd(gathered, replicas, list(params), chunk, chunk_mode, topk, values, lr,
-                    weight_decay, sign, step_bound)
+                    weight_decay, sign, step_bound, rms_cap)
 
 
 def decode_adamw(gathered, replicas, params, exp_avg, exp_avg_sq, *, chunk, chunk_mode, topk,
@@ -105,7 +106,7 @@ def _encode_fake(params, grads, residuals, payloads, chunk, chunk_mode, topk, va
 
 @torch.library.register_fake("flexdemo::decode_sgd")
 def _decode_sgd_fake(gathered, replicas, params, chunk, chunk_mode, topk, values, lr,
-                     weight_decay, sign, step_bound):
+                     weight_decay, sign, step_bound, rms_cap):
     return None
 
 

@@ -4,8 +4,8 @@ A step: every tensor's gradient (FlexDeMo's default: first divided by the root o
 mean square) goes into its residual (decayed momentum, kept as chunked DCT coefficients), each
 chunk's top-k leaves the residual as a compact payload, one bucket of all payloads is
 all-gathered over the replicate group (``torch.distributed``, asynchronously), and the replicas'
-mean of every coefficient, transformed back, steps each parameter: by the direction bounded
-elementwise (FlexDeMo's default), by its sign (DeMo's) or by AdamW. Every replica decodes the same bytes in the same order, so replicas stay bit-identical.
+mean of every coefficient, transformed back, steps each parameter: by the direction with its
+RMS capped per tensor (FlexDeMo's default), by its sign (DeMo's) or by AdamW. Every replica decodes the same bytes in the same order, so replicas stay bit-identical.
 With FSDP2 inside a node (``flexdemo.shard_model``), parameters are ``Shard(0)`` DTensors on the
 node's shard mesh; the step works on each rank's local shard, and the ranks of one replicate
 group hold the same shard index, so their payloads match.
@@ -84,15 +84,18 @@ class FlexDeMo(torch.optim.Optimizer):
             sign(direction), or the direction with ``sign=False``).
         sign: step by the direction's sign (DeMo's sign-SGD); default off with inner "sgd",
             on with "adamw".
+        rms_cap: with sign off and inner "sgd", each tensor's direction (this rank's shard)
+            whose RMS is above rms_cap scaled down to it before the step, as Adafactor clips
+            its update (0: not capped); default 1.
         step_bound: with sign off and inner "sgd", each element of the direction clamped to
-            [-step_bound, step_bound] before the step (0: not clamped); default 1.
+            [-step_bound, step_bound] before the step, after rms_cap (0: not clamped).
         precondition: divide each gradient by the root of its running mean square (AdamW's
             denominator, beta2 and eps of the param group, on this replica's own gradient)
             before it enters the residual; default on with inner "sgd".
         fold_lr: scale each gradient by lr as it enters the residual (the reference DeMo's);
             default off with inner "sgd", on with "adamw".
-        The defaults with inner "sgd" are ``flexdemo train --optimizer flexdemo``'s (the bounded
-        adaptive step, docs/results/loss-parity.md); ``DeMo`` sets the reference's.
+        The defaults with inner "sgd" are ``flexdemo train --optimizer flexdemo``'s (the adaptive
+        step, its RMS capped; docs/results/loss-parity.md); ``DeMo`` sets the reference's.
         weight_decay: decoupled, ``param *= 1 - lr * weight_decay``.
         exchange_every: exchange and update every N steps; the steps between only fold their
             gradients into the residuals.
@@ -113,7 +116,8 @@ class FlexDeMo(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, *, compression_decay: float = 0.999,
                  compression_topk: Optional[int] = None, compression_chunk: int = 64,
                  chunk_mode: str = "divisor", values: Optional[str] = None, inner: str = "sgd",
-                 sign: Optional[bool] = None, step_bound: Optional[float] = None,
+                 sign: Optional[bool] = None, rms_cap: Optional[float] = None,
+                 step_bound: float = 0.0,
                  precondition: Optional[bool] = None, fold_lr: Optional[bool] = None,
                  betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, exchange_every: int = 1, mesh=None,
@@ -125,7 +129,7 @@ class FlexDeMo(torch.optim.Optimizer):
         if compression_topk is None:
             compression_topk = min(112 if adaptive else 32, int(compression_chunk) ** 2)
         values = ("fp8" if adaptive else "bf16") if values is None else values
-        step_bound = (1.0 if adaptive and not sign else 0.0) if step_bound is None else step_bound
+        rms_cap = (1.0 if adaptive and not sign else 0.0) if rms_cap is None else rms_cap
         precondition = adaptive if precondition is None else bool(precondition)
         fold_lr = (not adaptive) if fold_lr is None else bool(fold_lr)
         _check_options(lr, compression_decay, compression_topk, compression_chunk, chunk_mode,
@@ -136,11 +140,12 @@ class FlexDeMo(torch.optim.Optimizer):
         if not (peer_scale_bound == 0 or peer_scale_bound > 1):
             raise _bad("peer_scale_bound {}; it must be 0 (no scale check) or > 1".format(
                 peer_scale_bound))
-        if not step_bound >= 0:
-            raise _bad("step_bound {}; it must be >= 0 (0: none)".format(step_bound))
-        if step_bound > 0 and (sign or inner != "sgd"):
-            raise _bad("step_bound {} needs inner 'sgd' with sign=False, not inner {!r} with "
-                       "sign={} (give step_bound=0)".format(step_bound, inner, sign))
+        for name, bound in (("rms_cap", rms_cap), ("step_bound", step_bound)):
+            if not bound >= 0:
+                raise _bad("{} {}; it must be >= 0 (0: none)".format(name, bound))
+            if bound > 0 and (sign or inner != "sgd"):
+                raise _bad("{} {} needs inner 'sgd' with sign=False, not inner {!r} with "
+                           "sign={} (give {}=0)".format(name, bound, inner, sign, name))
         defaults = dict(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps)
         super().__init__(params, defaults)
         self.decay = float(compression_decay)
@@ -150,6 +155,7 @@ class FlexDeMo(torch.optim.Optimizer):
         self.values = values
         self.inner = inner
         self.sign = sign
+        self.rms_cap = float(rms_cap)
         self.step_bound = float(step_bound)
         self.precondition = precondition
         self.fold_lr = fold_lr
@@ -447,7 +453,7 @@ class FlexDeMo(torch.optim.Optimizer):
             if self.inner == "sgd":
                 ops.decode_sgd(gathered, replicas, locals_, lr=group["lr"],
                                weight_decay=group["weight_decay"], sign=self.sign,
-                               step_bound=self.step_bound, **layout)
+                               step_bound=self.step_bound, rms_cap=self.rms_cap, **layout)
             else:
                 beta1, beta2 = group["betas"]
                 state = [self.state[p] for p in params]
@@ -482,7 +488,7 @@ class DeMo(FlexDeMo):
         group = process_group if process_group is not None else dist.group.WORLD
         super().__init__(params, lr=lr, compression_decay=compression_decay,
                          compression_topk=compression_topk, compression_chunk=compression_chunk,
-                         values=values, sign=True, step_bound=0.0, precondition=False,
+                         values=values, sign=True, rms_cap=0.0, precondition=False,
                          fold_lr=True, weight_decay=weight_decay, replicate_group=group)
         self.data_transmit = 0
         self.data_receive = 0

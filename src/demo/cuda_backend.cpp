@@ -12,6 +12,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -76,23 +77,30 @@ class CudaBackend final : public Backend {
   void decode(const Bucket& b, const at::Tensor& gathered, int replicas,
               const Updates& updates) override {
     const kernels::GpuStep& gpu = kernels_for(b.topk, b.values);
+    const at::Tensor on_device =
+        gathered.device() == device_ ? gathered : gathered.to(device_, /*non_blocking=*/true);
+    gpu.validate_on_device(on_device, replicas);
+    if (plans_.empty()) return;
+    const bool fused = std::all_of(updates.fused.begin(), updates.fused.end(),
+                                   [](const std::optional<Update>& u) { return u.has_value(); });
+    if (!fused) {  // a rule the kernels do not fuse: each tensor's direction, then apply()
+      std::vector<at::Tensor> directions;
+      for (const dct::ChunkPlan& plan : plans_) {
+        directions.push_back(
+            at::zeros({plan.rows, plan.cols}, at::dtype(at::kFloat).device(device_)));
+      }
+      gpu.decode_step(on_device, replicas, directions, {}, {}, kernels::direction_hyper());
+      for (size_t i = 0; i < directions.size(); ++i) updates.apply(i, directions[i]);
+      return;
+    }
     std::vector<at::Tensor> params, exp_avg, exp_avg_sq;
     for (const std::optional<Update>& u : updates.fused) {
-      if (!u) {
-        throw std::invalid_argument(
-            "DeMo on a GPU: its kernels update by SGD (sign or bounded) or AdamW only (Nesterov "
-            "SGD, --normalize, --update-rms and AdamW with --step-bound run on CPUs)");
-      }
       params.push_back(u->param);
       if (u->rule == Update::Rule::AdamW) {
         exp_avg.push_back(u->exp_avg);
         exp_avg_sq.push_back(u->exp_avg_sq);
       }
     }
-    const at::Tensor on_device =
-        gathered.device() == device_ ? gathered : gathered.to(device_, /*non_blocking=*/true);
-    gpu.validate_on_device(on_device, replicas);
-    if (params.empty()) return;
     gpu.decode_step(on_device, replicas, params, exp_avg, exp_avg_sq, updates.fused.front()->hyper);
   }
 

@@ -271,13 +271,13 @@ void TrainConfig::resolve() {
   if (!beta1) beta1 = optimizer == OptimizerKind::FlexDemoAdamW ? 0.0 : 0.9;
   // flexdemo's step: AdamW's per-weight step with DeMo's residual as its momentum (each
   // gradient preconditioned, entering the residual unscaled, the decoded mean applied with its
-  // size, each element bounded), over a denser selection at fewer bits: the best measured over
-  // fortunes, code and translation, though not within every mark of issue 32
+  // size, a tensor's RMS capped at 1 as Adafactor clips its update), over a denser selection at
+  // fewer bits: the best measured over fortunes, code and translation
   // (docs/results/loss-parity.md). The others keep the reference DeMo's.
   const bool adaptive = optimizer == OptimizerKind::FlexDemo;
   if (!precondition) precondition = adaptive && inner_steps == 1;
   if (!fold_lr) fold_lr = !adaptive;
-  if (!step_bound) step_bound = adaptive && !sign ? 1.0 : 0.0;
+  if (!rms_cap) rms_cap = adaptive && !sign && update_rms == 0.0 && !normalize ? 1.0 : 0.0;
   if (!topk) topk = std::min<int64_t>(adaptive ? 112 : 32, chunk * chunk);
   if (!values) values = adaptive ? compress::ValueEncoding::Fp8 : compress::ValueEncoding::Bf16;
 }
@@ -358,8 +358,8 @@ optim::OptimizerOptions optimizer_options(const TrainConfig& c) {
   o.sign = c.sign;
   o.normalize = c.normalize;
   o.update_rms = c.update_rms;
-  o.step_bound = c.step_bound.value();
-  o.rms_cap = c.rms_cap;
+  o.step_bound = c.step_bound;
+  o.rms_cap = c.rms_cap.value();
   o.lr = c.lr.value();
   o.weight_decay = c.weight_decay;
   o.beta1 = c.beta1.value();

@@ -123,24 +123,27 @@ def decoded_direction(ref, pairs, t):
     return ref.idct(total / count.clamp(min=1))
 
 
-@pytest.mark.parametrize("bound", [0.0, "median"])
-def test_bounded_sgd_decode_matches_float64(bound):
-    """sign=False: param = (1 - lr wd) param - lr clamp(direction, -bound, bound), the bound at
-    the median |direction| of each tensor (half the elements clamped), or none (0)."""
+@pytest.mark.parametrize("bound, cap", [(0.0, 0.0), ("median", 0.0), (0.0, "half"),
+                                        ("median", "half"), (0.0, "twice")])
+def test_plain_sgd_decode_matches_float64(bound, cap):
+    """sign=False: param = (1 - lr wd) param - lr g, g the direction scaled down to RMS cap where
+    its tensor's RMS is above it (cap at half its RMS, or at twice: no change), then clamped to
+    [-bound, bound] (the median |g|: half the elements clamped); 0: neither."""
     params = [torch.randn(s) for s in SHAPES]
     gathered, pairs = encode_replicas("fp32", params)
     for t, s in enumerate(SHAPES):
         ref = Reference(s, CHUNK, TOPK)
         d = decoded_direction(ref, pairs, t)
-        b = d.abs().median().item() if bound == "median" else 0.0
+        rms = d.pow(2).mean().sqrt().item()
+        c = {0.0: 0.0, "half": rms / 2, "twice": rms * 2}[cap]
+        g = d * (c / rms) if 0 < c < rms else d
+        b = g.abs().median().item() if bound == "median" else 0.0
+        g = g.clamp(-b, b) if b > 0 else g
         new = [p.clone() for p in params]
         ops.decode_sgd(gathered, REPLICAS, new, lr=LR, weight_decay=WD, sign=False, step_bound=b,
-                       **layout("fp32"))
-        want = (1 - LR * WD) * params[t].double().reshape(d.shape) - LR * (
-            d.clamp(-b, b) if b > 0 else d)
+                       rms_cap=c, **layout("fp32"))
+        want = (1 - LR * WD) * params[t].double().reshape(d.shape) - LR * g
         assert torch.allclose(new[t].double().reshape(d.shape), want, rtol=0, atol=1e-6), t
-        if b > 0:
-            assert (d.abs() > b).sum() >= d.numel() // 3  # the bound did clamp
 
 
 @pytest.mark.parametrize("sign", [True, False])
@@ -203,7 +206,7 @@ def _op_samples():
     return {
         "accumulate": (params, grads, residuals, CHUNK, "divisor", DECAY, LR),
         "encode": (params, grads, [r.clone() for r in residuals], bucket.clone()) + lay + (DECAY, LR),
-        "decode_sgd": (bucket, 1, [p.clone() for p in params]) + lay + (LR, WD, False, 0.5),
+        "decode_sgd": (bucket, 1, [p.clone() for p in params]) + lay + (LR, WD, False, 0.5, 0.0),
         "decode_adamw": (bucket, 1, [p.clone() for p in params],
                          [torch.zeros(s) for s in SHAPES], [torch.zeros(s) for s in SHAPES]) +
                         lay + (LR, WD, 0.9, 0.999, 1e-8, 1, True),
@@ -226,10 +229,11 @@ def test_ops_reject_bad_layouts():
     with pytest.raises(ValueError, match="payloads must be contiguous uint8 of"):
         ops.encode(p, [None], [torch.zeros(8, 8)], torch.zeros(3, dtype=torch.uint8),
                    decay=0.9, lr=0.1, **dict(layout("bf16"), chunk=4))
-    with pytest.raises(ValueError, match="step_bound -1; it must be >= 0"):
-        ops.decode_sgd(torch.zeros(sum(ops.payload_bytes(p, 4, "divisor", 2, "bf16")),
-                                   dtype=torch.uint8), 1, p, lr=0.1, sign=False, step_bound=-1,
-                       **dict(layout("bf16"), chunk=4, topk=2))
+    empty = torch.zeros(sum(ops.payload_bytes(p, 4, "divisor", 2, "bf16")), dtype=torch.uint8)
+    for name in ("step_bound", "rms_cap"):
+        with pytest.raises(ValueError, match=name + " -1; it must be >= 0"):
+            ops.decode_sgd(empty, 1, p, lr=0.1, sign=False, **{name: -1},
+                           **dict(layout("bf16"), chunk=4, topk=2))
     with pytest.raises(ValueError, match="residual 0 must be contiguous float32 of 64"):
         ops.accumulate(p, [None], [torch.zeros(4)], chunk=4, chunk_mode="divisor", decay=0.9,
                        lr=0.1)

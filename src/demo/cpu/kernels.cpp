@@ -419,6 +419,15 @@ void idct_sparse_sgd_step(const compress::SparseChunks& coeffs, const dct::Chunk
   bump_version(step.param);
 }
 
+AdamWHyper direction_hyper() {
+  AdamWHyper h;
+  h.lr = -1.0;
+  h.weight_decay = -1.0;  // keep = 1 - lr * weight_decay = 0
+  h.sign = false;
+  h.step_bound = 0.0;
+  return h;
+}
+
 chunk_math::SgdConstants sgd_constants(const AdamWHyper& step) {
   return {float(step.lr), float(1.0 - step.lr * step.weight_decay), step.sign,
           float(step.step_bound)};
