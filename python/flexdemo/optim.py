@@ -5,7 +5,8 @@ mean square) goes into its residual (decayed momentum, kept as chunked DCT coeff
 chunk's top-k leaves the residual as a compact payload, one bucket of all payloads is
 all-gathered over the replicate group (``torch.distributed``, asynchronously), and the replicas'
 mean of every coefficient, transformed back, steps each parameter: by the direction with its
-RMS capped per tensor (FlexDeMo's default), by its sign (DeMo's) or by AdamW. Every replica decodes the same bytes in the same order, so replicas stay bit-identical.
+RMS capped per tensor (FlexDeMo's default), by its sign (DeMo's) or by AdamW. Every replica
+decodes the same bytes in the same order, so replicas stay bit-identical.
 With FSDP2 inside a node (``flexdemo.shard_model``), parameters are ``Shard(0)`` DTensors on the
 node's shard mesh; the step works on each rank's local shard, and the ranks of one replicate
 group hold the same shard index, so their payloads match.

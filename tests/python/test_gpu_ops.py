@@ -1,7 +1,8 @@
 """The ops on a GPU (the CUDA kernels) against the CPU's portable kernels (FLEXDEMO_ISA=portable:
 the GPU's arithmetic on the CPU): payloads, residuals and updates bit for bit, every encoding,
-sign-SGD and the bounded step (the RMS-capped one to rounding); and FlexDeMo training on the GPU. Skips with one line where no GPU is visible. The checks run as
-a script in a process of their own (the kernels' instruction set is chosen once per process):
+sign-SGD and the bounded step (the RMS-capped one to rounding); and FlexDeMo training on the
+GPU. Skips with one line where no GPU is visible. The checks run as a script in a process of
+their own (the kernels' instruction set is chosen once per process):
 ``python tests/python/test_gpu_ops.py`` (scripts/gpu-check.sh runs it so), one line a check."""
 
 import os

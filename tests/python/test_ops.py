@@ -1,7 +1,7 @@
 """flexdemo's torch ops against DeMo written here from the paper in float64: the chunked
 orthonormal DCT-II from its cosine formula, top-k per chunk, error feedback, the replicas' mean
-per coefficient, the inverse and the sign-SGD / bounded SGD / AdamW update. Every value encoding; and
-torch.library.opcheck on every op."""
+per coefficient, the inverse and the sign-SGD / bounded SGD / AdamW update. Every value
+encoding; and torch.library.opcheck on every op."""
 
 import pytest
 import torch
