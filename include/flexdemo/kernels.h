@@ -86,6 +86,20 @@ struct AdamWStep : AdamWHyper {
 void idct_sparse_adamw_step(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan,
                             const AdamWStep& step);
 
+// FlexDeMo's preconditioner (AdamW's denominator on a replica's own gradient): in place on
+// grad_sq, grad_sq = beta2 * grad_sq + (1 - beta2) * g^2, and into out
+// g / (sqrt(grad_sq) / sqrt(1 - beta2^step) + eps), g the gradient as float32 (grad_sq and out:
+// contiguous float32 of the gradient's element count). On the CPU one pass of the kernels;
+// elsewhere the same formula in ATen's ops.
+void precondition(const at::Tensor& grad, const at::Tensor& grad_sq, const at::Tensor& out,
+                  double beta2, double eps, int64_t step);
+
+// The sum of x's squares in float64: what the RMS cap and --update-rms measure a direction by.
+// A float32 CPU tensor whose rows are contiguous (a narrowed view included) takes one pass and
+// no temporaries, summed in fixed blocks in a fixed order (the same bits on every replica, for
+// any thread count); any other goes through ATen.
+double sum_squares(const at::Tensor& x);
+
 // ====== GPU (CUDA builds) ======
 // The same step on a GPU: one bucket of tensors (the same every step), one kernel launch for
 // encoding them all and one for decoding and stepping, each element computed as the "portable"

@@ -211,6 +211,33 @@ void encode(at::TensorList params, const TensorList& grads, at::TensorList resid
   backend_for(l, r, params[0].device(), payloads.device())->encode(b, g, lr);
 }
 
+// FlexDeMo's preconditioner, one pass per tensor: v = beta2 * v + (1 - beta2) * g^2, and into out
+// g / (sqrt(v) / sqrt(1 - beta2^step) + eps) (AdamW's denominator, on this replica's own
+// gradient), instead of the six passes and two temporaries of the same formula in foreach ops.
+// v and out: float32, contiguous, g's size; g of any floating dtype and layout
+// (kernels::precondition).
+void precondition(at::TensorList grads, at::TensorList grad_sq, at::TensorList out, double beta2,
+                  double eps, int64_t step) {
+  const std::string op = "precondition";
+  TORCH_CHECK_VALUE(grad_sq.size() == grads.size() && out.size() == grads.size(), "flexdemo.", op,
+                    ": ", grad_sq.size(), " grad_sq and ", out.size(), " out for ", grads.size(),
+                    " gradients");
+  TORCH_CHECK_VALUE(step >= 1, "flexdemo.", op, ": step ", step, "; it counts from 1");
+  TORCH_CHECK_VALUE(beta2 >= 0.0 && beta2 < 1.0, "flexdemo.", op, ": beta2 ", beta2,
+                    "; it must be in [0, 1)");
+  check_params(op, grad_sq);
+  check_params(op, out);
+  for (size_t i = 0; i < grads.size(); ++i) {
+    for (const at::Tensor& t : {grad_sq[i], out[i]}) {
+      TORCH_CHECK_VALUE(grads[i].numel() == t.numel() && grads[i].device() == t.device(),
+                        "flexdemo.", op, ": gradient ", i, " has ", grads[i].numel(),
+                        " elements on ", grads[i].device(), ", its grad_sq or out ", t.numel(),
+                        " on ", t.device());
+    }
+    kernels::precondition(grads[i], grad_sq[i], out[i], beta2, eps, step);
+  }
+}
+
 // decode_sgd and decode_adamw: from `replicas` buckets in `gathered` (rank order), every
 // payload validated, the mean per coefficient, the inverse DCT and the update of each param.
 void decode(const std::string& op, const at::Tensor& gathered, int64_t replicas,
@@ -226,8 +253,9 @@ void decode(const std::string& op, const at::Tensor& gathered, int64_t replicas,
 
 // SGD: param = (1 - lr * weight_decay) * param - lr * g, g = sign(direction) (DeMo's), or with
 // sign off the direction, first scaled down to RMS rms_cap where its tensor's RMS is above it,
-// then clamped to [-step_bound, step_bound] (0: neither). Fused into the decode but for rms_cap,
-// which needs the whole direction first.
+// then clamped to [-step_bound, step_bound] (0: neither). Fused into the decode (the CPU kernels
+// take the RMS from the coefficients) but for rms_cap over padded chunks or on a GPU, where the
+// whole direction is decoded first.
 void decode_sgd(const at::Tensor& gathered, int64_t replicas, at::TensorList params, int64_t chunk,
                 const std::string& chunk_mode, int64_t topk, const std::string& values, double lr,
                 double weight_decay, bool sign, double step_bound, double rms_cap) {
@@ -241,8 +269,9 @@ void decode_sgd(const at::Tensor& gathered, int64_t replicas, at::TensorList par
   demo::Updates updates;
   for (size_t i = 0; i < params.size(); ++i) {
     std::optional<demo::Update>& u = updates.fused.emplace_back();
-    if (capped) continue;
+    if (capped && l.plans[i].is_padded()) continue;  // the cap is fused for unpadded chunks
     u.emplace();
+    u->rms_cap = capped ? rms_cap : 0.0;
     u->param = params[i].view({l.plans[i].rows, l.plans[i].cols});
     u->hyper.lr = lr;
     u->hyper.weight_decay = weight_decay;
@@ -252,11 +281,13 @@ void decode_sgd(const at::Tensor& gathered, int64_t replicas, at::TensorList par
   updates.apply = [&](size_t i, const at::Tensor& direction) {
     at::Tensor p = params[i].view({l.plans[i].rows, l.plans[i].cols});
     if (weight_decay != 0.0) p.mul_(1.0 - lr * weight_decay);
-    at::Tensor d = direction;
-    const double rms = std::sqrt(d.to(at::kDouble).square().mean().item<double>());
-    if (rms > rms_cap) d = d * (rms_cap / rms);
-    if (step_bound > 0.0) d = d.clamp(-step_bound, step_bound);
-    p.sub_(d, lr);
+    const double rms = std::sqrt(kernels::sum_squares(direction) / double(direction.numel()));
+    const double scale = rms > rms_cap ? rms_cap / rms : 1.0;
+    if (step_bound > 0.0) {
+      p.sub_((scale != 1.0 ? direction * scale : direction).clamp(-step_bound, step_bound), lr);
+    } else {
+      p.add_(direction, -lr * scale);  // one pass, no temporary
+    }
   };
   decode(op, gathered, replicas, params, l, updates);
 }
@@ -374,6 +405,9 @@ TORCH_LIBRARY(flexdemo, m) {
   m.def(
       ("tamper_(Tensor(a!) payloads, Tensor[] params, " + layout + ", str how, float factor) -> ()")
           .c_str());
+  m.def(
+      "precondition(Tensor[] grads, Tensor(a!)[] grad_sq, Tensor(b!)[] out, float beta2, "
+      "float eps, int step) -> ()");
   m.def("cuda_built() -> bool", &cuda_built);
 }
 
@@ -386,12 +420,14 @@ TORCH_LIBRARY_IMPL(flexdemo, CompositeExplicitAutograd, m) {
 
 // One implementation for both devices: the backend is chosen by the tensors' device.
 TORCH_LIBRARY_IMPL(flexdemo, CPU, m) {
+  m.impl("precondition", &precondition);
   m.impl("accumulate", &accumulate);
   m.impl("encode", &encode);
   m.impl("decode_sgd", &decode_sgd);
   m.impl("decode_adamw", &decode_adamw);
 }
 TORCH_LIBRARY_IMPL(flexdemo, CUDA, m) {
+  m.impl("precondition", &precondition);
   m.impl("accumulate", &accumulate);
   m.impl("encode", &encode);
   m.impl("decode_sgd", &decode_sgd);

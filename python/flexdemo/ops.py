@@ -33,6 +33,15 @@ def residual_shape(param: torch.Tensor, chunk: int, chunk_mode: str) -> List[int
     return list(_ops.residual_shape(param, chunk, chunk_mode))
 
 
+def precondition(grads, grad_sq, *, beta2, eps, step) -> List[torch.Tensor]:
+    """``grad_sq = beta2 * grad_sq + (1 - beta2) * grad^2`` (in place), and returned per tensor
+    ``grad / (sqrt(grad_sq) / sqrt(1 - beta2^step) + eps)``: AdamW's denominator applied to the
+    gradient, in one pass (grad_sq float32, contiguous, the gradient's size)."""
+    out = [torch.empty_like(v) for v in grad_sq]
+    _ops.precondition(list(grads), list(grad_sq), out, beta2, eps, step)
+    return out
+
+
 def accumulate(params, grads, residuals, *, chunk, chunk_mode, decay, lr) -> None:
     """residual = decay * residual + lr * DCT(grad), for the steps between exchanges."""
     _ops.accumulate(list(params), list(grads), list(residuals), chunk, chunk_mode, decay, lr)
@@ -94,6 +103,11 @@ def cuda_built() -> bool:
 
 # Fake (meta) kernels: the ops only mutate their arguments, so tracing (torch.compile,
 # torch.library.opcheck) needs nothing but their signatures.
+@torch.library.register_fake("flexdemo::precondition")
+def _precondition_fake(grads, grad_sq, out, beta2, eps, step):
+    return None
+
+
 @torch.library.register_fake("flexdemo::accumulate")
 def _accumulate_fake(params, grads, residuals, chunk, chunk_mode, decay, lr):
     return None

@@ -385,16 +385,11 @@ class FlexDeMo(torch.optim.Optimizer):
         for v, g in zip(sq, grads):
             if g is None:
                 v.mul_(beta2)
-        here = [(v, g.reshape(v.shape).float()) for v, g in zip(sq, grads) if g is not None]
+        here = [(v, g) for v, g in zip(sq, grads) if g is not None]
         if not here:
             return list(grads)
-        vs, gs = [v for v, _ in here], [g for _, g in here]
-        torch._foreach_mul_(vs, beta2)
-        torch._foreach_addcmul_(vs, gs, gs, 1.0 - beta2)
-        denom = torch._foreach_sqrt(vs)
-        torch._foreach_div_(denom, (1.0 - beta2 ** step) ** 0.5)
-        torch._foreach_add_(denom, eps)
-        scaled = iter(torch._foreach_div(gs, denom))
+        scaled = iter(ops.precondition([g for _, g in here], [v for v, _ in here], beta2=beta2,
+                                       eps=eps, step=step))
         return [None if g is None else next(scaled) for g in grads]
 
     def _layout(self):

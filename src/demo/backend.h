@@ -44,6 +44,10 @@ struct Update {
   enum class Rule { Sgd, AdamW } rule = Rule::Sgd;
   at::Tensor param;  // float32 [rows, cols], rows contiguous
   kernels::AdamWHyper hyper;
+  // SGD with hyper.sign off: the direction first scaled down to RMS rms_cap where its RMS over
+  // the tensor is above it (0: not). The CPU kernels fuse it for unpadded chunks (the RMS from
+  // the coefficients: the transform is orthonormal); the GPU's leave it to `apply`.
+  double rms_cap = 0.0;
   at::Tensor exp_avg, exp_avg_sq;  // AdamW
 };
 // Per tensor (the replicator's index) its fused update, or none: then `apply` (the inner

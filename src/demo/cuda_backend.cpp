@@ -81,8 +81,9 @@ class CudaBackend final : public Backend {
         gathered.device() == device_ ? gathered : gathered.to(device_, /*non_blocking=*/true);
     gpu.validate_on_device(on_device, replicas);
     if (plans_.empty()) return;
-    const bool fused = std::all_of(updates.fused.begin(), updates.fused.end(),
-                                   [](const std::optional<Update>& u) { return u.has_value(); });
+    const bool fused = std::all_of(
+        updates.fused.begin(), updates.fused.end(),
+        [](const std::optional<Update>& u) { return u.has_value() && u->rms_cap == 0.0; });
     if (!fused) {  // a rule the kernels do not fuse: each tensor's direction, then apply()
       std::vector<at::Tensor> directions;
       for (const dct::ChunkPlan& plan : plans_) {

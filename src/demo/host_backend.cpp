@@ -1,7 +1,7 @@
 // The DeMo step on a CPU, two ways behind backend.h: "plain", the reference (whole-tensor DCTs
 // as matrix products, top-k by a heap, a dense decode, every update applied by the inner
 // optimizer), and "cpu", the fast path (kernels.h: the DCT fused with the residual update and
-// top-k chunk by chunk, the sparse inverse fused with the sign-SGD or AdamW update). Both write
+// top-k chunk by chunk, the sparse inverse fused with the SGD or AdamW update). Both write
 // and read payloads through compress.h's wire format, so their bytes are the same.
 #include "backend.h"
 
@@ -11,6 +11,8 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cmath>
+#include <stdexcept>
 
 namespace flexdemo::demo {
 namespace {
@@ -121,6 +123,25 @@ class PlainBackend final : public HostBackend {
 };
 
 // ====== cpu: the fused kernels ======
+// The factor that scales a direction down to RMS cap where its RMS over the tensor is above it
+// (1 elsewhere), from its coefficients: the chunked DCT is orthonormal, so the sum of the
+// direction's squares is that of its coefficients (float64). Unpadded chunks only: a padded
+// chunk's inverse has values outside the tensor.
+double cap_scale(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan, double cap) {
+  if (plan.is_padded()) throw std::logic_error("the RMS cap is fused for unpadded chunks only");
+  const int64_t capacity = coeffs.positions.size(1);
+  const float* values = coeffs.values.data_ptr<float>();
+  const int64_t* counts = coeffs.counts.data_ptr<int64_t>();
+  double sum = 0.0;
+  for (int64_t c = 0; c < plan.num_chunks(); ++c) {
+    for (int64_t e = c * capacity; e < c * capacity + counts[c]; ++e) {
+      sum += double(values[e]) * double(values[e]);
+    }
+  }
+  const double rms = std::sqrt(sum / double(plan.numel()));
+  return rms > cap ? cap / rms : 1.0;
+}
+
 class CpuBackend final : public HostBackend {
  public:
   using HostBackend::HostBackend;
@@ -152,9 +173,13 @@ class CpuBackend final : public HostBackend {
     }
     const kernels::AdamWHyper& h = update->hyper;
     if (update->rule == Update::Rule::Sgd) {
-      kernels::idct_sparse_sgd_step(coeffs, plan,
-                                    {update->param, float(h.lr), float(1.0 - h.lr * h.weight_decay),
-                                     h.sign, float(h.step_bound)});
+      // The capped direction s * d steps as d does with the rate times s and the bound over s.
+      const double s =
+          update->rms_cap > 0.0 && !h.sign ? cap_scale(coeffs, plan, update->rms_cap) : 1.0;
+      kernels::idct_sparse_sgd_step(
+          coeffs, plan,
+          {update->param, float(h.lr * s), float(1.0 - h.lr * h.weight_decay), h.sign,
+           float(h.step_bound / s)});
     } else {
       kernels::AdamWStep step;
       static_cast<kernels::AdamWHyper&>(step) = h;

@@ -3,6 +3,8 @@
 // With `precondition`, each gradient is first divided by the root of its running mean square.
 #include "stepping.h"
 
+#include "flexdemo/kernels.h"
+
 #include <ATen/ATen.h>
 
 #include <cmath>
@@ -127,16 +129,14 @@ class ExchangeEveryStep final : public Stepping {
   // number: AdamW's denominator on this replica's own gradient of tensor i (a missing one counts
   // as zero and stays undefined).
   at::Tensor precondition(size_t i, const at::Tensor& grad) {
-    const double beta2 = options_.beta2;
-    const double correction = std::sqrt(1.0 - std::pow(beta2, double(preconditioned_ + 1)));
     at::Tensor& v = grad_sq_[i];
     if (!grad.defined()) {
-      v.mul_(beta2);
+      v.mul_(options_.beta2);
       return {};
     }
-    const at::Tensor g = grad.reshape(v.sizes()).to(at::kFloat);
-    v.mul_(beta2).addcmul_(g, g, 1.0 - beta2);
-    return (g / (v.sqrt() / correction).add_(options_.eps)).view(grad.sizes());
+    const at::Tensor scaled = at::empty(grad.sizes(), v.options());
+    kernels::precondition(grad, v, scaled, options_.beta2, options_.eps, preconditioned_ + 1);
+    return scaled;
   }
 
   OptimizerOptions options_;

@@ -2,6 +2,8 @@
 // parameters. AdamW follows torch.optim.AdamW's operation order, so it can be checked against it.
 #include "step_rule.h"
 
+#include "flexdemo/kernels.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -77,7 +79,7 @@ at::Tensor chunk_rms_normalized(const at::Tensor& d, const dct::ChunkPlan& plan)
 // d scaled so that its RMS is `rms` (a tensor of zeros stays zero), or with only_down, where it
 // is above `rms` only; the sum is float64.
 at::Tensor rms_scaled(const at::Tensor& d, double rms, bool only_down = false) {
-  const double now = std::sqrt(d.to(at::kDouble).square().mean().item<double>());
+  const double now = std::sqrt(kernels::sum_squares(d) / double(d.numel()));
   return now > 0.0 && (!only_down || now > rms) ? d * (rms / now) : d;
 }
 
@@ -128,15 +130,16 @@ void StepRule::apply(size_t i, const at::Tensor& direction) {
 
 std::optional<demo::Update> StepRule::fused_update(size_t i) const {
   const OptimizerOptions& o = options_;
-  // The kernels bound the SGD rule's direction themselves; AdamW's bounded input and the
-  // rescalings go through apply().
-  const bool fusable =
-      (o.inner == InnerKind::Sgd || (o.inner == InnerKind::AdamW && o.step_bound == 0.0)) &&
-      !o.normalize && o.update_rms == 0.0 && o.rms_cap == 0.0;
+  // The kernels bound the SGD rule's direction themselves, and cap its RMS over unpadded chunks;
+  // AdamW's bounded or capped input and the other rescalings go through apply().
+  const bool sgd = o.inner == InnerKind::Sgd && (o.rms_cap == 0.0 || !plans_.at(i).is_padded());
+  const bool adamw = o.inner == InnerKind::AdamW && o.step_bound == 0.0 && o.rms_cap == 0.0;
+  const bool fusable = (sgd || adamw) && !o.normalize && o.update_rms == 0.0;
   if (!fusable || params_.at(i).scalar_type() != at::kFloat) return std::nullopt;
   demo::Update u;
   u.param = params_[i];
   u.hyper = hyper();
+  u.rms_cap = sgd ? o.rms_cap : 0.0;
   if (o.inner == InnerKind::AdamW) {
     u.rule = demo::Update::Rule::AdamW;
     u.exp_avg = exp_avg_[i];

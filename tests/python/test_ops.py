@@ -174,6 +174,23 @@ def test_adamw_decode_matches_float64_adamw(sign):
         assert torch.allclose(v[t].double().reshape(shape)[clear], v_ref[clear], atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_precondition_matches_float64(dtype):
+    """v = beta2 v + (1 - beta2) g^2 in place, and g / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+    returned: AdamW's denominator on the gradient (any float dtype, any layout)."""
+    beta2, eps, step = 0.95, 1e-6, 3
+    grads = [torch.randn(s).to(dtype) for s in SHAPES] + [torch.randn(40, 48).t()]
+    sq = [torch.rand(g.shape).contiguous() for g in grads]
+    want_v = [beta2 * v.double() + (1 - beta2) * g.double() ** 2 for v, g in zip(sq, grads)]
+    want = [g.double() / (v.sqrt() / (1 - beta2 ** step) ** 0.5 + eps)
+            for g, v in zip(grads, want_v)]
+    got = ops.precondition(grads, sq, beta2=beta2, eps=eps, step=step)
+    for g, w, v, wv in zip(got, want, sq, want_v):
+        assert g.dtype == torch.float32 and g.shape == v.shape
+        assert torch.allclose(v.double(), wv, rtol=1e-6, atol=0)
+        assert torch.allclose(g.double(), w, rtol=1e-5, atol=1e-7)
+
+
 def test_accumulate_is_decayed_momentum_in_dct_space():
     params = [torch.randn(s) for s in SHAPES]
     residuals = [torch.randn(ops.residual_shape(p, CHUNK, "divisor")) for p in params]
@@ -207,13 +224,16 @@ def _op_samples():
         "accumulate": (params, grads, residuals, CHUNK, "divisor", DECAY, LR),
         "encode": (params, grads, [r.clone() for r in residuals], bucket.clone()) + lay + (DECAY, LR),
         "decode_sgd": (bucket, 1, [p.clone() for p in params]) + lay + (LR, WD, False, 0.5, 0.0),
+        "precondition": ([torch.randn(s) for s in SHAPES], [torch.rand(s) for s in SHAPES],
+                         [torch.empty(s) for s in SHAPES], 0.999, 1e-8, 2),
         "decode_adamw": (bucket, 1, [p.clone() for p in params],
                          [torch.zeros(s) for s in SHAPES], [torch.zeros(s) for s in SHAPES]) +
                         lay + (LR, WD, 0.9, 0.999, 1e-8, 1, True),
     }
 
 
-@pytest.mark.parametrize("name", ["accumulate", "encode", "decode_sgd", "decode_adamw"])
+@pytest.mark.parametrize("name", ["precondition", "accumulate", "encode", "decode_sgd",
+                                  "decode_adamw"])
 def test_opcheck(name):
     op = getattr(torch.ops.flexdemo, name).default
     torch.library.opcheck(op, _op_samples()[name])
@@ -234,6 +254,10 @@ def test_ops_reject_bad_layouts():
         with pytest.raises(ValueError, match=name + " -1; it must be >= 0"):
             ops.decode_sgd(empty, 1, p, lr=0.1, sign=False, **{name: -1},
                            **dict(layout("bf16"), chunk=4, topk=2))
+    with pytest.raises(ValueError, match="gradient 0 has 64 elements on cpu, its grad_sq or out 4 on"):
+        ops.precondition(p, [torch.zeros(4)], beta2=0.999, eps=1e-8, step=1)
+    with pytest.raises(ValueError, match="beta2 1; it must be in"):
+        ops.precondition(p, [torch.zeros(8, 8)], beta2=1.0, eps=1e-8, step=1)
     with pytest.raises(ValueError, match="residual 0 must be contiguous float32 of 64"):
         ops.accumulate(p, [None], [torch.zeros(4)], chunk=4, chunk_mode="divisor", decay=0.9,
                        lr=0.1)

@@ -650,16 +650,24 @@ void idct_sparse(const ChunkShape& shape, const int32_t* positions, const float*
   }
 }
 
+// One pass, vectorised by the compiler (no errno to keep: the square root is a vector op).
+void precondition(const float* __restrict g, float* __restrict v, float* __restrict out, int64_t n,
+                  float beta2, float one_minus_beta2, float bias, float eps) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float x = g[j];
+    const float s = v[j] * beta2 + one_minus_beta2 * x * x;
+    v[j] = s;
+    out[j] = x / (__builtin_sqrtf(s) / bias + eps);
+  }
+}
+
 }  // namespace
 
 extern const KernelTable table;
 const KernelTable table = {
 #define FLEXDEMO_STR2(x) #x
 #define FLEXDEMO_STR(x) FLEXDEMO_STR2(x)
-    FLEXDEMO_STR(FLEXDEMO_KERNEL_ISA),
-    dct_accumulate,
-    select_topk,
-    idct_sparse,
+    FLEXDEMO_STR(FLEXDEMO_KERNEL_ISA), dct_accumulate, select_topk, idct_sparse, precondition,
 };
 
 }  // namespace flexdemo::kernels::FLEXDEMO_KERNEL_ISA

@@ -85,6 +85,10 @@ struct KernelTable {
   void (*idct_sparse)(const ChunkShape& shape, const int32_t* positions, const float* values,
                       int64_t nnz, float* out, int64_t out_stride, const StepUpdate* update,
                       float* scratch);
+  // FlexDeMo's preconditioner over n elements: v = beta2 * v + one_minus_beta2 * g^2, then
+  // out = g / (sqrt(v) / bias + eps) (kernels::precondition).
+  void (*precondition)(const float* g, float* v, float* out, int64_t n, float beta2,
+                       float one_minus_beta2, float bias, float eps);
 };
 
 namespace baseline {

@@ -17,6 +17,7 @@
 #include <memory>
 #include <new>
 #include <stdexcept>
+#include <vector>
 
 namespace flexdemo::kernels {
 
@@ -456,6 +457,68 @@ void idct_sparse_adamw_step(const compress::SparseChunks& coeffs, const dct::Chu
   update.adamw = adamw_constants(step);
   inverse_chunks(coeffs, plan, step_target(step.param, plan, who, "param"), &update, who);
   for (const at::Tensor& t : {step.param, step.exp_avg, step.exp_avg_sq}) bump_version(t);
+}
+
+void precondition(const at::Tensor& grad, const at::Tensor& grad_sq, const at::Tensor& out,
+                  double beta2, double eps, int64_t step) {
+  for (const at::Tensor* t : {&grad_sq, &out}) {
+    if (t->numel() != grad.numel() || t->scalar_type() != at::kFloat || !t->is_contiguous()) {
+      throw std::invalid_argument("precondition: grad_sq and out must be contiguous float32 of " +
+                                  std::to_string(grad.numel()) + " elements");
+    }
+  }
+  const double bias = std::sqrt(1.0 - std::pow(beta2, double(step)));
+  const at::Tensor g = grad.reshape(grad_sq.sizes()).to(at::kFloat).contiguous();
+  if (!g.is_cpu() || !grad_sq.is_cpu() || !out.is_cpu()) {
+    grad_sq.mul_(beta2).addcmul_(g, g, 1.0 - beta2);
+    out.view(grad_sq.sizes()).copy_(g / (grad_sq.sqrt() / bias).add_(eps));
+    return;
+  }
+  const float* gp = g.data_ptr<float>();
+  float* vp = grad_sq.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const KernelTable& k = table();
+  at::parallel_for(0, g.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
+    k.precondition(gp + begin, vp + begin, op + begin, end - begin, float(beta2),
+                   float(1.0 - beta2), float(bias), float(eps));
+  });
+  bump_version(grad_sq);
+  bump_version(out);
+}
+
+double sum_squares(const at::Tensor& x) {
+  const bool rows_contiguous = x.dim() == 1   ? x.is_contiguous()
+                               : x.dim() == 2 ? x.stride(1) == 1 || x.size(1) <= 1
+                                              : false;
+  if (!x.is_cpu() || x.scalar_type() != at::kFloat || !rows_contiguous) {
+    return x.to(at::kDouble).square().sum().item<double>();
+  }
+  const int64_t rows = x.dim() == 2 ? x.size(0) : 1, cols = x.dim() == 2 ? x.size(1) : x.numel();
+  const int64_t stride = x.dim() == 2 ? x.stride(0) : cols;
+  if (rows == 0 || cols == 0) return 0.0;
+  const float* base = x.data_ptr<float>();
+  // Blocks of whole rows, about 64k elements each: their sums in order, whatever the threads.
+  const int64_t block_rows = std::max<int64_t>(1, (int64_t(1) << 16) / cols);
+  const int64_t blocks = (rows + block_rows - 1) / block_rows;
+  std::vector<double> partial(size_t(blocks), 0.0);
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      double acc[8] = {};
+      for (int64_t r = b * block_rows; r < std::min(rows, (b + 1) * block_rows); ++r) {
+        const float* row = base + r * stride;
+        int64_t j = 0;
+        for (; j + 8 <= cols; j += 8) {
+          for (int q = 0; q < 8; ++q) acc[q] += double(row[j + q]) * double(row[j + q]);
+        }
+        for (; j < cols; ++j) acc[0] += double(row[j]) * double(row[j]);
+      }
+      partial[size_t(b)] =
+          ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    }
+  });
+  double sum = 0.0;
+  for (double s : partial) sum += s;
+  return sum;
 }
 
 }  // namespace flexdemo::kernels

@@ -1,8 +1,8 @@
 // The chunk kernels written with chunk_math.h alone: dense transforms, every element computed as
 // the CUDA kernels compute it (cuda_kernels.cu), so FLEXDEMO_ISA=portable gives on a CPU the bits a
 // GPU gives. Slower than the factorised baseline/AVX2 kernels; there to check the GPU against.
-#include "demo/cpu/chunk_kernels.h"
 #include "demo/chunk_math.h"
+#include "demo/cpu/chunk_kernels.h"
 
 #include <algorithm>
 #include <functional>
@@ -79,9 +79,19 @@ void idct_sparse(const ChunkShape& shape, const int32_t* positions, const float*
   }
 }
 
+void precondition(const float* g, float* v, float* out, int64_t n, float beta2,
+                  float one_minus_beta2, float bias, float eps) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float x = g[j];
+    const float s = v[j] * beta2 + one_minus_beta2 * x * x;
+    v[j] = s;
+    out[j] = x / (std::sqrt(s) / bias + eps);
+  }
+}
+
 }  // namespace
 
 extern const KernelTable table;
-const KernelTable table = {"portable", dct_accumulate, select_topk, idct_sparse};
+const KernelTable table = {"portable", dct_accumulate, select_topk, idct_sparse, precondition};
 
 }  // namespace flexdemo::kernels::portable
