@@ -654,10 +654,7 @@ void idct_sparse(const ChunkShape& shape, const int32_t* positions, const float*
 void precondition(const float* __restrict g, float* __restrict v, float* __restrict out, int64_t n,
                   float beta2, float one_minus_beta2, float bias, float eps) {
   for (int64_t j = 0; j < n; ++j) {
-    const float x = g[j];
-    const float s = v[j] * beta2 + one_minus_beta2 * x * x;
-    v[j] = s;
-    out[j] = x / (__builtin_sqrtf(s) / bias + eps);
+    out[j] = precondition_element(g[j], v[j], beta2, one_minus_beta2, bias, eps);
   }
 }
 

@@ -57,6 +57,16 @@ struct StepUpdate {
   chunk_math::AdamWConstants adamw;
 };
 
+// The preconditioner's arithmetic for one element (KernelTable::precondition): explicit fused
+// multiply-adds, so that neither the compiler's contractions nor where the element falls (a
+// vectorised loop's body or its tail) change its bits: a shard's result is the same however the
+// tensor is cut.
+inline float precondition_element(float g, float& v, float beta2, float one_minus_beta2, float bias,
+                                  float eps) {
+  v = chunk_math::fma32(one_minus_beta2 * g, g, beta2 * v);  // torch's order at v = 0
+  return g / (chunk_math::sqrt32(v) / bias + eps);
+}
+
 // Entries of scratch select_topk needs for n values.
 inline int64_t select_scratch(int64_t n) {
   return n + 8 + (n + 9) / 2 + (n + 63) / 64;

@@ -82,10 +82,7 @@ void idct_sparse(const ChunkShape& shape, const int32_t* positions, const float*
 void precondition(const float* g, float* v, float* out, int64_t n, float beta2,
                   float one_minus_beta2, float bias, float eps) {
   for (int64_t j = 0; j < n; ++j) {
-    const float x = g[j];
-    const float s = v[j] * beta2 + one_minus_beta2 * x * x;
-    v[j] = s;
-    out[j] = x / (std::sqrt(s) / bias + eps);
+    out[j] = precondition_element(g[j], v[j], beta2, one_minus_beta2, bias, eps);
   }
 }
 
