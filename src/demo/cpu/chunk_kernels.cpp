@@ -11,6 +11,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 
 #if defined(__AVX__) || defined(__SSE__)
 #include <immintrin.h>
@@ -505,6 +507,16 @@ void select_topk(const float* values, int64_t n, int64_t k, int64_t* positions, 
 }
 
 // ====== The sparse inverse ======
+// Sign-SGD on a vector of parameters p with directions d: keep * p - lr * sign(d) (sign(0) =
+// sign(NaN) = 0).
+template <typename V>
+[[gnu::always_inline]] inline V sign_sgd(V p, V d, const chunk_math::SgdConstants& c) {
+  typedef int32_t Vi __attribute__((vector_size(sizeof(V))));
+  const Vi lr = (Vi)splat<V>(c.lr);
+  const V up = (V)((d > 0.0f) & lr), down = (V)((d < 0.0f) & lr);
+  return c.keep * p - up + down;
+}
+
 // SGD over the update's rows and columns: p = keep * p - lr * sign(x) (sign(0) = sign(NaN) =
 // 0), or with sign off p = keep * p - lr * x, x clamped to the bound.
 void sgd_step(const float* x, int64_t x_stride, const StepUpdate& update, float* p,
@@ -527,11 +539,7 @@ void sgd_step(const float* x, int64_t x_stride, const StepUpdate& update, float*
     const int whole = update.valid_w / 8 * 8;
     over_lanes(whole, [&](int64_t v, auto lanes) {
       using V = decltype(lanes);
-      typedef int32_t Vi __attribute__((vector_size(sizeof(V))));
-      const V d = load<V>(xr + v);
-      const Vi lr = (Vi)splat<V>(c.lr);
-      const V up = (V)((d > 0.0f) & lr), down = (V)((d < 0.0f) & lr);
-      store(pr + v, c.keep * load<V>(pr + v) - up + down);
+      store(pr + v, sign_sgd(load<V>(pr + v), load<V>(xr + v), c));
     });
     for (int v = whole; v < update.valid_w; ++v) {
       const float step = c.lr * float((xr[v] > 0.0f) - (xr[v] < 0.0f));
@@ -561,6 +569,72 @@ void adamw_step(const float* x, int64_t x_stride, const StepUpdate& update, floa
   }
 }
 
+// The direct column pass's halves applied as sign-SGD, for output rows i..i+R-1 and lanes
+// [g, g + G * W): E = the even rows' sums (matrix me over the ne rows at te), O = the odd rows'
+// (mo over the no rows at to, going up), then x[i] = E + O and x[h-1-i] = E - O step the
+// parameters' rows i and h-1-i. The sums stay in registers: x never goes through memory.
+template <typename V, int R, int G, typename MatE, typename MatO>
+[[gnu::always_inline]] inline void halves_sign_sgd_block(const MatE& me, int ne, const float* te,
+                                                         const MatO& mo, int no, const float* to,
+                                                         int64_t t_stride, int h, int i, int64_t g,
+                                                         const chunk_math::SgdConstants& c,
+                                                         float* p, int64_t p_stride) {
+  constexpr int W = lanes_of<V>;
+  V e[R][G], o[R][G];
+  for (int r = 0; r < R; ++r) {
+    for (int q = 0; q < G; ++q) e[r][q] = o[r][q] = V{};
+  }
+  for (int j = 0; j < ne; ++j) {
+    V x[G];
+    for (int q = 0; q < G; ++q) x[q] = load<V>(te + j * t_stride + g + W * q);
+    for (int r = 0; r < R; ++r) {
+      const V m = splat<V>(me(i + r, j));
+      for (int q = 0; q < G; ++q) e[r][q] += m * x[q];
+    }
+  }
+  for (int j = 0; j < no; ++j) {
+    V x[G];
+    for (int q = 0; q < G; ++q) x[q] = load<V>(to - j * t_stride + g + W * q);
+    for (int r = 0; r < R; ++r) {
+      const V m = splat<V>(mo(i + r, j));
+      for (int q = 0; q < G; ++q) o[r][q] += m * x[q];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* top = p + (i + r) * p_stride + g;
+    float* bottom = p + (h - 1 - i - r) * p_stride + g;
+    for (int q = 0; q < G; ++q) {
+      store(top + W * q, sign_sgd(load<V>(top + W * q), e[r][q] + o[r][q], c));
+      store(bottom + W * q, sign_sgd(load<V>(bottom + W * q), e[r][q] - o[r][q], c));
+    }
+  }
+}
+
+// Every row and lane of a chunk through halves_sign_sgd_block: rows in pairs, lanes in blocks of
+// 4 (AVX-512) or 2 vectors of the widest, then what is left one vector at a time.
+template <typename MatE, typename MatO>
+void halves_sign_sgd(const MatE& me, int ne, const float* te, const MatO& mo, int no,
+                     const float* to, int64_t t_stride, int h, int64_t L,
+                     const chunk_math::SgdConstants& c, float* p, int64_t p_stride) {
+  constexpr int G = lanes_of < vwide >> 8 ? 4 : 2;
+  constexpr int W = lanes_of<vwide>;
+  const int m = h / 2;
+  auto rows = [&](auto pair, int i) {
+    constexpr int R = decltype(pair)::value;
+    int64_t g = 0;
+    for (; g + G * W <= L; g += G * W) {
+      halves_sign_sgd_block<vwide, R, G>(me, ne, te, mo, no, to, t_stride, h, i, g, c, p, p_stride);
+    }
+    over_lanes(L - g, [&](int64_t k, auto v) {
+      halves_sign_sgd_block<decltype(v), R, 1>(me, ne, te, mo, no, to, t_stride, h, i, g + k, c, p,
+                                               p_stride);
+    });
+  };
+  int i = 0;
+  for (; i + 2 <= m; i += 2) rows(std::integral_constant<int, 2>{}, i);
+  if (i < m) rows(std::integral_constant<int, 1>{}, i);
+}
+
 // x = B_h^T X B_w: first t[u] = sum_v X[u][v] B_w[v] for the rows u holding a coefficient (one
 // multiply-add per coefficient and lane), then along the columns either directly over those
 // rows or, when they are many, by the factorised inverse (whichever costs fewer multiply-adds).
@@ -582,19 +656,38 @@ void idct_sparse(const ChunkShape& shape, const int32_t* positions, const float*
   int32_t* row_of = slot_of + h;  // by slot
   int even = 0, odd = 0;
   std::fill(slot_of, slot_of + h, -1);
-  for (int64_t e = 0; e < nnz; ++e) {
-    const int u = positions[e] / w, v = positions[e] % w;
+  // Entries come in runs of one row (a payload's positions ascend): a run's sums stay in
+  // registers, lane by lane, in the entries' order.
+  for (int64_t e = 0, end; e < nnz; e = end) {
+    const int u = positions[e] / w;
+    const int32_t first = u * w, past = first + w;  // the row's positions
+    for (end = e + 1; end < nnz && positions[end] >= first && positions[end] < past;) ++end;
     if (slot_of[u] < 0) {
       slot_of[u] = halves && u % 2 == 1 ? h - 1 - odd++ : even++;
       row_of[slot_of[u]] = u;
       std::memset(t + int64_t(slot_of[u]) * W8, 0, sizeof(float) * size_t(W8));
     }
     float* row = t + int64_t(slot_of[u]) * W8;
-    const float* basis = cols.full + int64_t(v) * cols.full_stride;
-    const float c = values[e];
-    over_lanes(W8, [&](int64_t g, auto v) {
-      using V = decltype(v);
-      store(row + g, load<V>(row + g) + c * load<V>(basis + g));
+    // G vectors at a time: G independent sums, each a chain of multiply-adds.
+    const auto run = [&](int64_t g, auto lanes) {
+      using V = typename decltype(lanes)::first_type;
+      constexpr int G = decltype(lanes)::second_type::value, W = lanes_of<V>;
+      V sum[G];
+      for (int q = 0; q < G; ++q) sum[q] = load<V>(row + g + W * q);
+      for (int64_t f = e; f < end; ++f) {
+        const float* basis = cols.full + int64_t(positions[f] - first) * cols.full_stride + g;
+        const V c = splat<V>(values[f]);
+        for (int q = 0; q < G; ++q) sum[q] += c * load<V>(basis + W * q);
+      }
+      for (int q = 0; q < G; ++q) store(row + g + W * q, sum[q]);
+    };
+    constexpr int W = lanes_of<vwide>;
+    int64_t g = 0;
+    for (; g + 4 * W <= W8; g += 4 * W) {
+      run(g, std::pair<vwide, std::integral_constant<int, 4>>{});
+    }
+    over_lanes(W8 - g, [&](int64_t k, auto v) {
+      run(g + k, std::pair<decltype(v), std::integral_constant<int, 1>>{});
     });
   }
   const int used = even + odd;
@@ -613,11 +706,17 @@ void idct_sparse(const ChunkShape& shape, const int32_t* positions, const float*
     // The matrices read straight from the basis: entry (i, r) is row u's basis function at i.
     const int m = h / 2;
     const int32_t* odd_rows = row_of + h - 1;  // by slot, from the bottom
-    matvec_of([=](int i, int r) { return basis[row_of[r] * bs + i]; }, m, even, t, W8, dst,
-              dst_stride, W8);
+    const auto even_mat = [=](int i, int r) { return basis[row_of[r] * bs + i]; };
+    const auto odd_mat = [=](int i, int r) { return basis[odd_rows[-r] * bs + i]; };
+    if (update != nullptr && update->m == nullptr && update->sgd.sign && update->valid_h == h &&
+        update->valid_w == w && w == W8) {  // sign-SGD on a whole chunk: x stays in registers
+      halves_sign_sgd(even_mat, even, t, odd_mat, odd, t + int64_t(h - 1) * W8, W8, h, W8,
+                      update->sgd, out, out_stride);
+      return;
+    }
+    matvec_of(even_mat, m, even, t, W8, dst, dst_stride, W8);
     float* last = dst + (h - 1) * dst_stride;
-    matvec_of([=](int i, int r) { return basis[odd_rows[-r] * bs + i]; }, m, odd,
-              t + int64_t(h - 1) * W8, -W8, last, -dst_stride, W8);
+    matvec_of(odd_mat, m, odd, t + int64_t(h - 1) * W8, -W8, last, -dst_stride, W8);
     for (int i = 0; i < m; ++i) {
       float* a = dst + i * dst_stride;
       float* b = dst + (h - 1 - i) * dst_stride;
