@@ -180,6 +180,32 @@ void odd_from_dct2(float* z, int64_t stride, int m, int L) {
   }
 }
 
+// The DCT-II of 16 rows split once into a dense DCT-IV of the differences and a dense DCT-II of
+// size 8 of the sums, for the lanes [g, g + lanes of V): forward()'s arithmetic in its order,
+// with the 16 rows, their sums and differences in registers (AVX-512's 32 hold them): 16 stores
+// a vector of lanes where forward()'s passes make 32.
+template <typename V>
+[[gnu::always_inline]] inline void forward16_lanes(const float* odd, const float* base,
+                                                   const float* src, int64_t src_stride, float* out,
+                                                   int64_t out_stride, int64_t g) {
+  V sum[8], diff[8];
+  for (int i = 0; i < 8; ++i) {
+    const V x = load<V>(src + i * src_stride + g), y = load<V>(src + (15 - i) * src_stride + g);
+    sum[i] = (x + y) * kHalfSqrt2;
+    diff[i] = (x - y) * kHalfSqrt2;
+  }
+  for (int i = 0; i < 8; ++i) {  // forward_odd's input order is reversed: diff[7 - j]
+    V acc = V{};
+    for (int j = 0; j < 8; ++j) acc += splat<V>(odd[i * 8 + j]) * diff[7 - j];
+    store(out + (2 * i + 1) * out_stride + g, acc);
+  }
+  for (int k = 0; k < 8; ++k) {
+    V acc = V{};
+    for (int j = 0; j < 8; ++j) acc += splat<V>(base[k * 8 + j]) * sum[j];
+    store(out + 2 * k * out_stride + g, acc);
+  }
+}
+
 // DCT-II of the n = p.n >> level rows at in + i * in_stride (destroyed), results to the rows at
 // out + k * out_stride. Even outputs are the DCT-II of the sums x[i] + x[n-1-i]; odd ones the
 // DCT-IV of the differences: a dense product, or where p.lee[level] (Lee) the DCT-II of the
@@ -192,6 +218,15 @@ void forward(const Dct1d& p, int level, const float* src, int64_t src_stride, fl
   if (level == p.splits) {
     matvec(p.base, n, n, src, src_stride, out, out_stride, L);
     return;
+  }
+  if constexpr (lanes_of<vwide> == 16) {
+    if (n == 16 && p.splits == level + 1 && !p.lee[level]) {
+      over_lanes(L, [&](int64_t g, auto v) {
+        forward16_lanes<decltype(v)>(p.forward_odd[level], p.base, src, src_stride, out, out_stride,
+                                     g);
+      });
+      return;
+    }
   }
   const int m = n / 2;
   const float* f = p.lee[level] ? p.lee_scale[level] : nullptr;
