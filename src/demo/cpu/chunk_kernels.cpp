@@ -180,30 +180,63 @@ void odd_from_dct2(float* z, int64_t stride, int m, int L) {
   }
 }
 
-// The DCT-II of 16 rows split once into a dense DCT-IV of the differences and a dense DCT-II of
-// size 8 of the sums, for the lanes [g, g + lanes of V): forward()'s arithmetic in its order,
-// with the 16 rows, their sums and differences in registers (AVX-512's 32 hold them): 16 stores
-// a vector of lanes where forward()'s passes make 32.
-template <typename V>
-[[gnu::always_inline]] inline void forward16_lanes(const float* odd, const float* base,
-                                                   const float* src, int64_t src_stride, float* out,
-                                                   int64_t out_stride, int64_t g) {
-  V sum[8], diff[8];
-  for (int i = 0; i < 8; ++i) {
-    const V x = load<V>(src + i * src_stride + g), y = load<V>(src + (15 - i) * src_stride + g);
+// The DCT-II of n = 2M rows split once into a dense DCT-IV of the differences and a dense DCT-II
+// of size M of the sums, for the lanes [g, g + lanes of V): forward()'s arithmetic in its order,
+// with the rows, their sums and differences in registers (AVX-512's 32 hold them for M <= 8):
+// 2M stores a vector of lanes where forward()'s passes make 4M. With lee_odd, the outputs Z
+// become the DCT-IV odd_from_dct2 makes of them (Z'[i] + Z'[i+1]) before they are stored.
+template <typename V, int M, bool lee_odd>
+[[gnu::always_inline]] inline void forward_split_lanes(const float* odd, const float* base,
+                                                       const float* src, int64_t src_stride,
+                                                       float* out, int64_t out_stride, int64_t g) {
+  constexpr int N = 2 * M;
+  V sum[M], diff[M], z[N];
+  for (int i = 0; i < M; ++i) {
+    const V x = load<V>(src + i * src_stride + g), y = load<V>(src + (N - 1 - i) * src_stride + g);
     sum[i] = (x + y) * kHalfSqrt2;
     diff[i] = (x - y) * kHalfSqrt2;
   }
-  for (int i = 0; i < 8; ++i) {  // forward_odd's input order is reversed: diff[7 - j]
+  for (int i = 0; i < M; ++i) {  // forward_odd's input order is reversed: diff[M - 1 - j]
     V acc = V{};
-    for (int j = 0; j < 8; ++j) acc += splat<V>(odd[i * 8 + j]) * diff[7 - j];
-    store(out + (2 * i + 1) * out_stride + g, acc);
+    for (int j = 0; j < M; ++j) acc += splat<V>(odd[i * M + j]) * diff[M - 1 - j];
+    z[2 * i + 1] = acc;
   }
-  for (int k = 0; k < 8; ++k) {
+  for (int k = 0; k < M; ++k) {
     V acc = V{};
-    for (int j = 0; j < 8; ++j) acc += splat<V>(base[k * 8 + j]) * sum[j];
-    store(out + 2 * k * out_stride + g, acc);
+    for (int j = 0; j < M; ++j) acc += splat<V>(base[k * M + j]) * sum[j];
+    z[2 * k] = acc;
   }
+  for (int i = 0; i < N; ++i) {
+    V v = z[i];
+    if constexpr (lee_odd) {
+      if (i == 0) v *= kSqrt2;
+      if (i + 1 < N) v += z[i + 1];
+    }
+    store(out + i * out_stride + g, v);
+  }
+}
+
+// forward_split_lanes over L lanes where it applies (AVX-512; level `level`'s 16 or 12 rows split
+// once into the dense base of 8 or 6); false where forward()'s passes do the work.
+template <bool lee_odd>
+bool forward_split(const Dct1d& p, int level, const float* src, int64_t src_stride, float* out,
+                   int64_t out_stride, int64_t L) {
+  if constexpr (lanes_of<vwide> == 16) {
+    const int n = p.n >> level;
+    if (p.splits != level + 1 || p.lee[level] || (n != 16 && n != 12)) return false;
+    over_lanes(L, [&](int64_t g, auto v) {
+      using V = decltype(v);
+      if (n == 16) {
+        forward_split_lanes<V, 8, lee_odd>(p.forward_odd[level], p.base, src, src_stride, out,
+                                           out_stride, g);
+      } else {
+        forward_split_lanes<V, 6, lee_odd>(p.forward_odd[level], p.base, src, src_stride, out,
+                                           out_stride, g);
+      }
+    });
+    return true;
+  }
+  return false;
 }
 
 // DCT-II of the n = p.n >> level rows at in + i * in_stride (destroyed), results to the rows at
@@ -219,15 +252,7 @@ void forward(const Dct1d& p, int level, const float* src, int64_t src_stride, fl
     matvec(p.base, n, n, src, src_stride, out, out_stride, L);
     return;
   }
-  if constexpr (lanes_of<vwide> == 16) {
-    if (n == 16 && p.splits == level + 1 && !p.lee[level]) {
-      over_lanes(L, [&](int64_t g, auto v) {
-        forward16_lanes<decltype(v)>(p.forward_odd[level], p.base, src, src_stride, out, out_stride,
-                                     g);
-      });
-      return;
-    }
-  }
+  if (forward_split<false>(p, level, src, src_stride, out, out_stride, L)) return;
   const int m = n / 2;
   const float* f = p.lee[level] ? p.lee_scale[level] : nullptr;
   for (int i = 0; i < m; ++i) {
@@ -246,8 +271,10 @@ void forward(const Dct1d& p, int level, const float* src, int64_t src_stride, fl
   // The differences sit in rows n-1, n-2, ..., m.
   if (p.lee[level]) {
     float* odd = in + (n - 1) * in_stride;
-    forward(p, level + 1, odd, -in_stride, odd, -in_stride, out + out_stride, 2 * out_stride, L);
-    odd_from_dct2(out + out_stride, 2 * out_stride, m, L);
+    if (!forward_split<true>(p, level + 1, odd, -in_stride, out + out_stride, 2 * out_stride, L)) {
+      forward(p, level + 1, odd, -in_stride, odd, -in_stride, out + out_stride, 2 * out_stride, L);
+      odd_from_dct2(out + out_stride, 2 * out_stride, m, L);
+    }
   } else {
     matvec(p.forward_odd[level], m, m, in + m * in_stride, in_stride, out + out_stride,
            2 * out_stride, L);
