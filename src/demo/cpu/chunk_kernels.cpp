@@ -68,6 +68,24 @@ template <typename Body>
   }
   for (; g < L; g += 8) body(g, v8{});
 }
+// a * b + c: one fused multiply-add where the instruction set has them (a * b, then + c, where
+// it does not), whatever the compiler would contract: the same rounding in every loop that
+// uses it, vector body and scalar tail alike.
+template <typename V>
+[[gnu::always_inline]] inline V fused_multiply_add(V a, V b, V c) {
+#if defined(__FMA__)
+  if constexpr (std::is_same_v<V, float>) {
+    return __builtin_fmaf(a, b, c);
+  } else if constexpr (std::is_same_v<V, v8>) {
+    return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#if defined(__AVX512F__)
+  } else if constexpr (std::is_same_v<V, v16>) {
+    return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#endif
+  }
+#endif
+  return a * b + c;
+}
 inline v8i splat_i(int32_t s) {
   return v8i{s, s, s, s, s, s, s, s};
 }
@@ -309,9 +327,8 @@ void inverse(const Dct1d& p, int level, const float* X, int64_t x_stride, float*
 }
 
 // ====== Transposes ======
-inline void transpose8(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
-  v8 r[8];
-  for (int i = 0; i < 8; ++i) r[i] = load(src + i * src_stride);
+// The 8 x 8 block in rows r, transposed into out.
+inline void transpose8_registers(const v8 r[8], v8 out[8]) {
   v8 t[8], u[8];
   for (int i = 0; i < 8; i += 2) {  // pairs of rows interleaved
     t[i] = SHUFFLE8(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
@@ -324,9 +341,16 @@ inline void transpose8(const float* src, int64_t src_stride, float* dst, int64_t
     u[i + 3] = SHUFFLE8(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
   }
   for (int i = 0; i < 4; ++i) {  // then the 128-bit halves
-    store(dst + i * dst_stride, SHUFFLE8(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11));
-    store(dst + (i + 4) * dst_stride, SHUFFLE8(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15));
+    out[i] = SHUFFLE8(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+    out[i + 4] = SHUFFLE8(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
   }
+}
+
+inline void transpose8(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
+  v8 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = load(src + i * src_stride);
+  transpose8_registers(r, t);
+  for (int i = 0; i < 8; ++i) store(dst + i * dst_stride, t[i]);
 }
 
 // src: rows x cols (both multiples of 8, row stride cols) -> dst: cols x rows.
@@ -365,6 +389,31 @@ void dct_accumulate(const ChunkShape& shape, const float* src, int64_t src_strid
   float* yt = y == a ? b : a;
   transpose(y, H8, W8, yt);                                  // yt: W8 rows x H8 lanes
   forward(*shape.along_cols, 0, yt, H8, yt, H8, y, H8, H8);  // y: the row transform, transposed
+  // beta * o + alpha * z as one explicit multiply-add after alpha * z: left to the compiler, the
+  // loops with and without fresh were contracted differently and rounded differently.
+  const auto update = [beta, alpha](auto o, auto z) {
+    using V = decltype(z);
+    const V scaled = alpha * z;
+    return beta == 0.0f ? scaled : fused_multiply_add(splat<V>(beta), o, scaled);
+  };
+  if (h % 8 == 0 && w % 8 == 0) {
+    // Whole 8 x 8 blocks: each transposed in registers straight into the residual's update.
+    for (int u0 = 0; u0 < h; u0 += 8) {
+      for (int u = u0 + 8; u < std::min(u0 + 16, h); ++u) prefetch_row(out + u * out_stride, w);
+      for (int v0 = 0; v0 < w; v0 += 8) {
+        v8 r[8], z[8];
+        for (int i = 0; i < 8; ++i) r[i] = load(y + int64_t(v0 + i) * H8 + u0);
+        transpose8_registers(r, z);
+        for (int i = 0; i < 8; ++i) {
+          float* o = out + (u0 + i) * out_stride + v0;
+          const v8 x = update(load(o), z[i]);
+          store(o, x);
+          if (fresh != nullptr) store(fresh + int64_t(u0 + i) * w + v0, x);
+        }
+      }
+    }
+    return;
+  }
   transpose(y, W8, H8, yt);  // yt: H8 rows x W8 lanes, the chunk's DCT
   for (int u = 0; u < std::min(kPrefetchRows, h); ++u) prefetch_row(out + u * out_stride, w);
   for (int u = 0; u < h; ++u) {
@@ -375,13 +424,12 @@ void dct_accumulate(const ChunkShape& shape, const float* src, int64_t src_strid
     const int whole = w / 8 * 8;
     over_lanes(whole, [&](int64_t v, auto lanes) {
       using V = decltype(lanes);
-      const V r =
-          beta == 0.0f ? alpha * load<V>(z + v) : beta * load<V>(o + v) + alpha * load<V>(z + v);
+      const V r = update(load<V>(o + v), load<V>(z + v));
       store(o + v, r);
       if (f != nullptr) store(f + v, r);
     });
     for (int v = whole; v < w; ++v) {
-      const float r = beta == 0.0f ? alpha * z[v] : beta * o[v] + alpha * z[v];
+      const float r = update(o[v], z[v]);
       o[v] = r;
       if (f != nullptr) f[v] = r;
     }
