@@ -527,10 +527,9 @@ uint32_t sampled_rank(const float* x, int64_t n, int r) {
   for (int j = 0; j < r; ++j) top[j] = splat_i(-1);
   for (int64_t i = 0; i + 8 <= n; i += 128) {
     v8i m = magnitudes(x + i);
-    for (int j = 0; j < r; ++j) {
-      const v8i above = m > top[j];
-      const v8i kept = (m & above) | (top[j] & ~above);
-      m = (top[j] & above) | (m & ~above);
+    for (int j = 0; j < r; ++j) {  // the larger stays, the smaller moves down: a max and a min
+      const v8i kept = m > top[j] ? m : top[j];
+      m = m > top[j] ? top[j] : m;
       top[j] = kept;
     }
   }
@@ -551,25 +550,24 @@ uint32_t sampled_rank(const float* x, int64_t n, int r) {
 // Writes to chosen[0, k), in the keys' order, the positions of the k largest of count distinct
 // keys (keys in ascending position order give ascending positions), by counting for each key how
 // many are larger: count^2 comparisons, but vectorised and without the mispredicted branches of
-// a partition, which cost more for the few dozen candidates here. keys needs room for count
-// rounded up to 8, chosen for count.
+// a partition, which cost more for the few dozen candidates here. A vector of keys is compared
+// with every key in turn, so that each lane ends holding its key's rank (no sum across lanes).
+// keys needs room for count rounded up to 8, chosen for count.
 void choose_by_rank(uint64_t* keys, int64_t count, int64_t k, int32_t* chosen) {
   constexpr int K = lanes_of<vwide> / 2;  // keys a vector
   typedef int64_t vk __attribute__((vector_size(8 * K)));
   typedef int64_t vku __attribute__((vector_size(8 * K), aligned(8), may_alias));
   const int64_t padded = (count + K - 1) / K * K;
-  for (int64_t j = count; j < padded; ++j) keys[j] = 0;  // below every key (keys are > 0)
+  for (int64_t j = count; j < padded; ++j) keys[j] = 0;  // lanes past count: never read back
   int64_t taken = 0;
-  for (int64_t i = 0; i < count; ++i) {
-    const vk mine = vk{} + int64_t(keys[i]);  // < 2^63: magnitudes have no sign bit
+  for (int64_t i = 0; i < padded; i += K) {
+    const vk mine = *reinterpret_cast<const vku*>(keys + i);  // < 2^63: no sign bit in a key
     vk larger = {};
-    for (int64_t j = 0; j < padded; j += K) {
-      larger += *reinterpret_cast<const vku*>(keys + j) > mine;  // true lanes are -1
+    for (int64_t j = 0; j < count; ++j) larger += (vk{} + int64_t(keys[j])) > mine;  // true: -1
+    for (int q = 0; q < K && i + q < count; ++q) {
+      chosen[taken] = int32_t(0xffffffffu - (keys[i + q] & 0xffffffffu));
+      taken += -larger[q] < k;  // written always, kept when chosen: no branch
     }
-    int64_t rank = 0;
-    for (int q = 0; q < K; ++q) rank -= larger[q];
-    chosen[taken] = int32_t(0xffffffffu - (keys[i] & 0xffffffffu));
-    taken += rank < k;  // written always, kept when chosen: no branch
   }
 }
 
