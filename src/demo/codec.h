@@ -403,5 +403,25 @@ FLEXDEMO_HD float get_value(const uint8_t* body, const Layout& l, ValueEncoding 
   }
   return 0.0f;
 }
+// Chunk c's k values, get_value's for each, into out[0, k): the encoding looked at once, the
+// common ones unpacked in a loop of their own (the CPU decode's per-chunk step).
+FLEXDEMO_HD void get_values(const uint8_t* body, const Layout& l, ValueEncoding e, int64_t c,
+                            float* out) {
+  const uint8_t* values = body + l.values_at;
+  const int64_t first = c * l.k;
+  switch (e) {
+    case ValueEncoding::Fp32:
+      for (int64_t j = 0; j < l.k; ++j) out[j] = get_f32(values + 4 * (first + j));
+      return;
+    case ValueEncoding::Bf16:
+      for (int64_t j = 0; j < l.k; ++j) {
+        const uint8_t* v = values + 2 * (first + j);
+        out[j] = bf16_value(uint16_t(v[0] | v[1] << 8));
+      }
+      return;
+    default:
+      for (int64_t j = 0; j < l.k; ++j) out[j] = get_value(body, l, e, first + j);
+  }
+}
 
 }  // namespace flexdemo::demo::codec

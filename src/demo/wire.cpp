@@ -201,6 +201,7 @@ SparseChunks decode_mean_sparse(const std::vector<const uint8_t*>& payloads, siz
     std::vector<int32_t> slot(plan.chunk_numel(), -1);  // per coefficient: its entry, or -1
     std::vector<uint32_t> seen(capacity);               // per entry: how many replicas sent it
     std::vector<int64_t> chunk_positions(l.k);
+    std::vector<float> chunk_values(l.k);
     for (int64_t c = begin; c < end; ++c) {
       int32_t* pos_out = positions + c * capacity;
       float* val_out = values + c * capacity;
@@ -208,8 +209,9 @@ SparseChunks decode_mean_sparse(const std::vector<const uint8_t*>& payloads, siz
       for (const uint8_t* payload : payloads) {  // rank order: the same sums on every replica
         const uint8_t* body = payload + kHeaderBytes;
         codec::get_positions(body, l, c, chunk_positions.data());
-        for (int64_t e = c * l.k; e < (c + 1) * l.k; ++e) {
-          const int64_t pos = chunk_positions[e - c * l.k];
+        codec::get_values(body, l, encoding, c, chunk_values.data());
+        for (int64_t j = 0; j < l.k; ++j) {
+          const int64_t pos = chunk_positions[j];
           int32_t& s = slot[pos];
           if (s < 0) {
             s = int32_t(count++);
@@ -217,7 +219,7 @@ SparseChunks decode_mean_sparse(const std::vector<const uint8_t*>& payloads, siz
             val_out[s] = 0.0f;
             seen[s] = 0;
           }
-          val_out[s] += codec::get_value(body, l, encoding, e);
+          val_out[s] += chunk_values[j];
           seen[s] += 1;
         }
       }
