@@ -389,12 +389,12 @@ void dct_accumulate(const ChunkShape& shape, const float* src, int64_t src_strid
   float* yt = y == a ? b : a;
   transpose(y, H8, W8, yt);                                  // yt: W8 rows x H8 lanes
   forward(*shape.along_cols, 0, yt, H8, yt, H8, y, H8, H8);  // y: the row transform, transposed
-  // beta * o + alpha * z as one explicit multiply-add after alpha * z: left to the compiler, the
-  // loops with and without fresh were contracted differently and rounded differently.
+  // beta * o + alpha * z as one explicit multiply-add onto beta * o (the contraction the compiler
+  // had chosen for the vector loop: the same bits as before). Left to the compiler, the loops
+  // with and without fresh were contracted differently and rounded differently.
   const auto update = [beta, alpha](auto o, auto z) {
     using V = decltype(z);
-    const V scaled = alpha * z;
-    return beta == 0.0f ? scaled : fused_multiply_add(splat<V>(beta), o, scaled);
+    return beta == 0.0f ? alpha * z : fused_multiply_add(splat<V>(alpha), z, beta * o);
   };
   if (h % 8 == 0 && w % 8 == 0) {
     // Whole 8 x 8 blocks: each transposed in registers straight into the residual's update.
