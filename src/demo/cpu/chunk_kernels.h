@@ -44,6 +44,14 @@ struct ChunkShape {
   const Dct1d* along_cols = nullptr;
 };
 
+// The next chunk (valid_h rows of valid_w floats, the row stride of this chunk's) of up to three
+// tensors laid out alike (samples; parameters and AdamW's moments), which a kernel asks the caches
+// for while it works on this chunk. Null pointers: none.
+struct NextChunk {
+  const float* rows[3] = {};
+  int valid_h = 0, valid_w = 0;
+};
+
 // Instead of writing the inverse x, the inner optimizer's step on the parameters at out, fused,
 // for u < valid_h, v < valid_w:
 //   SGD (m == nullptr): chunk_math::sgd_step with the constants in sgd (sign-SGD, or the
@@ -55,6 +63,7 @@ struct StepUpdate {
   float* m = nullptr;  // AdamW
   float* v = nullptr;
   chunk_math::AdamWConstants adamw;
+  NextChunk next;  // the next chunk's parameters (and moments)
 };
 
 // The preconditioner's arithmetic for one element (KernelTable::precondition): explicit fused
@@ -80,10 +89,11 @@ struct KernelTable {
   // out[u][v] = beta * out[u][v] + alpha * DCT(x)[u][v] over the chunk (beta == 0: overwrite),
   // x read from src (row stride src_stride) where u < valid_h and v < valid_w, 0 elsewhere;
   // out has row stride out_stride. If fresh is not null, the new values are also written there
-  // contiguously (position u * w + v) for select_topk.
+  // contiguously (position u * w + v) for select_topk. next: the next chunk's samples, asked for
+  // while this one runs.
   void (*dct_accumulate)(const ChunkShape& shape, const float* src, int64_t src_stride, int valid_h,
                          int valid_w, float* out, int64_t out_stride, float beta, float alpha,
-                         float* fresh, float* scratch);
+                         float* fresh, float* scratch, const NextChunk& next);
   // The k (<= n) entries of largest magnitude in values[0, n) (ties: the lower position), in
   // ascending position order, as the bounded heap of the plain path orders them. scratch needs
   // select_scratch(n) entries. Writes positions and their values.

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <new>
 #include <stdexcept>
@@ -176,30 +177,16 @@ ChunkPlace place_of(const dct::ChunkPlan& plan, int64_t c) {
           int(std::min(w, plan.cols - cj * w))};
 }
 
-// Asks the caches for chunk c's rows (nothing past the last chunk), of the [rows, cols] tensor t
-// (in_block false) or of the block-layout one. A chunk is 64 rows of a few cache lines each, one
-// row a tensor's width apart: a walk the hardware prefetchers do not follow, which left the
-// kernels waiting on memory for much of their time (issue 30: -7% encode, -20% decode time).
-// Inlined on purpose: GCC finds a function that only prefetches free of effects and drops the
-// calls to it.
-[[gnu::always_inline]] inline void prefetch_chunk(const float* t, const dct::ChunkPlan& plan,
-                                                  int64_t c, bool in_block, bool for_write) {
-  if (t == nullptr || c >= plan.num_chunks()) return;
-  const ChunkPlace place = place_of(plan, c);
-  const float* base = in_block ? t + plan.chunk_origin(c) : t + place.offset;
-  const int64_t stride = in_block ? plan.padded_cols : plan.cols;
-  const int rows = in_block ? int(plan.chunk_rows) : place.valid_h;
-  const int cols = in_block ? int(plan.chunk_cols) : place.valid_w;
-  constexpr int kLine = 64 / sizeof(float);
-  for (int u = 0; u < rows; ++u) {
-    for (int v = 0; v < cols; v += kLine) {
-      if (for_write) {
-        __builtin_prefetch(base + u * stride + v, 1, 2);
-      } else {
-        __builtin_prefetch(base + u * stride + v, 0, 2);
-      }
-    }
-  }
+// Chunk c + 1 of the [rows, cols] tensors t (null ones skipped; none after the last chunk).
+NextChunk next_chunk(const dct::ChunkPlan& plan, int64_t c, std::initializer_list<const float*> t) {
+  NextChunk next;
+  if (c + 1 >= plan.num_chunks()) return next;
+  const ChunkPlace place = place_of(plan, c + 1);
+  int i = 0;
+  for (const float* p : t) next.rows[i++] = p != nullptr ? p + place.offset : nullptr;
+  next.valid_h = place.valid_h;
+  next.valid_w = place.valid_w;
+  return next;
 }
 
 // Where a chunk's uint64 selection keys start after its n floats (8-byte aligned).
@@ -262,16 +249,12 @@ void accumulate(const at::Tensor& x, const dct::ChunkPlan& plan, double beta, do
   for_each_chunk(
       plan, extra,
       [&](int64_t c, const KernelTable& kern, const ChunkShape& shape, float* scratch) {
-        // The next chunk's samples arrive while this one is transformed, and so do
-        // this chunk's residual rows, which are read last.
-        prefetch_chunk(src, plan, c + 1, false, false);
-        prefetch_chunk(dst, plan, c, true, true);
         const ChunkPlace place = place_of(plan, c);
         float* fresh = select ? scratch + scratch_floats(shape) : nullptr;
         float* chunk_residual = dst + plan.chunk_origin(c);
         kern.dct_accumulate(shape, src + place.offset, plan.cols, place.valid_h, place.valid_w,
                             chunk_residual, plan.padded_cols, float(beta), float(alpha), fresh,
-                            scratch);
+                            scratch, next_chunk(plan, c, {src}));
         if (!select) return;
         int64_t* pos = idx != nullptr ? idx + c * k : reinterpret_cast<int64_t*>(fresh + selection);
         float* v = val != nullptr ? val + c * k : fresh + selection + 2 * k;
@@ -300,18 +283,15 @@ void inverse_chunks(const compress::SparseChunks& coeffs, const dct::ChunkPlan& 
                    const int32_t* pos = positions + c * capacity;
                    const float* val = values + c * capacity;
                    if (step == nullptr) {
-                     prefetch_chunk(dst, plan, c + 1, true, true);
                      kern.idct_sparse(shape, pos, val, counts[c], dst + plan.chunk_origin(c),
                                       plan.padded_cols, nullptr, scratch);
                      return;
                    }
                    const ChunkPlace place = place_of(plan, c);
-                   for (const float* t : {dst, step->m, step->v}) {
-                     prefetch_chunk(t, plan, c + 1, false, true);
-                   }
                    StepUpdate update = *step;
                    update.valid_h = place.valid_h;
                    update.valid_w = place.valid_w;
+                   update.next = next_chunk(plan, c, {dst, step->m, step->v});
                    if (step->m != nullptr) {
                      update.m = step->m + place.offset;
                      update.v = step->v + place.offset;

@@ -14,7 +14,7 @@ namespace cm = chunk_math;
 
 void dct_accumulate(const ChunkShape& shape, const float* src, int64_t src_stride, int valid_h,
                     int valid_w, float* out, int64_t out_stride, float beta, float alpha,
-                    float* fresh, float* scratch) {
+                    float* fresh, float* scratch, const NextChunk& /*next*/) {
   const int h = shape.h, w = shape.w;
   const Dct1d& rows = *shape.along_rows;
   const Dct1d& cols = *shape.along_cols;
