@@ -3,6 +3,7 @@
 #include "subcommand.h"
 
 #include "flexdemo/comm.h"
+#include "flexdemo/runtime.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -37,6 +38,7 @@ std::string accepted_subcommands(const CLI::App& app) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  flexdemo::use_native_blas(argv);
   using flexdemo::app::Subcommand;
   CLI::App app{"flexdemo: FlexDeMo training — hybrid sharding inside nodes, DeMo between nodes"};
   app.require_subcommand(1);

@@ -140,6 +140,7 @@ class RatioReporter : public benchmark::ConsoleReporter {
 }  // namespace
 
 int main(int argc, char** argv) {
+  flexdemo::use_native_blas(argv);  // the plain step's matmuls on the kernels the command runs
   int threads = 1;
   std::vector<char*> rest;
   for (int i = 0; i < argc; ++i) {
@@ -156,7 +157,8 @@ int main(int argc, char** argv) {
   RatioReporter reporter;
   benchmark::RunSpecifiedBenchmarks(&reporter);
   std::printf("\nthreads %d; plain / fast, measured in this run:\n", threads);
-  std::printf("(fast path kernels: %s)\n", kernels::to_string(kernels::active_isa()).c_str());
+  std::printf("(fast path kernels: %s; blas: %s)\n",
+              kernels::to_string(kernels::active_isa()).c_str(), flexdemo::blas_description().c_str());
   for (const char* part : {"encode", "select", "encode_select", "decode"}) {
     const std::string fast = std::string("BM_") + part + "_fast",
                       plain = std::string("BM_") + part + "_plain";

@@ -3,6 +3,8 @@
 // that fails on any rank makes that rank exit non-zero, and mpirun with it.
 #include "test_mpi.h"
 
+#include "flexdemo/runtime.h"
+
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -32,6 +34,7 @@ std::shared_ptr<flexdemo::comm::Communicator> test_world() {
 }
 
 int main(int argc, char** argv) {
+  flexdemo::use_native_blas(argv);  // the kernels the command runs on this CPU
   flexdemo::comm::MpiRuntime runtime(&argc, &argv);
   g_runtime = &runtime;
   ::testing::InitGoogleTest(&argc, argv);

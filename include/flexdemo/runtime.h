@@ -1,7 +1,25 @@
 // flexdemo/runtime.h — process-wide settings shared by the library and the command.
 #pragma once
 
+#include <string>
+
 namespace flexdemo {
+
+// ====== BLAS ======
+// Where OpenBLAS runs a fallback kernel on a CPU it does not know (Debian's 0.3.21 takes a
+// Sapphire or Emerald Rapids Xeon for a Prescott: SSE3, 3x slower matmuls), restarts this
+// program (exec of /proc/self/exe with argv) with OPENBLAS_CORETYPE naming the kernels the CPU
+// runs: SkylakeX with AVX-512, Haswell with AVX2 + FMA. OpenBLAS reads that variable only while it
+// loads, so call this first thing in main, before MPI, threads or files. An OPENBLAS_CORETYPE
+// already set (by the user, the machine or the restart) is respected; another BLAS is left alone.
+// Returns when no restart is needed, or when it failed (one line on stderr; the run goes on).
+void use_native_blas(char** argv);  // argv: main's, null-terminated
+
+// Which BLAS kernels run, for a run's header: "OpenBLAS 0.3.21 SkylakeX kernels (chosen for
+// this CPU; OpenBLAS alone took it for a Prescott)".
+std::string blas_description();
+
+// ====== Threads ======
 
 // Intra-op threads for LibTorch and, when it is the loaded BLAS, OpenBLAS (whose own pool would
 // otherwise use every core whatever LibTorch is told). threads must be >= 1.

@@ -4,6 +4,7 @@
 #include "options.h"
 
 #include "flexdemo/comm.h"
+#include "flexdemo/runtime.h"
 
 #include <ATen/ATen.h>
 #include <fmt/core.h>
@@ -100,6 +101,7 @@ RunLog::RunLog(const Session& s, int64_t start_step)
   resolved["model_description"] = s.lm->describe();
   resolved["num_params"] = s.lm->num_params();
   resolved["vocab_size"] = s.tokens.vocab_size;
+  resolved["blas"] = blas_description();
   if (s.tokens.pairs) {  // which corpus: gettext:LANG depends on the packages installed
     resolved["corpus"] = {{"train_pairs", s.tokens.train_pairs},
                           {"val_pairs", s.tokens.val_pairs},
@@ -120,6 +122,7 @@ RunLog::RunLog(const Session& s, int64_t start_step)
   fmt::print("flexdemo train: {}; {}; {} + {} replicator; global batch {} x {} tokens\n",
              s.topo.describe(), s.lm->describe(), name_of(cfg.optimizer), name_of(*cfg.replicator),
              cfg.batch, cfg.seq);
+  fmt::print("blas: {}\n", blas_description());
   std::fflush(stdout);
 }
 
