@@ -4,7 +4,8 @@
 # with FlexDeMo (sharded inside nodes, DeMo between them) and once with AdamW-HSDP (the same
 # sharding, a dense all-reduce between nodes); then `flexdemo report` compares them: final
 # validation loss, tokens/s, bytes between nodes per step, and plots in runs/demo/report.
-# STEPS=N overrides the 500 steps; extra arguments go to both `flexdemo train` runs.
+# 300 steps: on a fresh 2-core machine, apt, build and both runs take about 7 minutes (README).
+# STEPS=N overrides the 300 steps; extra arguments go to both `flexdemo train` runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
@@ -12,7 +13,7 @@ bash scripts/build.sh flexdemo_cli flexdemo_tokenize  # what the job runs; the t
 export OMP_NUM_THREADS=1
 root_flag=""
 if [ "$(id -u)" -eq 0 ]; then root_flag="--allow-run-as-root"; fi
-steps="${STEPS:-500}"
+steps="${STEPS:-300}"
 progress=lines
 if [ -t 1 ]; then progress=bar; fi
 train() {

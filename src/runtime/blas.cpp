@@ -58,7 +58,14 @@ void use_native_blas(char** argv) {
   // OpenBLAS reads OPENBLAS_CORETYPE only while it loads, before main: the process starts again.
   setenv(kChosen, core, 1);
   setenv("OPENBLAS_CORETYPE", kCoreOfLevel[cpu], 1);
-  execv("/proc/self/exe", argv);
+  // The binary's own path, not /proc/self/exe: the process's name (ps, /proc/PID/comm) comes
+  // from the path's last part.
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n > 0) {
+    self[n] = '\0';
+    execv(self, argv);
+  }
   std::fprintf(stderr, "flexdemo: could not restart with OPENBLAS_CORETYPE=%s (%s); going on "
                "with OpenBLAS's %s kernels\n", kCoreOfLevel[cpu], std::strerror(errno), core);
   unsetenv("OPENBLAS_CORETYPE");
