@@ -7,7 +7,7 @@ namespace flexdemo {
 
 // ====== BLAS ======
 // Where OpenBLAS runs a fallback kernel on a CPU it does not know (Debian's 0.3.21 takes a
-// Sapphire or Emerald Rapids Xeon for a Prescott: SSE3, 3x slower matmuls), restarts this
+// Sapphire or Emerald Rapids Xeon for a Prescott: SSE3, training 2-3x slower), restarts this
 // program (exec of its own binary, same argv) with OPENBLAS_CORETYPE naming the kernels the CPU
 // runs: SkylakeX with AVX-512, Haswell with AVX2 + FMA. OpenBLAS reads that variable only while it
 // loads, so call this first thing in main, before MPI, threads or files. An OPENBLAS_CORETYPE
