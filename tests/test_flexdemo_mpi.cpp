@@ -111,10 +111,10 @@ optim::OptimizerOptions demo_options() {
 }
 
 // Trains for `steps` on the global batches; returns the model. With micro_batches M, each rank
-// takes its rows in M equal parts, each loss scaled by 1 / M: a shard group of 1 then computes
-// the gradient of a group of M ranks bit for bit (the same matmuls on the same rows; a sum of two
-// terms is the same in either order; scaling by a power of two is exact, and the group's Avg
-// divides by 2 after its sum).
+// takes its rows in M equal parts, each loss scaled by 1 / M. For M = 2 a shard group of 1 then
+// computes the gradient of a group of 2 ranks bit for bit: the same matmuls on the same rows, a
+// sum of two terms is the same in either order, and scaling by 1/2 is exact (the group's Avg
+// divides by 2 after its sum). Other M need not sum in MPI's order.
 std::unique_ptr<ShardedMlp> train(const comm::Topology& topo, const optim::OptimizerOptions& o,
                                   int steps, optim::Optimizer** optimizer_out = nullptr,
                                   int micro_batches = 1) {

@@ -17,12 +17,20 @@ namespace flexdemo {
 
 namespace {
 
-constexpr const char* kChosen = "FLEXDEMO_BLAS_RESTARTED";  // set on the restart: what OpenBLAS took
+// Set for the restarted program only, to what OpenBLAS took before; read and cleared at its start.
+constexpr const char* kRestartedEnv = "FLEXDEMO_BLAS_RESTARTED";
 
-// The widest vector kernels a CPU (or an OpenBLAS core) runs: 0 older than AVX2 + FMA,
-// 1 AVX2 + FMA, 2 AVX-512 (F, CD, BW, DQ, VL: what OpenBLAS's SkylakeX kernels use).
+// In the restarted program, what OpenBLAS took before (e.g. "Prescott"); empty: no restart.
+std::string& openblas_took() {
+  static std::string took;
+  return took;
+}
+
+// The widest vector kernels of OpenBLAS this CPU runs: 0 older than AVX2 + FMA, 1 AVX2 + FMA
+// (Haswell's), 2 AVX-512 F, CD, BW, DQ and VL (SkylakeX's; the DeMo kernels' own test in
+// kernels.cpp asks for F and VL only). libgcc also checks that the OS saves the registers.
 int cpu_level() {
-  __builtin_cpu_init();  // libgcc also checks that the OS saves the AVX-512 registers
+  __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512cd") &&
       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
       __builtin_cpu_supports("avx512vl")) {
@@ -31,11 +39,14 @@ int cpu_level() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
 }
 
-int core_level(std::string core) {
+// Whether an OpenBLAS core is one of its kernels older than AVX2 (Prescott, Nehalem,
+// Sandybridge, ...): its fallback on a CPU it does not know.
+bool is_pre_avx2(std::string core) {
   for (char& c : core) c = char(std::tolower(static_cast<unsigned char>(c)));
-  if (core == "skylakex" || core == "cooperlake" || core == "sapphirerapids") return 2;
-  if (core == "haswell" || core == "zen") return 1;
-  return 0;  // Prescott, Nehalem, Sandybridge, ...: a fallback where the CPU has AVX2
+  for (const char* modern : {"haswell", "zen", "skylakex", "cooperlake", "sapphirerapids"}) {
+    if (core == modern) return false;
+  }
+  return true;
 }
 
 const char* const kCoreOfLevel[] = {nullptr, "Haswell", "SkylakeX"};
@@ -50,26 +61,40 @@ const char* openblas_call(const char* name) {
 }  // namespace
 
 void use_native_blas(char** argv) {
-  if (std::getenv("OPENBLAS_CORETYPE") != nullptr) return;  // the user's or the restart's choice
+  if (const char* took = std::getenv(kRestartedEnv)) {
+    // The restarted program: OpenBLAS has loaded with the chosen kernels. Children (flexdemo
+    // supervise's mpirun, srun's ranks on other machines) decide for their own CPU.
+    openblas_took() = took;
+    unsetenv(kRestartedEnv);
+    unsetenv("OPENBLAS_CORETYPE");
+    return;
+  }
+  if (std::getenv("OPENBLAS_CORETYPE") != nullptr) return;  // the user's or the machine's choice
   const char* core = openblas_call("openblas_get_corename");
-  if (core == nullptr) return;
+  const char* config = openblas_call("openblas_get_config");
+  // Only a DYNAMIC_ARCH build (Debian's) has other kernels to choose; only a fallback is replaced.
+  if (core == nullptr || config == nullptr || std::strstr(config, "DYNAMIC_ARCH") == nullptr ||
+      !is_pre_avx2(core)) {
+    return;
+  }
   const int cpu = cpu_level();
-  if (cpu <= core_level(core)) return;
-  // OpenBLAS reads OPENBLAS_CORETYPE only while it loads, before main: the process starts again.
-  setenv(kChosen, core, 1);
-  setenv("OPENBLAS_CORETYPE", kCoreOfLevel[cpu], 1);
-  // The binary's own path, not /proc/self/exe: the process's name (ps, /proc/PID/comm) comes
-  // from the path's last part.
+  if (cpu == 0) return;
+  // OpenBLAS reads OPENBLAS_CORETYPE only while it loads, before main: the process starts again,
+  // from the binary's own path (not /proc/self/exe: ps and /proc/PID/comm name the path's last
+  // part).
   char self[4096];
-  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-  if (n > 0) {
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self));
+  if (n > 0 && size_t(n) < sizeof(self)) {
     self[n] = '\0';
+    setenv(kRestartedEnv, core, 1);
+    setenv("OPENBLAS_CORETYPE", kCoreOfLevel[cpu], 1);
     execv(self, argv);
   }
   std::fprintf(stderr, "flexdemo: could not restart with OPENBLAS_CORETYPE=%s (%s); going on "
-               "with OpenBLAS's %s kernels\n", kCoreOfLevel[cpu], std::strerror(errno), core);
+               "with OpenBLAS's %s kernels\n", kCoreOfLevel[cpu],
+               n > 0 ? std::strerror(errno) : "no path of this program", core);
   unsetenv("OPENBLAS_CORETYPE");
-  unsetenv(kChosen);
+  unsetenv(kRestartedEnv);
 }
 
 std::string blas_description() {
@@ -80,10 +105,9 @@ std::string blas_description() {
   const size_t first = version.find(' ');  // keep "OpenBLAS 0.3.21"
   if (first != std::string::npos) version = version.substr(0, version.find(' ', first + 1));
   std::string line = version + " " + core + " kernels";
-  const char* chosen = std::getenv(kChosen);
   const char* forced = std::getenv("OPENBLAS_CORETYPE");
-  if (chosen != nullptr && forced != nullptr) {
-    line += std::string(" (chosen for this CPU; OpenBLAS alone took it for a ") + chosen + ")";
+  if (!openblas_took().empty()) {
+    line += " (chosen for this CPU; OpenBLAS alone took it for a " + openblas_took() + ")";
   } else if (forced != nullptr) {
     line += std::string(" (OPENBLAS_CORETYPE=") + forced + ")";
   }
