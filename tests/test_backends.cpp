@@ -3,6 +3,7 @@
 // payloads, residuals and updates must be equal bit for bit.
 #include "closed_form.h"
 #include "demo/backend.h"
+#include "optim/demo_exchange.h"
 
 #include "flexdemo/comm.h"
 #include "flexdemo/compress.h"
@@ -18,7 +19,7 @@ using namespace flexdemo;
 
 namespace {
 
-demo::Bucket bucket_of(const std::vector<dct::ChunkPlan>& plans, const optim::OptimizerOptions& o,
+demo::Bucket bucket_of(const std::vector<dct::ChunkPlan>& plans, const demo::BackendOptions& o,
                        demo::Backend& backend) {
   demo::Bucket b;
   for (size_t i = 0; i < plans.size(); ++i) {
@@ -36,7 +37,7 @@ TEST(Backends, HostStagedEqualsTheCpuBackendItWraps) {
   const std::vector<dct::ChunkPlan> plans = {
       dct::make_chunk_plan({128, 192}, 64, dct::ChunkMode::Divisor),
       dct::make_chunk_plan({1000}, 64, dct::ChunkMode::Padded)};
-  optim::OptimizerOptions o;
+  demo::BackendOptions o;
   o.topk = 8;
   o.values = compress::ValueEncoding::Bf16;
   std::vector<at::Tensor> direct_residuals, staged_residuals, grads, direct_params, staged_params;
@@ -95,15 +96,15 @@ TEST(Backends, OwnersReturnAsManyCoefficientsAsFitInAPayload) {
     return closed_form_payload_bytes({chunk}, o);
   };
   for (ValueEncoding values : {ValueEncoding::Bf16, ValueEncoding::Fp32, ValueEncoding::Fp8}) {
-    const int64_t k = demo::owner_topk_that_fits({wide}, 32, values, ValueEncoding::TwoBit);
+    const int64_t k = optim::owner_topk_that_fits({wide}, 32, values, ValueEncoding::TwoBit);
     EXPECT_LE(bytes(k, ValueEncoding::TwoBit), bytes(32, values)) << name_of(values);
     EXPECT_GT(bytes(k + 1, ValueEncoding::TwoBit), bytes(32, values)) << name_of(values);
   }
-  EXPECT_EQ(demo::owner_topk_that_fits({wide}, 32, ValueEncoding::Bf16, ValueEncoding::TwoBit),
+  EXPECT_EQ(optim::owner_topk_that_fits({wide}, 32, ValueEncoding::Bf16, ValueEncoding::TwoBit),
             104);
-  EXPECT_EQ(demo::owner_topk_that_fits({wide}, 32, ValueEncoding::TwoBit, ValueEncoding::TwoBit),
+  EXPECT_EQ(optim::owner_topk_that_fits({wide}, 32, ValueEncoding::TwoBit, ValueEncoding::TwoBit),
             32);
   const dct::ChunkPlan vector = dct::make_chunk_plan({64}, 64, dct::ChunkMode::Divisor);  // 64
-  EXPECT_EQ(demo::owner_topk_that_fits({vector}, 32, ValueEncoding::Bf16, ValueEncoding::TwoBit),
+  EXPECT_EQ(optim::owner_topk_that_fits({vector}, 32, ValueEncoding::Bf16, ValueEncoding::TwoBit),
             64);
 }

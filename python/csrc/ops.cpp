@@ -37,7 +37,9 @@ using TensorList = c10::List<std::optional<at::Tensor>>;
 // What every op is told about the tensors' layout, and what follows from it.
 struct Layout {
   std::vector<dct::ChunkPlan> plans;
-  optim::OptimizerOptions options;  // chunk, chunk_mode, topk, values, decay
+  int64_t chunk = 64;
+  dct::ChunkMode chunk_mode = dct::ChunkMode::Divisor;
+  demo::BackendOptions options;  // topk, values, decay
   std::vector<size_t> offsets;      // of each tensor's payload in the bucket
   size_t bytes = 0;                 // one replica's payloads
 };
@@ -56,8 +58,8 @@ Layout layout_of(const std::string& op, at::TensorList params, int64_t chunk,
   TORCH_CHECK_VALUE(chunk > 0, "flexdemo.", op, ": chunk ", chunk, "; it must be > 0");
   TORCH_CHECK_VALUE(topk > 0, "flexdemo.", op, ": topk ", topk, "; it must be > 0");
   Layout l;
-  l.options.chunk = chunk;
-  l.options.chunk_mode = parse_option<dct::ChunkMode>(op, chunk_mode);
+  l.chunk = chunk;
+  l.chunk_mode = parse_option<dct::ChunkMode>(op, chunk_mode);
   l.options.topk = topk;
   l.options.values = parse_option<compress::ValueEncoding>(op, values);
   for (size_t i = 0; i < params.size(); ++i) {
@@ -65,7 +67,7 @@ Layout layout_of(const std::string& op, at::TensorList params, int64_t chunk,
     TORCH_CHECK_VALUE(p.numel() > 0, "flexdemo.", op, ": tensor ", i, " has no elements");
     TORCH_CHECK_VALUE(p.device() == params[0].device(), "flexdemo.", op, ": tensor ", i, " on ",
                       p.device(), ", tensor 0 on ", params[0].device(), "; one device a bucket");
-    l.plans.push_back(dct::make_chunk_plan(p.sizes(), chunk, l.options.chunk_mode));
+    l.plans.push_back(dct::make_chunk_plan(p.sizes(), chunk, l.chunk_mode));
     l.offsets.push_back(l.bytes);
     l.bytes += compress::wire_payload_bytes(l.plans.back(), topk, l.options.values);
   }
@@ -89,7 +91,7 @@ std::shared_ptr<demo::Backend> backend_for(const Layout& l,
                                            at::Device device, at::Device bucket_device) {
   using Key = std::tuple<std::string, std::vector<int64_t>, std::vector<const void*>>;
   std::vector<int64_t> numbers = {l.options.topk, int64_t(l.options.values),
-                                  int64_t(l.options.chunk_mode), l.options.chunk};
+                                  int64_t(l.chunk_mode), l.chunk};
   for (const dct::ChunkPlan& p : l.plans) {
     numbers.insert(numbers.end(), {p.rows, p.cols, p.chunk_rows, p.chunk_cols});
   }

@@ -4,11 +4,13 @@
 // decode) and cpu (the fused per-chunk kernels of kernels.h, per instruction set), which share
 // host_backend.cpp's payload handling, and cuda (cuda_backend.cpp: kernels::GpuStep, one launch to
 // encode a bucket, one to decode and update it). The replicator (replicator.cpp) calls only
-// this; it never branches on the device.
+// this; it never branches on the device. A backend knows nothing of the optimizer above it: it
+// receives what its kernels need (BackendOptions), never the optimizer's options.
 #pragma once
 
+#include "flexdemo/compress.h"
+#include "flexdemo/dct.h"
 #include "flexdemo/kernels.h"
-#include "flexdemo/optim.h"
 
 #include <ATen/core/Tensor.h>
 
@@ -57,6 +59,16 @@ struct Updates {
   std::function<void(size_t tensor, const at::Tensor& direction)> apply;
 };
 
+// What the kernels need: the residual's decay, the transform, which CPU path, and the first
+// layout (the GPU's prepares its tables for it; a bucket carries its own top-k and values).
+struct BackendOptions {
+  double decay = 0.999;        // residual = decay * residual + lr * DCT(grad)
+  bool dct = true;             // the chunked DCT; false: the samples themselves (plain path only)
+  bool fast_path = true;       // CPU: the fused kernels; false: the plain reference
+  int64_t topk = 32;           // coefficients a chunk
+  compress::ValueEncoding values = compress::ValueEncoding::Fp32;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -83,45 +95,28 @@ class Backend {
 // plain otherwise (and for transform none). residuals: the replicator's, float32 block layout.
 // replica_device: where the replica group's collectives want their buffers.
 std::unique_ptr<Backend> make_backend(const std::vector<dct::ChunkPlan>& plans,
-                                      const optim::OptimizerOptions& options,
+                                      const BackendOptions& options,
                                       const std::vector<at::Tensor>& residuals, at::Device device,
                                       at::Device replica_device);
 
-// ====== A gathered bucket's payloads, shared by the replicators (replicator.cpp, owners.cpp)
-// ====== The replicas (of `replicas`, b's layout back to back in `gathered`) whose payloads all
-// pass the checks (screen.h), in rank order; every failure is appended to `faults` (tensor: the
-// replicator's index). Under PeerPolicy::Stop the first failure throws PeerFaultError.
-std::vector<int> passing_replicas(const Bucket& b, const at::Tensor& gathered, int replicas,
-                                  const std::vector<dct::ChunkPlan>& plans,
-                                  const optim::OptimizerOptions& options,
-                                  std::vector<optim::PeerFault>& faults);
-// backend.decode of the `kept` replicas' payloads alone (none kept: nothing is applied).
-void decode_passing(Backend& backend, const Bucket& b, const at::Tensor& gathered, int replicas,
-                    const std::vector<int>& kept, const Updates& updates);
-
-// The owners' exchange (owners.cpp): the most coefficients a chunk (at least topk) whose payload
-// at owner_values fits in the bytes of one at topk and values, for the plans' largest chunk.
-int64_t owner_topk_that_fits(const std::vector<dct::ChunkPlan>& plans, int64_t topk,
-                             compress::ValueEncoding values, compress::ValueEncoding owner_values);
-
 // The implementations (host_backend.cpp, cuda_backend.cpp).
 std::unique_ptr<Backend> make_plain_backend(const std::vector<dct::ChunkPlan>& plans,
-                                            const optim::OptimizerOptions& options,
+                                            const BackendOptions& options,
                                             const std::vector<at::Tensor>& residuals);
 std::unique_ptr<Backend> make_cpu_backend(const std::vector<dct::ChunkPlan>& plans,
-                                          const optim::OptimizerOptions& options,
+                                          const BackendOptions& options,
                                           const std::vector<at::Tensor>& residuals);
 // On a GPU: the CUDA kernels, after a check on this GPU (once per process) that they agree with
 // the CPU's portable kernels bit for bit; if they do not (or FLEXDEMO_GPU_FALLBACK=1), one
 // warning line and the host-staged backend instead.
 std::unique_ptr<Backend> make_cuda_backend(const std::vector<dct::ChunkPlan>& plans,
-                                           const optim::OptimizerOptions& options,
+                                           const BackendOptions& options,
                                            const std::vector<at::Tensor>& residuals,
                                            at::Device device, at::Device replica_device);
 // The CPU's backend (fast or plain path) for tensors on another device: gradients, residuals,
 // payloads and updated tensors cross to the host and back every step. Slow; the GPU's fallback.
 std::unique_ptr<Backend> make_host_staged_backend(const std::vector<dct::ChunkPlan>& plans,
-                                                  const optim::OptimizerOptions& options,
+                                                  const BackendOptions& options,
                                                   const std::vector<at::Tensor>& residuals,
                                                   at::Device replica_device);
 

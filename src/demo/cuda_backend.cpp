@@ -26,7 +26,7 @@ namespace {
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(const std::vector<dct::ChunkPlan>& plans, const optim::OptimizerOptions& options,
+  CudaBackend(const std::vector<dct::ChunkPlan>& plans, const BackendOptions& options,
               const std::vector<at::Tensor>& residuals, at::Device device,
               at::Device replica_device)
       : plans_(plans),
@@ -34,8 +34,7 @@ class CudaBackend final : public Backend {
         residuals_(residuals),
         device_(device),
         replica_device_(replica_device) {
-    if (options.overlap_step) throw std::invalid_argument("DeMo: overlap_step runs on CPUs only");
-    if (options.transform == optim::Transform::None) {
+    if (!options.dct) {
       throw std::invalid_argument("DeMo: transform none runs on CPUs only");
     }
     int64_t largest = 1;
@@ -114,7 +113,7 @@ class CudaBackend final : public Backend {
   }
 
   std::vector<dct::ChunkPlan> plans_;
-  optim::OptimizerOptions options_;
+  BackendOptions options_;
   std::vector<at::Tensor> residuals_;  // handles: the replicator's tensors
   at::Device device_, replica_device_;
   at::Tensor scratch_;  // float32 on the device, for accumulate's DCT
@@ -186,11 +185,11 @@ std::string kernels_disagree(at::Device device) {
 class HostStagedBackend final : public Backend {
  public:
   HostStagedBackend(const std::vector<dct::ChunkPlan>& plans,
-                    const optim::OptimizerOptions& options,
+                    const BackendOptions& options,
                     const std::vector<at::Tensor>& residuals, at::Device replica_device)
       : residuals_(residuals), replica_device_(replica_device) {
     for (const at::Tensor& r : residuals) host_residuals_.push_back(r.to(at::kCPU).clone());
-    inner_ = options.fast_path ? make_cpu_backend(plans, options, host_residuals_)
+    inner_ = options.fast_path && options.dct ? make_cpu_backend(plans, options, host_residuals_)
                                : make_plain_backend(plans, options, host_residuals_);
   }
 
@@ -260,14 +259,14 @@ class HostStagedBackend final : public Backend {
 }  // namespace
 
 std::unique_ptr<Backend> make_host_staged_backend(const std::vector<dct::ChunkPlan>& plans,
-                                                  const optim::OptimizerOptions& options,
+                                                  const BackendOptions& options,
                                                   const std::vector<at::Tensor>& residuals,
                                                   at::Device replica_device) {
   return std::make_unique<HostStagedBackend>(plans, options, residuals, replica_device);
 }
 
 std::unique_ptr<Backend> make_cuda_backend(const std::vector<dct::ChunkPlan>& plans,
-                                           const optim::OptimizerOptions& options,
+                                           const BackendOptions& options,
                                            const std::vector<at::Tensor>& residuals,
                                            at::Device device, at::Device replica_device) {
   static std::mutex mutex;

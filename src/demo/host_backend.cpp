@@ -20,7 +20,7 @@ namespace {
 // What the two share: the buffers, the residuals, the payloads' encoding and validation.
 class HostBackend : public Backend {
  public:
-  HostBackend(const std::vector<dct::ChunkPlan>& plans, const optim::OptimizerOptions& options,
+  HostBackend(const std::vector<dct::ChunkPlan>& plans, const BackendOptions& options,
               const std::vector<at::Tensor>& residuals)
       : plans_(plans), options_(options), residuals_(residuals) {
     int64_t largest = 1;
@@ -66,7 +66,7 @@ class HostBackend : public Backend {
                           const std::optional<Update>& update) = 0;
 
   std::vector<dct::ChunkPlan> plans_;
-  optim::OptimizerOptions options_;
+  BackendOptions options_;
   std::vector<at::Tensor> residuals_;  // handles: the replicator's tensors
   at::Tensor scratch_, samples_;       // float32, as large as the largest padded tensor
 };
@@ -74,7 +74,7 @@ class HostBackend : public Backend {
 // ====== plain ======
 class PlainBackend final : public HostBackend {
  public:
-  PlainBackend(const std::vector<dct::ChunkPlan>& plans, const optim::OptimizerOptions& options,
+  PlainBackend(const std::vector<dct::ChunkPlan>& plans, const BackendOptions& options,
                const std::vector<at::Tensor>& residuals)
       : HostBackend(plans, options, residuals), decoded_(at::empty_like(samples_)) {}
 
@@ -85,7 +85,7 @@ class PlainBackend final : public HostBackend {
     at::Tensor& residual = residuals_[i];
     if (!grad.defined()) {
       residual.mul_(options_.decay);
-    } else if (options_.transform == optim::Transform::None) {
+    } else if (!options_.dct) {
       residual.mul_(options_.decay);
       residual.narrow(0, 0, plan.rows)
           .narrow(1, 0, plan.cols)
@@ -110,7 +110,7 @@ class PlainBackend final : public HostBackend {
     const dct::ChunkPlan& plan = plans_[i];
     const at::Tensor decoded = decoded_.narrow(0, 0, plan.padded_numel());
     compress::decode_mean(payloads, size, plan, b.topk, b.values, decoded);
-    if (options_.transform == optim::Transform::None) {
+    if (!options_.dct) {
       samples.copy_(decoded);
     } else {
       dct::chunked_idct_into(decoded, plan, samples, &scratch_);
@@ -195,15 +195,24 @@ class CpuBackend final : public HostBackend {
 }  // namespace
 
 std::unique_ptr<Backend> make_plain_backend(const std::vector<dct::ChunkPlan>& plans,
-                                            const optim::OptimizerOptions& options,
+                                            const BackendOptions& options,
                                             const std::vector<at::Tensor>& residuals) {
   return std::make_unique<PlainBackend>(plans, options, residuals);
 }
 
 std::unique_ptr<Backend> make_cpu_backend(const std::vector<dct::ChunkPlan>& plans,
-                                          const optim::OptimizerOptions& options,
+                                          const BackendOptions& options,
                                           const std::vector<at::Tensor>& residuals) {
   return std::make_unique<CpuBackend>(plans, options, residuals);
+}
+
+std::unique_ptr<Backend> make_backend(const std::vector<dct::ChunkPlan>& plans,
+                                      const BackendOptions& options,
+                                      const std::vector<at::Tensor>& residuals, at::Device device,
+                                      at::Device replica_device) {
+  if (device.is_cuda()) return make_cuda_backend(plans, options, residuals, device, replica_device);
+  if (options.fast_path && options.dct) return make_cpu_backend(plans, options, residuals);
+  return make_plain_backend(plans, options, residuals);
 }
 
 }  // namespace flexdemo::demo

@@ -15,10 +15,9 @@
 //      checkpoints, elastic resume and a change between the two exchanges work as they do for
 //      the all-gather).
 // The collectives are blocking; the payloads' bytes are the wire format's (compress.h).
-#include "backend.h"
-
-#include "optim/replicator.h"
-#include "optim/step_rule.h"
+#include "demo_exchange.h"
+#include "replicator.h"
+#include "step_rule.h"
 
 #include "flexdemo/comm.h"
 
@@ -27,11 +26,14 @@
 #include <algorithm>
 #include <utility>
 
-namespace flexdemo::demo {
+namespace flexdemo::optim {
 namespace {
 
-using optim::NamedTensors;
-using optim::StepRule;
+using demo::Backend;
+using demo::Bucket;
+using demo::make_backend;
+using demo::Update;
+using demo::Updates;
 
 // Some of a tensor's chunk rows, exchanged as a tensor of their own.
 struct Piece {
@@ -221,7 +223,7 @@ class OwnerReplicator final : public optim::Replicator {
           residuals_[p.tensor].narrow(0, p.row0, p.plan.padded_rows));  // whole rows: contiguous
     }
     const at::Device replica_device = group_ ? group_->device() : at::Device(at::kCPU);
-    backend_ = make_backend(piece_plans_, options_, piece_residuals_, device_, replica_device);
+    backend_ = make_backend(piece_plans_, backend_options(options_), piece_residuals_, device_, replica_device);
     // The shares: owner r's pieces are a run of pieces_ (the runs are in owner order).
     shares_.clear();
     shares_.resize(size_t(R));
@@ -285,7 +287,7 @@ class OwnerReplicator final : public optim::Replicator {
       owner_grads_.push_back(at::zeros({plan.rows, plan.cols}, floats));
       owner_scratch_.push_back(at::zeros({plan.padded_rows, plan.padded_cols}, floats));
     }
-    optim::OptimizerOptions owner_options = options_;
+    demo::BackendOptions owner_options = backend_options(options_);
     owner_options.decay = 0.0;
     owned_ = Bucket{};
     owned_.topk = owner_topk_;
@@ -413,15 +415,12 @@ class OwnerReplicator final : public optim::Replicator {
 };
 
 }  // namespace
-}  // namespace flexdemo::demo
-
-namespace flexdemo::optim {
 
 std::unique_ptr<Replicator> make_owner_replicator(const std::vector<dct::ChunkPlan>& plans,
                                                   const OptimizerOptions& options,
                                                   std::shared_ptr<comm::Communicator> group,
                                                   at::Device device) {
-  return std::make_unique<demo::OwnerReplicator>(plans, options, std::move(group), device);
+  return std::make_unique<OwnerReplicator>(plans, options, std::move(group), device);
 }
 
 }  // namespace flexdemo::optim

@@ -7,11 +7,11 @@
 // may change between steps (set_layout); an exchange in flight completes as it was sent. Every
 // replica's payloads are checked before they are decoded (screen): a peer whose payload is
 // corrupt, non-finite or out of scale stops the run or is left out of the mean (PeerPolicy).
-#include "backend.h"
-#include "screen.h"
+#include "demo_exchange.h"
+#include "replicator.h"
+#include "step_rule.h"
 
-#include "optim/replicator.h"
-#include "optim/step_rule.h"
+#include "demo/screen.h"
 
 #include "flexdemo/comm.h"
 
@@ -23,11 +23,14 @@
 #include <stdexcept>
 #include <utility>
 
-namespace flexdemo::demo {
+namespace flexdemo::optim {
 namespace {
 
-using optim::NamedTensors;
-using optim::StepRule;
+using demo::Backend;
+using demo::Bucket;
+using demo::make_backend;
+using demo::Update;
+using demo::Updates;
 
 class DemoReplicator final : public optim::Replicator {
  public:
@@ -39,7 +42,10 @@ class DemoReplicator final : public optim::Replicator {
       residuals_.push_back(
           at::zeros({plan.padded_rows, plan.padded_cols}, at::dtype(at::kFloat).device(device)));
     }
-    backend_ = make_backend(plans_, options_, residuals_, device,
+    if (options_.overlap_step && device.is_cuda()) {
+      throw std::invalid_argument("DeMo: overlap_step runs on CPUs only");
+    }
+    backend_ = make_backend(plans_, backend_options(options_), residuals_, device,
                             group_ ? group_->device() : at::Device(at::kCPU));
     one_bucket_ = !backend_->partial_buckets() || options_.overlap_step;
     use_layout();
@@ -282,6 +288,16 @@ class DemoReplicator final : public optim::Replicator {
 
 }  // namespace
 
+demo::BackendOptions backend_options(const OptimizerOptions& options) {
+  demo::BackendOptions b;
+  b.decay = options.decay;
+  b.dct = options.transform == Transform::Dct;
+  b.fast_path = options.fast_path;
+  b.topk = options.topk;
+  b.values = options.values;
+  return b;
+}
+
 std::vector<int> passing_replicas(const Bucket& b, const at::Tensor& gathered, int replicas,
                                   const std::vector<dct::ChunkPlan>& plans,
                                   const optim::OptimizerOptions& options,
@@ -290,7 +306,7 @@ std::vector<int> passing_replicas(const Bucket& b, const at::Tensor& gathered, i
   std::vector<dct::ChunkPlan> bucket_plans;
   for (size_t i : b.tensors) bucket_plans.push_back(plans[i]);
   std::vector<optim::PeerFault> found =
-      screen_payloads(host.data_ptr<uint8_t>(), replicas, b.bytes, bucket_plans, b.offsets, b.topk,
+      demo::screen_payloads(host.data_ptr<uint8_t>(), replicas, b.bytes, bucket_plans, b.offsets, b.topk,
                       b.values, options.peer_scale_bound);
   for (optim::PeerFault& f : found) f.tensor = b.tensors[f.tensor];
   if (!found.empty() && options.peer_policy == optim::PeerPolicy::Stop) {
@@ -320,19 +336,6 @@ void decode_passing(Backend& backend, const Bucket& b, const at::Tensor& gathere
   }  // no replica passed: nothing to apply
 }
 
-std::unique_ptr<Backend> make_backend(const std::vector<dct::ChunkPlan>& plans,
-                                      const optim::OptimizerOptions& options,
-                                      const std::vector<at::Tensor>& residuals, at::Device device,
-                                      at::Device replica_device) {
-  if (device.is_cuda()) return make_cuda_backend(plans, options, residuals, device, replica_device);
-  if (options.fast_path) return make_cpu_backend(plans, options, residuals);
-  return make_plain_backend(plans, options, residuals);
-}
-
-}  // namespace flexdemo::demo
-
-namespace flexdemo::optim {
-
 std::unique_ptr<Replicator> make_demo_replicator(const std::vector<dct::ChunkPlan>& plans,
                                                  const OptimizerOptions& options,
                                                  std::shared_ptr<comm::Communicator> group,
@@ -340,7 +343,7 @@ std::unique_ptr<Replicator> make_demo_replicator(const std::vector<dct::ChunkPla
   if (options.demo_exchange == DemoExchange::Owners) {
     return make_owner_replicator(plans, options, std::move(group), device);
   }
-  return std::make_unique<demo::DemoReplicator>(plans, options, std::move(group), device);
+  return std::make_unique<DemoReplicator>(plans, options, std::move(group), device);
 }
 
 }  // namespace flexdemo::optim
