@@ -90,7 +90,7 @@ TEST(Backends, OwnersReturnAsManyCoefficientsAsFitInAPayload) {
   const dct::ChunkPlan chunk = dct::make_chunk_plan({64, 64}, 64, dct::ChunkMode::Divisor);
   const dct::ChunkPlan wide = dct::make_chunk_plan({128, 256}, 64, dct::ChunkMode::Divisor);
   auto bytes = [&](int64_t k, ValueEncoding values) {
-    optim::OptimizerOptions o;
+    optim::OptimizerOptions o = optim::preset(optim::Preset::DeMo);
     o.topk = k;
     o.values = values;
     return closed_form_payload_bytes({chunk}, o);

@@ -18,7 +18,7 @@ namespace {
 // One parameter's naive DeMo state, on the padded grid of its chunk plan.
 struct NaiveDemo {
   dct::ChunkPlan plan;
-  optim::OptimizerOptions o;
+  optim::OptimizerOptions o = optim::preset(optim::Preset::DeMo);
   at::Tensor p;      // float64 [rows, cols]
   at::Tensor delta;  // float64 [padded_rows, padded_cols]
   at::Tensor bh, bw;
@@ -123,7 +123,7 @@ const Case kCases[] = {
 };
 
 optim::OptimizerOptions test_options(dct::ChunkMode mode, bool sign, bool normalize = false) {
-  optim::OptimizerOptions o;
+  optim::OptimizerOptions o = optim::preset(optim::Preset::DeMo);
   o.lr = 0.01;
   o.decay = 0.9;
   o.topk = 5;
@@ -317,25 +317,25 @@ TEST(Demo, RejectsInvalidOptions) {
       EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
     }
   };
-  optim::OptimizerOptions o;
+  optim::OptimizerOptions o = optim::preset(optim::Preset::DeMo);
   o.topk = 0;
   expect_error(o, "topk");
-  o = {};
+  o = optim::preset(optim::Preset::DeMo);
   o.chunk = -1;
   expect_error(o, "chunk");
-  o = {};
+  o = optim::preset(optim::Preset::DeMo);
   o.decay = 1.0;
   expect_error(o, "decay");
-  o = {};
+  o = optim::preset(optim::Preset::DeMo);
   o.decay = -0.1;
   expect_error(o, "decay");
-  o = {};
+  o = optim::preset(optim::Preset::DeMo);
   o.lr = 0.0;
   expect_error(o, "lr");
-  o = {};
+  o = optim::preset(optim::Preset::DeMo);
   o.weight_decay = -1.0;
   expect_error(o, "weight_decay");
-  o = {};
+  o = optim::preset(optim::Preset::DeMo);
   o.normalize = true;  // with sign on
   expect_error(o, "normalize");
 }

@@ -42,7 +42,7 @@ std::vector<dct::ChunkPlan> plans_of(const optim::OptimizerOptions& o) {
 
 // Sign-SGD, lr 0.01, top-k 8 of 16 x 16 chunks, bf16 values.
 optim::OptimizerOptions bf16_options() {
-  optim::OptimizerOptions o;
+  optim::OptimizerOptions o = optim::preset(optim::Preset::DeMo);
   o.lr = 0.01;
   o.topk = 8;
   o.chunk = 16;
@@ -79,7 +79,7 @@ optim::ExchangeTraffic train_and_expect_identical(comm::Communicator& world,
 TEST(DemoMpi, ReplicasStayBitIdenticalAndBytesMatchClosedForm) {
   auto world = test_world();
   for (auto values : values_of<compress::ValueEncoding>()) {
-    optim::OptimizerOptions o;
+    optim::OptimizerOptions o = optim::preset(optim::Preset::DeMo);
     o.lr = 0.01;
     o.topk = 8;
     o.chunk = 16;
@@ -101,7 +101,7 @@ TEST(DemoMpi, UpdateEqualsSingleProcessReplayOfAllReplicas) {
   // together by hand: the multi-rank update must be the replay's, bit for bit.
   auto world = test_world();
   const int P = world->size();
-  optim::OptimizerOptions o;
+  optim::OptimizerOptions o = optim::preset(optim::Preset::DeMo);
   o.lr = 0.05;
   o.topk = 4;
   o.chunk = 8;
@@ -178,7 +178,7 @@ TEST(DemoMpi, ExchangeStartedInBucketsEqualsOneBucket) {
   for (auto inner : {optim::InnerKind::Sgd, optim::InnerKind::AdamW}) {
     for (int64_t every : {1, 2}) {
       for (bool replicated : {true, false}) {
-        optim::OptimizerOptions o;
+        optim::OptimizerOptions o = optim::preset(optim::Preset::DeMo);
         o.lr = 0.01;
         o.topk = 8;
         o.chunk = 16;
@@ -212,7 +212,7 @@ TEST(DemoMpi, ExchangeStartedInBucketsEqualsOneBucket) {
       }
     }
   }
-  optim::Optimizer demo(make_params(), optim::OptimizerOptions{}, nullptr);
+  optim::Optimizer demo(make_params(), optim::preset(optim::Preset::DeMo), nullptr);
   EXPECT_THROW(demo.start_exchange({5}), std::out_of_range);
   demo.start_exchange({0});
   EXPECT_THROW(demo.start_exchange({0}), std::logic_error);  // already started
@@ -270,7 +270,7 @@ TEST(DemoMpi, InnerStepsEqualFloat64OuterLoop) {
                                   {optim::ReplicatorKind::Demo, false},
                                   {optim::ReplicatorKind::Full, true},
                                   {optim::ReplicatorKind::Demo, true}}) {
-    optim::OptimizerOptions o;
+    optim::OptimizerOptions o = optim::preset(optim::Preset::DeMo);
     o.lr = 0.01;
     o.sign = !outer_sign;
     o.inner_steps = 3;
@@ -352,7 +352,7 @@ TEST(DemoMpi, InnerStepsResumeExactlyFromTheirState) {
   // that never stopped, bit for bit, for local sign-SGD and local AdamW.
   auto world = test_world();
   for (auto inner : {optim::InnerKind::Sgd, optim::InnerKind::AdamW}) {
-    optim::OptimizerOptions o;
+    optim::OptimizerOptions o = optim::preset(optim::Preset::DeMo);
     o.lr = 0.01;
     o.inner = inner;
     o.sign = inner == optim::InnerKind::Sgd;
@@ -372,7 +372,7 @@ TEST(DemoMpi, PreconditionedNormalizedStepResumesExactlyAndKeepsReplicasEqual) {
   // stopped after step 5 and continued from the state it named (grad_sq.i among it) equals the
   // run that never stopped, bit for bit, and the replicas' parameters stay bit-identical.
   auto world = test_world();
-  optim::OptimizerOptions o;
+  optim::OptimizerOptions o = optim::preset(optim::Preset::DeMo);
   o.lr = 0.01;
   o.sign = false;
   o.normalize = true;
@@ -403,7 +403,7 @@ TEST(DemoMpi, ScheduleChangesEqualFreshOptimizersWithTheirOptions) {
                                          {4, {4, compress::ValueEncoding::TwoBit, 2}},
                                          {3, {12, compress::ValueEncoding::Fp32, 1}}};
   for (auto inner : {optim::InnerKind::Sgd, optim::InnerKind::AdamW}) {
-    optim::OptimizerOptions o;
+    optim::OptimizerOptions o = optim::preset(optim::Preset::DeMo);
     o.lr = 0.01;
     o.inner = inner;
     o.sign = inner == optim::InnerKind::Sgd;
@@ -533,7 +533,7 @@ TEST(DemoMpi, TransformNoneSelectsTheResidualsOwnEntries) {
   // carries the first's residual, less what it sent) against a float64 replay of every replica.
   auto world = test_world();
   const int P = world->size();
-  optim::OptimizerOptions o;
+  optim::OptimizerOptions o = optim::preset(optim::Preset::DeMo);
   o.lr = 0.05;
   o.topk = 5;
   o.chunk = 8;
@@ -705,7 +705,7 @@ optim::OptimizerOptions owners_options(compress::ValueEncoding values) {
 // Divisor chunks only (no padding).
 struct NaiveOwners {
   std::vector<dct::ChunkPlan> plans;
-  optim::OptimizerOptions o;
+  optim::OptimizerOptions o = optim::preset(optim::Preset::DeMo);
   int R;
   std::vector<std::vector<at::Tensor>> residual;  // [replica][tensor] float64 coefficients
   std::vector<std::vector<int>> owner;            // [tensor][chunk row]

@@ -102,7 +102,7 @@ comm::Topology two_nodes_of_one() {
 }
 
 optim::OptimizerOptions demo_options() {
-  optim::OptimizerOptions o;
+  optim::OptimizerOptions o = optim::preset(optim::Preset::DeMo);
   o.lr = 0.01;
   o.decay = 0.9;
   o.topk = 4;

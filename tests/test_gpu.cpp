@@ -46,7 +46,7 @@ TEST(GpuKernels, OptimizerStepsEqualTheCpusPortablePath) {
   for (auto [inner, sign] : {std::pair{optim::InnerKind::Sgd, true},
                              {optim::InnerKind::AdamW, true},
                              {optim::InnerKind::AdamW, false}}) {
-    optim::OptimizerOptions options;
+    optim::OptimizerOptions options = optim::preset(optim::Preset::DeMo);
     options.topk = 5, options.chunk = 32, options.inner = inner, options.sign = sign;
     options.weight_decay = 0.1, options.values = ValueEncoding::Bf16;
     at::manual_seed(3);

@@ -40,7 +40,7 @@ model::GptConfig tiny() {
 std::pair<double, double> overfit(model::LanguageModel& lm,
                                   const std::function<at::Tensor()>& loss_fn) {
   const std::vector<optim::OptimParam> params = shard::optim_params(lm.units());
-  optim::OptimizerOptions o;
+  optim::OptimizerOptions o = optim::preset(optim::Preset::DeMo);
   o.replicator = optim::ReplicatorKind::Full;
   o.inner = optim::InnerKind::AdamW;
   o.sign = false;

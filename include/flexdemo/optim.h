@@ -63,80 +63,125 @@ enum class InnerKind {
 // the mean, on every replica alike (each decides from the same gathered bytes).
 enum class PeerPolicy { Stop, Drop };
 
+// ====== The optimizer's options: declared once ======
+// X(name, type, default, help): the field of OptimizerOptions, its default (the default step,
+// FlexDeMo's: see presets below), and its help, which the command's --help, config.json, the
+// Python keywords and the tables in docs/options.md, docs/library.md and docs/python.md all
+// take from here (tools/options_doc). The ranges and the rules between options are validate()'s.
+// Chunk geometry (chunk, chunk_mode) applies to whole parameters (the constructor taking
+// tensors); OptimParams (e.g. shards) bring their own plans.
+#define FLEXDEMO_OPTIMIZER_OPTIONS(X)                                                             \
+  /* ====== The step rule ====== */                                                             \
+  X(inner, InnerKind, InnerKind::Sgd,                                                           \
+    "the rule that applies the replicas' direction: sgd (by the direction, bounded, or its "    \
+    "sign), adamw (AdamW fed with the direction or its sign), nesterov (CPUs only)")            \
+  X(lr, double, 1e-3, "learning rate (> 0); with fold_lr also the scale a gradient enters the " \
+    "residual with")                                                                            \
+  X(weight_decay, double, 0.0, "decoupled weight decay (>= 0, lr x weight_decay < 1)")          \
+  X(sign, bool, false, "step by the sign of the direction (DeMo's sign-SGD) instead of itself") \
+  X(normalize, bool, false, "sign off: each chunk of the direction scaled to unit RMS")         \
+  X(update_rms, double, 0.0,                                                                    \
+    "sign off, > 0: each tensor's update (this rank's share) scaled to this RMS (0: off)")      \
+  X(step_bound, double, 0.0,                                                                    \
+    "sign off, > 0: each element of the update clamped to [-step_bound, step_bound] (0: off)")  \
+  X(rms_cap, double, 1.0,                                                                       \
+    "sign off and inner sgd, > 0: each tensor's update whose RMS is above it scaled down to "  \
+    "it, as Adafactor clips its update (0: off)")                                               \
+  X(beta1, double, 0.9, "AdamW's first-moment decay, in [0, 1)")                                \
+  X(beta2, double, 0.999,                                                                       \
+    "AdamW's second-moment decay and the preconditioner's, in [0, 1)")                          \
+  X(eps, double, 1e-8, "AdamW's and the preconditioner's epsilon (> 0)")                        \
+  X(momentum, double, 0.9, "nesterov: the momentum, in [0, 1)")                                 \
+  /* ====== DeMo's compression ====== */                                                        \
+  X(decay, double, 0.999, "residual decay per step, in [0, 1)")                                 \
+  X(fold_lr, bool, false,                                                                       \
+    "residual += lr x gradient (the reference DeMo's); off: += gradient, so a decaying "        \
+    "schedule does not weight old gradients above new ones")                                    \
+  X(precondition, bool, true,                                                                   \
+    "divide each gradient by the root of its running mean square (AdamW's denominator: beta2, " \
+    "eps, this replica's own) before it enters the residual; with inner_steps 1 only")          \
+  X(topk, int64_t, 112, "coefficients kept per chunk (> 0; clamped to the chunk)")              \
+  X(transform, Transform, Transform::Dct,                                                       \
+    "dct (DeMo's chunked DCT-II) or none (the residual's own entries; CPUs only)")              \
+  X(chunk, int64_t, 64, "target chunk edge of whole parameters (> 0)")                          \
+  X(chunk_mode, dct::ChunkMode, dct::ChunkMode::Divisor,                                        \
+    "divisor (per dimension the largest divisor <= chunk, the reference's) or padded")         \
+  X(values, compress::ValueEncoding, compress::ValueEncoding::Fp8,                              \
+    "wire encoding of the kept values: fp32, bf16, int8, fp8, 2bit, 1bit")                      \
+  X(fast_path, bool, true,                                                                      \
+    "the fused kernels; off: the plain whole-tensor transforms (the reference they are tested " \
+    "against)")                                                                                 \
+  /* ====== The exchange ====== */                                                              \
+  X(replicator, ReplicatorKind, ReplicatorKind::Demo,                                           \
+    "how replicas exchange: demo (compressed), full (dense all-reduce: HSDP), none, random")    \
+  X(demo_exchange, DemoExchange, DemoExchange::AllGather,                                       \
+    "all-gather (every replica's payload to every replica) or owners (bytes a node stay about " \
+    "two payloads whatever the number of replicas)")                                            \
+  X(owner_topk, int64_t, 0,                                                                     \
+    "owners: coefficients an owner returns a chunk (0: as many as fit in a payload's bytes at " \
+    "owner_values)")                                                                            \
+  X(owner_values, compress::ValueEncoding, compress::ValueEncoding::TwoBit,                     \
+    "owners: the encoding of what an owner returns")                                            \
+  X(replicate_every, int64_t, 1,                                                                \
+    "exchange and update every N steps (>= 1); the steps between fold their gradients in")      \
+  X(overlap_step, bool, false,                                                                  \
+    "demo: the exchange runs through the next step and is applied there (one step stale; "      \
+    "CPUs only)")                                                                               \
+  X(random_fraction, double, 1.0 / 32, "random: the fraction of rows exchanged, in (0, 1]")     \
+  X(seed, uint64_t, 0, "random: the selection seed, the same on every replica")                 \
+  /* ====== Checks of the peers' payloads (demo) ====== */                                      \
+  X(peer_policy, PeerPolicy, PeerPolicy::Drop,                                                  \
+    "a peer whose payloads fail the checks: drop (left out of the mean on every replica "       \
+    "alike) or stop")                                                                           \
+  X(peer_scale_bound, double, 100.0,                                                            \
+    "out of scale: a tensor's values' norm above this many times the replicas' lower median "   \
+    "(> 1; 0: no scale check)")                                                                 \
+  /* ====== Many local steps (DiLoCo's outer loop) ====== */                                    \
+  X(inner_steps, int64_t, 1,                                                                    \
+    "> 1: local steps on this replica's own gradient, and every inner_steps steps an outer "    \
+    "step on the replicas' mean change through the replicator")                                 \
+  X(outer_lr, double, 1.0, "inner_steps > 1: the outer step's rate (> 0)")                      \
+  X(outer_momentum, double, 0.0, "inner_steps > 1: the outer step's Nesterov momentum, [0, 1)") \
+  X(outer_sign, bool, false, "inner_steps > 1: the outer step by the sign of the mean")
+
 struct OptimizerOptions {
-  // ====== Inner optimizer ======
-  double lr = 1e-3;           // learning rate (> 0); DeMo also folds it into the residual
-  double weight_decay = 0.0;  // decoupled, >= 0 and lr * weight_decay < 1
-  bool sign = true;           // apply sign(direction) instead of the direction
-  bool normalize = false;     // sign off: each chunk of the direction scaled to unit RMS (the
-                              // size of sign's step, the direction's shape within the chunk)
-  double update_rms = 0.0;    // sign off, > 0: each tensor's update (this rank's share of it)
-                              // scaled to this RMS before the rate (0: off)
-  double step_bound = 0.0;    // sign off, > 0: each element of the update clamped to
-                              // [-step_bound, step_bound] before the rate (0: off)
-  double rms_cap = 0.0;       // sign off, > 0: each tensor's update (this rank's share) whose
-                              // RMS is above rms_cap scaled down to it before the rate
-                              // (Adafactor's update clipping; 0: off)
-  InnerKind inner = InnerKind::Sgd;
-  double beta1 = 0.9;     // AdamW, in [0, 1)
-  double beta2 = 0.999;   // AdamW, in [0, 1)
-  double eps = 1e-8;      // AdamW, > 0
-  double momentum = 0.9;  // Nesterov, in [0, 1)
-  // ====== DeMo compression ======
-  double decay = 0.999;       // residual decay, in [0, 1)
-  bool fold_lr = true;        // residual += lr * gradient (the reference's); false: += gradient, so
-                              // a decaying schedule does not weight old gradients above new ones
-  bool precondition = false;  // each gradient divided by the root of its running mean square
-                              // (AdamW's: beta2, bias-corrected, eps) before it enters the
-                              // replicator; the mean square is this replica's own (inner_steps 1)
-  int64_t topk = 32;          // coefficients kept per chunk (> 0; clamped to the chunk)
-  Transform transform = Transform::Dct;
-  // The chunk geometry of whole parameters (the constructor taking tensors); given OptimParams
-  // (e.g. shards) bring their own plans and these two are not used.
-  int64_t chunk = 64;  // target chunk edge (> 0)
-  dct::ChunkMode chunk_mode = dct::ChunkMode::Divisor;
-  compress::ValueEncoding values = compress::ValueEncoding::Fp32;  // wire value encoding
-  bool fast_path = true;  // sparse-aware decode; false: the plain whole-tensor transforms (the
-                          // reference the fast path is tested against)
-  // ====== Exchange ======
-  ReplicatorKind replicator = ReplicatorKind::Demo;
-  DemoExchange demo_exchange = DemoExchange::AllGather;  // Demo: the collectives
-  // Owners: what an owner returns a chunk. owner_topk 0: as many coefficients as fit, at
-  // owner_values, in the bytes of a replica's payload (top-k 32 at bf16: 104 at 2-bit values).
-  int64_t owner_topk = 0;  // >= 0
-  compress::ValueEncoding owner_values = compress::ValueEncoding::TwoBit;
-  int64_t replicate_every = 1;        // exchange and update every N steps (>= 1); the steps in
-                                      // between only fold their gradients into the state
-  bool overlap_step = false;          // Demo: the exchange runs non-blocking through the next
-                                      // step and its update is applied there (one step stale);
-                                      // with sign-SGD the replica's own part of it is applied
-                                      // at once as a preview, replaced when the update arrives
-  double random_fraction = 1.0 / 32;  // Random: fraction of rows exchanged, in (0, 1]
-  uint64_t seed = 0;                  // Random: selection seed, the same on every replica
-  // ====== Checks of the peers' payloads (Demo) ======
-  PeerPolicy peer_policy = PeerPolicy::Drop;
-  // A tensor's payload whose values' norm exceeds this many times the lower median of the
-  // replicas' norms for that tensor is out of scale (> 1; 0: no scale check). With two
-  // replicas the lower median is the smaller norm. Healthy replicas' ratios reached 17.6 on a
-  // LayerNorm vector early in training (docs/reliability.md), so the default leaves room.
-  double peer_scale_bound = 100.0;
-  // ====== Many local steps (DiLoCo's outer loop) ======
-  // inner_steps > 1: every step is a local step of the inner optimizer on this replica's own
-  // gradient (nothing crosses the replica group); every inner_steps steps, the parameters'
-  // change since the last exchange (the pseudo-gradient, last minus now) goes through the
-  // replicator as a gradient would (with lr 1: DeMo's residual, transform, top-k and encoding),
-  // and the outer optimizer applies the replicas' mean to the parameters of the last exchange,
-  // identically on every replica; every replica then continues from them.
-  int64_t inner_steps = 1;  // >= 1; > 1 excludes replicate_every > 1 and overlap_step
-  // The defaults average the replicas' parameters (lr 1, momentum 0); DiLoCo's 0.7 and 0.9
-  // trained worse at H = 10 on gpt-micro (docs/results/fewer-bits.md).
-  double outer_lr = 1.0;        // > 0
-  double outer_momentum = 0.0;  // Nesterov's, in [0, 1) (0: plain SGD)
-  bool outer_sign = false;      // step by sign(mean) instead of the mean: outer_lr is then the
-                                // step of every parameter (e.g. inner_steps * lr)
+#define FLEXDEMO_OPTIMIZER_FIELD(name, type, default_value, help) type name = default_value;
+  FLEXDEMO_OPTIMIZER_OPTIONS(FLEXDEMO_OPTIMIZER_FIELD)
+#undef FLEXDEMO_OPTIMIZER_FIELD
 
   void validate() const;  // throws OptionsError naming the bad option
 };
+
+// The steps a front door offers by name, each the defaults with a few options changed:
+//   flexdemo        the default step: each gradient preconditioned, entering the residual
+//                   unscaled, top-k 112 at fp8, the decoded direction applied with its RMS capped
+//                   at 1 (docs/results/loss-parity.md)
+//   flexdemo-adamw  AdamW on the direction (beta1 0: DeMo's residual is the momentum), top-k 32
+//                   at bf16, lr folded in, no preconditioning
+//   demo            the reference DeMo: sign-SGD, top-k 32 at fp32, lr folded in, no
+//                   preconditioning
+enum class Preset { FlexDemo, FlexDemoAdamW, DeMo };
+OptimizerOptions preset(Preset p);
+
+// The options a front door asks for: preset p's, then each given (name, value) set, then the
+// options that follow from others resolved where not given: rms_cap 1 only for the flexdemo step
+// with sign off, no update_rms and no normalize (else 0); precondition only with inner_steps 1;
+// topk at most chunk x chunk. Validated (OptionsError). The command's flags and Python's keywords
+// both come here, so the three doors default to the same step.
+OptimizerOptions options_for(Preset p,
+                             const std::vector<std::pair<std::string, std::string>>& given);
+
+// Every option by name, as declared above.
+struct OptionInfo {
+  std::string name;
+  std::string type;     // double, int, bool, or the accepted words ("sgd|adamw|nesterov")
+  std::string help;
+};
+std::vector<OptionInfo> option_infos();
+// An option's value as a word ("0.001", "true", "fp8") and back; set_option throws OptionsError
+// naming an unknown option or a value of the wrong kind (the ranges are validate()'s).
+std::string option_value(const OptimizerOptions& o, const std::string& name);
+void set_option(OptimizerOptions& o, const std::string& name, const std::string& value);
 
 // A bad OptimizerOptions. The message names the options as {name} (their field and config.json
 // names); what() spells them as they are, after "optimizer: ". A command spells them in its own
@@ -230,6 +275,12 @@ class Optimizer {
   // Every replica makes the same calls in the same order; the gradients must not change after
   // this call until step().
   void start_exchange(const std::vector<size_t>& tensors);
+  // The same two with the gradients given instead of read from the leaves (a binding's, e.g.
+  // FSDP2's local shards): grads[i] is tensor i's (indices as given to the constructor; at least
+  // plan.numel() elements, row-major; undefined = zero); start_exchange's grads[k] is
+  // tensors[k]'s.
+  void step(const std::vector<at::Tensor>& grads);
+  void start_exchange(const std::vector<size_t>& tensors, const std::vector<at::Tensor>& grads);
   void zero_grad();  // zeroes the gradients (keeps their storage)
 
   const OptimizerOptions& options() const;
@@ -324,6 +375,15 @@ struct NameTable<optim::Transform> {
   static constexpr const char* what = "transform";
   static constexpr std::pair<optim::Transform, const char*> entries[] = {
       {optim::Transform::Dct, "dct"}, {optim::Transform::None, "none"}};
+};
+
+template <>
+struct NameTable<optim::Preset> {
+  static constexpr const char* what = "step";
+  static constexpr std::pair<optim::Preset, const char*> entries[] = {
+      {optim::Preset::FlexDemo, "flexdemo"},
+      {optim::Preset::FlexDemoAdamW, "flexdemo-adamw"},
+      {optim::Preset::DeMo, "demo"}};
 };
 
 template <>

@@ -6,8 +6,9 @@ nodes) for your own training loop.
     flexdemo.shard_model(model, mesh, blocks=model.transformer.h)
     opt = flexdemo.FlexDeMo(model.parameters(), mesh=mesh, lr=1e-3)
 
-``flexdemo.DeMo`` is a drop-in for the reference DeMo optimizer (same arguments). The DeMo step
-itself runs as torch custom ops (``flexdemo.ops``, ``torch.ops.flexdemo.*``).
+``flexdemo.DeMo`` is a drop-in for the reference DeMo optimizer (same arguments). Both drive the
+engine ``flexdemo train`` runs (``torch.classes.flexdemo.Engine``); ``flexdemo.options`` lists
+its options and each step's defaults.
 """
 
 import os as _os
@@ -16,9 +17,9 @@ import torch as _torch
 
 _torch.ops.load_library(_os.path.join(_os.path.dirname(__file__), "libflexdemo_ops.so"))
 
-from . import ops  # noqa: E402  (the ops must be loaded first)
+from . import ops, options  # noqa: E402  (the library must be loaded first)
 from .fsdp import hybrid_mesh, shard_model  # noqa: E402
 from .optim import DeMo, FlexDeMo  # noqa: E402
 
-__all__ = ["DeMo", "FlexDeMo", "hybrid_mesh", "shard_model", "ops"]
+__all__ = ["DeMo", "FlexDeMo", "hybrid_mesh", "shard_model", "ops", "options"]
 __version__ = "0.1.0"

@@ -77,6 +77,10 @@ void OptimizerOptions::validate() const {
   if (!(decay >= 0.0 && decay < 1.0)) fail("{decay} must be in [0, 1), got " + str(decay));
   if (topk <= 0) fail("{topk} must be > 0, got " + std::to_string(topk));
   if (chunk <= 0) fail("{chunk} must be > 0, got " + std::to_string(chunk));
+  if (topk > chunk * chunk) {
+    fail("{topk} " + std::to_string(topk) + " exceeds the " + std::to_string(chunk * chunk) +
+         " coefficients of a {chunk} " + std::to_string(chunk) + " chunk");
+  }
   if (replicate_every < 1) {
     fail("{replicate_every} must be >= 1, got " + std::to_string(replicate_every));
   }
@@ -208,36 +212,73 @@ Optimizer::~Optimizer() = default;
 
 namespace {
 
-// Tensor p's gradient as the replicator takes it: plan.numel() elements, undefined = zero.
-at::Tensor flat_grad(const OptimParam& p) {
-  const at::Tensor& g = p.leaf.grad();
-  return g.defined() ? g.reshape({-1}).narrow(0, 0, p.plan.numel()) : at::Tensor();
+// A gradient as the replicator takes it: plan.numel() elements, undefined = zero.
+at::Tensor flat(const at::Tensor& g, const OptimParam& p, size_t given) {
+  if (!g.defined()) return {};
+  if (g.numel() < p.plan.numel() || g.device() != p.leaf.device()) {
+    throw std::invalid_argument("optimizer: the gradient of tensor " + std::to_string(given) +
+                                " has " + std::to_string(g.numel()) + " elements on " +
+                                g.device().str() + "; its tensor needs " +
+                                std::to_string(p.plan.numel()) + " on " + p.leaf.device().str());
+  }
+  return g.reshape({-1}).narrow(0, 0, p.plan.numel());
 }
 
 }  // namespace
 
 void Optimizer::start_exchange(const std::vector<size_t>& tensors) {
-  Impl& s = *impl_;
-  at::NoGradGuard no_grad;
-  std::vector<size_t> mine;
   std::vector<at::Tensor> grads;
   for (size_t t : tensors) {
+    const int64_t slot = t < impl_->slot.size() ? impl_->slot[t] : -1;
+    grads.push_back(slot < 0 ? at::Tensor() : impl_->params[size_t(slot)].leaf.grad());
+  }
+  start_exchange(tensors, grads);
+}
+
+void Optimizer::start_exchange(const std::vector<size_t>& tensors,
+                               const std::vector<at::Tensor>& given) {
+  Impl& s = *impl_;
+  at::NoGradGuard no_grad;
+  if (given.size() != tensors.size()) {
+    throw std::invalid_argument("optimizer: start_exchange of " + std::to_string(tensors.size()) +
+                                " tensors with " + std::to_string(given.size()) + " gradients");
+  }
+  std::vector<size_t> mine;
+  std::vector<at::Tensor> grads;
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    const size_t t = tensors[k];
     if (t >= s.slot.size()) {
       throw std::out_of_range("optimizer: start_exchange of tensor " + std::to_string(t) +
                               ", only " + std::to_string(s.slot.size()) + " given");
     }
     if (s.slot[t] < 0) continue;
     mine.push_back(size_t(s.slot[t]));
-    grads.push_back(flat_grad(s.params[mine.back()]));
+    grads.push_back(flat(given[k], s.params[mine.back()], t));
   }
   s.stepping->start(mine, grads, s.options.lr);
 }
 
 void Optimizer::step() {
+  std::vector<at::Tensor> grads;
+  for (size_t t = 0; t < impl_->slot.size(); ++t) {
+    const int64_t slot = impl_->slot[t];
+    grads.push_back(slot < 0 ? at::Tensor() : impl_->params[size_t(slot)].leaf.grad());
+  }
+  step(grads);
+}
+
+void Optimizer::step(const std::vector<at::Tensor>& given) {
   Impl& s = *impl_;
   at::NoGradGuard no_grad;
+  if (given.size() != s.slot.size()) {
+    throw std::invalid_argument("optimizer: step with " + std::to_string(given.size()) +
+                                " gradients for " + std::to_string(s.slot.size()) + " tensors");
+  }
   std::vector<at::Tensor> grads;
-  for (const OptimParam& p : s.params) grads.push_back(flat_grad(p));
+  for (size_t k = 0; k < s.params.size(); ++k) {
+    const size_t t = size_t(s.given[k]);
+    grads.push_back(flat(given[t], s.params[k], t));
+  }
   ++s.steps;
   try {
     s.stepping->step(grads, s.options.lr, s.steps);

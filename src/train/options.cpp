@@ -250,10 +250,6 @@ void TrainConfig::validate() const {
   if (!tokenizer_model.empty() && tokenizer != TokenizerKind::Bpe) {
     fail("--tokenizer-model needs --tokenizer bpe");
   }
-  if (topk && *topk > chunk * chunk) {
-    fail(fmt::format("--topk {} exceeds the {} coefficients of a --chunk {} chunk", *topk,
-                     chunk * chunk, chunk));
-  }
   check_optimizer(*this);
   check_exchange(*this);
   link_encodings(link_values);  // throws naming a bad word
@@ -364,7 +360,8 @@ optim::OptimizerOptions optimizer_options(const TrainConfig& c) {
   o.weight_decay = c.weight_decay;
   o.beta1 = c.beta1.value();
   o.beta2 = c.beta2;
-  o.topk = c.topk.value();  // the chunk geometry is the sharded units' (session.cpp)
+  o.topk = c.topk.value();
+  o.chunk = c.chunk;  // for the top-k's bound: the shards' chunk plans are the units' (session.cpp)
   o.transform = c.transform;
   o.decay = c.decay;
   o.fold_lr = c.fold_lr.value();

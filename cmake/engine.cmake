@@ -1,12 +1,14 @@
-# The DeMo step's sources (src/demo/: dct, top-k, wire format, the plain, cpu and cuda backends,
-# the CPU kernels per instruction set, the CUDA kernels), added to a target that links LibTorch.
-# Shared by the library (CMakeLists.txt) and the Python package's torch ops (python/), so both
-# compile the same step the same way. Needs only a compiler, LibTorch (and nvcc for CUDA): no MPI,
-# no zlib (the wire checksum is LibTorch's CRC-32).
-#   flexdemo_add_demo_step(TARGET <target> CUDA <ON|OFF> [CUDA_ARCHITECTURES <list>])
+# The DeMo engine's sources: the step (src/demo/: dct, top-k, wire format, the plain, cpu and cuda
+# backends, the CPU kernels per instruction set, the CUDA kernels) and the optimizer's whole
+# control over it (src/optim/: options, step rules, replicators, the modes), added to a target
+# that links LibTorch. Shared by the library (CMakeLists.txt) and the Python package (python/), so
+# both doors run one engine, compiled the same way. Needs only a compiler, LibTorch (and nvcc for
+# CUDA): no MPI (the engine talks to a comm::Communicator), no zlib (the wire checksum is
+# LibTorch's CRC-32).
+#   flexdemo_add_engine(TARGET <target> CUDA <ON|OFF> [CUDA_ARCHITECTURES <list>])
 set(FLEXDEMO_SOURCE_DIR "${CMAKE_CURRENT_LIST_DIR}/.." CACHE INTERNAL "flexdemo's sources")
 
-function(flexdemo_add_demo_step)
+function(flexdemo_add_engine)
   cmake_parse_arguments(ARG "" "TARGET;CUDA;CUDA_ARCHITECTURES" "" ${ARGN})
   set(root "${FLEXDEMO_SOURCE_DIR}")
   set(src "${root}/src")
@@ -20,6 +22,16 @@ function(flexdemo_add_demo_step)
     ${src}/demo/cpu/dct_plans.cpp
     ${src}/demo/cpu/portable_kernels.cpp
     ${src}/demo/cuda/gpu_step.cpp
+    ${src}/optim/options.cpp
+    ${src}/optim/optimizer.cpp
+    ${src}/optim/every_step.cpp
+    ${src}/optim/local_steps.cpp
+    ${src}/optim/demo_replicator.cpp
+    ${src}/optim/owner_replicator.cpp
+    ${src}/optim/dense_replicators.cpp
+    ${src}/optim/replicator.cpp
+    ${src}/optim/gradients.cpp
+    ${src}/optim/step_rule.cpp
     ${src}/runtime/threads.cpp)
   target_include_directories(${ARG_TARGET} PRIVATE ${src} ${root}/include)
   # The GPU's arithmetic on the CPU: explicit fmaf only, never a contraction the GPU would not make.

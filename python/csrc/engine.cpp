@@ -1,0 +1,244 @@
+// The Python package's one door to flexdemo's DeMo step: the library's optimizer (flexdemo/
+// optim.h) as a TorchScript class, torch.classes.flexdemo.Engine, over a torch.distributed group
+// (process_group.h). The step's whole control (layout, preconditioning, residuals, encode,
+// screening, decode, the step rules, validation and the state) is the library's, the same the
+// trainer runs; flexdemo/optim.py only maps parameter groups, learning rates and DTensors onto
+// it. Also here: the options' one declaration as Python reads it, and payload sizes.
+#include "process_group.h"
+
+#include "flexdemo/comm.h"
+#include "flexdemo/compress.h"
+#include "flexdemo/dct.h"
+#include "flexdemo/optim.h"
+
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace flexdemo::ops {
+namespace {
+
+using Grads = c10::List<std::optional<at::Tensor>>;
+
+// "name=value" pairs.
+std::vector<std::pair<std::string, std::string>> pairs_of(const std::vector<std::string>& given) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const std::string& g : given) {
+    const size_t eq = g.find('=');
+    TORCH_CHECK_VALUE(eq != std::string::npos, "flexdemo: option '", g, "' is not name=value");
+    out.emplace_back(g.substr(0, eq), g.substr(eq + 1));
+  }
+  return out;
+}
+
+// An OptionsError as Python's ValueError, its options spelled as the caller's keywords
+// (spelling: "name=keyword" pairs; an option not in it keeps its name).
+template <class F>
+auto options_checked(F&& f, const std::vector<std::string>& spelling = {}) {
+  try {
+    return f();
+  } catch (const optim::OptionsError& e) {
+    const auto keywords = pairs_of(spelling);
+    C10_THROW_ERROR(ValueError, "flexdemo: " + e.spelled([&](const std::string& name) {
+      for (const auto& [option, keyword] : keywords) {
+        if (option == name) return keyword;
+      }
+      return name;
+    }));
+  } catch (const std::invalid_argument& e) {
+    C10_THROW_ERROR(ValueError, std::string("flexdemo: ") + e.what());
+  }
+}
+
+optim::OptimizerOptions resolve(const std::string& preset, const std::vector<std::string>& given,
+                                const std::vector<std::string>& spelling) {
+  return options_checked(
+      [&] { return optim::options_for(parse_name<optim::Preset>(preset), pairs_of(given)); },
+      spelling);
+}
+
+class Engine final : public torch::CustomClassHolder {
+ public:
+  // params: this rank's tensors (contiguous float32, one device; a shard is its local tensor,
+  // chunked by its own shape); preset and given options ("name=value") as options_for takes
+  // them, spelled in errors as `spelling` says; group: the replica group's torch.distributed
+  // name ("" for one replica); device: where its collectives take their buffers.
+  Engine(std::vector<at::Tensor> params, std::string preset, std::vector<std::string> given,
+         std::vector<std::string> spelling, std::string group, std::string device) {
+    const optim::OptimizerOptions options = resolve(preset, given, spelling);
+    for (size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor& p = params[i];
+      TORCH_CHECK_VALUE(p.scalar_type() == at::kFloat && p.is_contiguous() && p.numel() > 0,
+                        "flexdemo: tensor ", i, " is ", p.scalar_type(), " ", p.sizes(),
+                        "; the step updates non-empty contiguous float32 tensors");
+    }
+    std::shared_ptr<comm::Communicator> replicas;
+    if (!group.empty()) replicas = process_group_communicator(group, at::Device(device));
+    group_ = replicas;
+    tensors_ = params.size();
+    optimizer_ = options_checked([&] {
+      return std::make_unique<optim::Optimizer>(std::move(params), options, std::move(replicas));
+    });
+  }
+
+  // One step at rate lr from these gradients (None: zero): exchanges when one is due and
+  // applies it. Collective over the replica group.
+  void step(const Grads& grads, double lr) {
+    optimizer_->set_lr(lr);
+    optimizer_->step(list_of(grads));
+  }
+  // This step's gradients are final: their exchange may start now (a hint; step() completes it).
+  void start(const Grads& grads, double lr) {
+    optimizer_->set_lr(lr);
+    std::vector<size_t> all(tensors_);
+    for (size_t i = 0; i < tensors_; ++i) all[i] = i;
+    optimizer_->start_exchange(all, list_of(grads));
+  }
+
+  std::vector<std::string> options() const {
+    std::vector<std::string> out;
+    for (const optim::OptionInfo& info : optim::option_infos()) {
+      out.push_back(info.name + "=" + optim::option_value(optimizer_->options(), info.name));
+    }
+    return out;
+  }
+  // The state by name ("residual.3"), sharing storage with the engine: loading copies into it.
+  std::vector<std::string> state_names() const {
+    std::vector<std::string> names;
+    for (const auto& [name, t] : optimizer_->state_tensors()) names.push_back(name);
+    return names;
+  }
+  std::vector<at::Tensor> state_tensors() const {
+    std::vector<at::Tensor> tensors;
+    for (const auto& [name, t] : optimizer_->state_tensors()) tensors.push_back(t);
+    return tensors;
+  }
+  void restore_steps(int64_t steps) { optimizer_->restore_steps(steps); }
+  int64_t steps() const { return optimizer_->steps(); }
+  int64_t exchanges() const { return optimizer_->counters().exchanges; }
+  // What one exchange puts on the wire from this replica (payloads, headers included).
+  int64_t wire_bytes() const { return int64_t(optimizer_->traffic().wire_bytes); }
+  // This rank's bytes sent and received over the replica group, and its collectives.
+  std::vector<int64_t> traffic() const {
+    if (!group_) return {0, 0, 0};
+    const comm::CommStats s = group_->stats();
+    return {int64_t(s.bytes_sent), int64_t(s.bytes_received), int64_t(s.collectives)};
+  }
+  // The peers' payloads that failed the checks since the last call: (replica, tensor, what).
+  std::vector<std::tuple<int64_t, int64_t, std::string>> take_peer_faults() {
+    std::vector<std::tuple<int64_t, int64_t, std::string>> out;
+    for (const optim::PeerFault& f : optimizer_->take_peer_faults()) {
+      out.emplace_back(f.replica, int64_t(f.tensor), f.describe());
+    }
+    return out;
+  }
+  // A test aid: this replica's payloads of the next exchange tampered ("scale" or "corrupt").
+  void tamper_next_exchange(const std::string& how, double factor) {
+    TORCH_CHECK_VALUE(how == "scale" || how == "corrupt", "flexdemo: tamper how '", how,
+                      "'; accepted: scale, corrupt");
+    optimizer_->tamper_next_exchange(
+        how == "scale" ? compress::Tamper::Scale : compress::Tamper::Corrupt, factor);
+  }
+  void wait_in_flight() { optimizer_->wait_in_flight(); }
+
+ private:
+  std::vector<at::Tensor> list_of(const Grads& grads) const {
+    TORCH_CHECK_VALUE(grads.size() == tensors_, "flexdemo: ", grads.size(), " gradients for ",
+                      tensors_, " tensors");
+    std::vector<at::Tensor> out;
+    for (size_t i = 0; i < grads.size(); ++i) {
+      const std::optional<at::Tensor> g = grads[i];
+      if (!g || !g->defined()) {
+        out.emplace_back();
+      } else {
+        out.push_back(g->scalar_type() == at::kFloat ? g->contiguous() : g->to(at::kFloat));
+      }
+    }
+    return out;
+  }
+
+  std::shared_ptr<comm::Communicator> group_;
+  std::unique_ptr<optim::Optimizer> optimizer_;
+  size_t tensors_ = 0;
+};
+
+// ====== The options' declaration, as Python reads it ======
+// (name, type, help) of every option, in declaration order.
+std::vector<std::tuple<std::string, std::string, std::string>> option_table() {
+  std::vector<std::tuple<std::string, std::string, std::string>> out;
+  for (const optim::OptionInfo& info : optim::option_infos()) {
+    out.emplace_back(info.name, info.type, info.help);
+  }
+  return out;
+}
+
+// Every option as "name=value" for a preset with these given (options_for: validated).
+std::vector<std::string> resolved_options(const std::string& preset,
+                                          const std::vector<std::string>& given,
+                                          const std::vector<std::string>& spelling) {
+  const optim::OptimizerOptions o = resolve(preset, given, spelling);
+  std::vector<std::string> out;
+  for (const optim::OptionInfo& info : optim::option_infos()) {
+    out.push_back(info.name + "=" + optim::option_value(o, info.name));
+  }
+  return out;
+}
+
+// Each tensor's payload in bytes (header and checksum included), chunked by its own shape.
+std::vector<int64_t> payload_bytes(const std::vector<at::Tensor>& params, int64_t chunk,
+                                   const std::string& chunk_mode, int64_t topk,
+                                   const std::string& values) {
+  TORCH_CHECK_VALUE(chunk > 0 && topk > 0, "flexdemo: chunk ", chunk, " and topk ", topk,
+                    " must be > 0");
+  const auto mode = options_checked([&] { return parse_name<dct::ChunkMode>(chunk_mode); });
+  const auto encoding =
+      options_checked([&] { return parse_name<compress::ValueEncoding>(values); });
+  std::vector<int64_t> sizes;
+  for (const at::Tensor& p : params) {
+    sizes.push_back(int64_t(
+        compress::wire_payload_bytes(dct::make_chunk_plan(p.sizes(), chunk, mode), topk, encoding)));
+  }
+  return sizes;
+}
+
+bool cuda_built() {
+#ifdef FLEXDEMO_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(flexdemo, m) {
+  m.class_<Engine>("Engine")
+      .def(torch::init<std::vector<at::Tensor>, std::string, std::vector<std::string>,
+                       std::vector<std::string>, std::string, std::string>())
+      .def("step", &Engine::step)
+      .def("start", &Engine::start)
+      .def("options", &Engine::options)
+      .def("state_names", &Engine::state_names)
+      .def("state_tensors", &Engine::state_tensors)
+      .def("restore_steps", &Engine::restore_steps)
+      .def("steps", &Engine::steps)
+      .def("exchanges", &Engine::exchanges)
+      .def("wire_bytes", &Engine::wire_bytes)
+      .def("traffic", &Engine::traffic)
+      .def("take_peer_faults", &Engine::take_peer_faults)
+      .def("tamper_next_exchange", &Engine::tamper_next_exchange)
+      .def("wait_in_flight", &Engine::wait_in_flight);
+  m.def("option_table", &option_table);
+  m.def("resolved_options", &resolved_options);
+  m.def("payload_bytes", &payload_bytes);
+  m.def("cuda_built", &cuda_built);
+}
+
+}  // namespace flexdemo::ops
