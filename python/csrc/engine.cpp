@@ -77,7 +77,8 @@ class Engine final : public torch::CustomClassHolder {
       const at::Tensor& p = params[i];
       TORCH_CHECK_VALUE(p.scalar_type() == at::kFloat && p.is_contiguous() && p.numel() > 0,
                         "flexdemo: tensor ", i, " is ", p.scalar_type(), " ", p.sizes(),
-                        "; the step updates non-empty contiguous float32 tensors");
+                        "; the step updates non-empty contiguous float32 tensors (keep the "
+                        "weights float32, autocast the forward)");
     }
     std::shared_ptr<comm::Communicator> replicas;
     if (!group.empty()) replicas = process_group_communicator(group, at::Device(device));

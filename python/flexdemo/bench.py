@@ -1,17 +1,18 @@
-"""The optimizer step, one run: flexdemo's ops against torch's AdamW (its default, foreach, and
-fused where available) and against the same DeMo step in plain torch ops (op for op as the
-reference DeMo computes it, and a tighter rewrite of it), on GPT-2 small's parameter shapes scaled
-by --scale (0.25: 3.8M parameters).
+"""The optimizer step, one run: flexdemo's engine (``DeMo.step``, the reference DeMo step, and
+``FlexDeMo.step`` with its defaults) against torch's AdamW (its default, foreach, and fused where
+available) and against the same DeMo step in plain torch ops (op for op as the reference DeMo
+computes it, and a tighter rewrite of it), on GPT-2 small's parameter shapes scaled by --scale
+(0.25: 3.8M parameters).
 
     python -m flexdemo.bench [--scale 0.25] [--threads 1] [--device cpu|cuda] [--replicas 2]
                              [--json FILE]
 
-flexdemo's step here is what FlexDeMo.step runs between the all-gather's ends: encode every
-tensor into one bucket, then decode ``replicas`` copies of it (as if all-gathered) and apply
-sign-SGD: the reference DeMo's step, which the ratios compare. Also timed: ``FlexDeMo.step`` with
-its defaults (each gradient preconditioned, top-k 112 at fp8, the RMS-capped step; one replica, so
-nothing is exchanged). Times are medians of --repeats steps after --warmup; the ratios are of
-this run.
+Both flexdemo steps run on one replica (no process group: nothing crosses a network, the
+payloads are still encoded, screened and decoded): ``DeMo.step`` at --topk and --values, the
+reference DeMo's step, which the ratios compare; ``FlexDeMo.step`` with its defaults (each
+gradient preconditioned, top-k 112 at fp8, the RMS-capped step). The plain-torch baselines decode
+--replicas copies of their payload. Times are medians of --repeats steps after --warmup; the
+ratios are of this run.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 import torch
 
 from . import ops
-from .optim import FlexDeMo
+from .optim import DeMo, FlexDeMo
 from .reference import CompactTorchDeMo, ReferenceTorchDeMo
 
 
@@ -81,33 +82,12 @@ def timed(step, device, warmup, repeats):
     return statistics.median(times)
 
 
-class FlexdemoStep:
-    """Encode one bucket, decode `replicas` copies of it, sign-SGD: the ops FlexDeMo calls."""
-
-    def __init__(self, params, chunk, topk, values, replicas):
-        self.params, self.replicas = params, replicas
-        self.layout = dict(chunk=chunk, chunk_mode="divisor", topk=topk, values=values)
-        self.residuals = [torch.zeros(ops.residual_shape(p, chunk, "divisor"), device=p.device)
-                          for p in params]
-        size = sum(ops.payload_bytes(params, chunk, "divisor", topk, values))
-        self.bucket = torch.empty(size, dtype=torch.uint8, device=params[0].device)
-        self.gathered = torch.empty(size * replicas, dtype=torch.uint8, device=params[0].device)
-
-    @torch.no_grad()
-    def __call__(self):
-        data = [p.detach() for p in self.params]
-        ops.encode(data, [p.grad for p in self.params], self.residuals, self.bucket,
-                   decay=0.999, lr=1e-3, **self.layout)
-        self.gathered.view(self.replicas, -1).copy_(self.bucket)
-        ops.decode_sgd(self.gathered, self.replicas, data, lr=1e-3, **self.layout)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scale", type=float, default=0.25)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--topk", type=int, default=32)
     p.add_argument("--values", default="bf16", choices=ops.VALUE_ENCODINGS)
@@ -120,18 +100,17 @@ def main(argv=None):
     device = torch.device(args.device)
     shapes = gpt2_shapes(args.scale)
     numel = sum(torch.Size(s).numel() for s in shapes)
-    print("GPT-2 shapes x {}: {} tensors, {:,} parameters; {} thread(s), {}; flexdemo: {} "
-          "replicas' payloads decoded, top-k {} of {}x{} chunks, {}".format(
-              args.scale, len(shapes), numel, args.threads, device, args.replicas, args.topk,
-              args.chunk, args.chunk, args.values), flush=True)
+    print("GPT-2 shapes x {}: {} tensors, {:,} parameters; {} thread(s), {}; DeMo: top-k {} of "
+          "{}x{} chunks, {}; plain-torch: {} replicas' payloads decoded".format(
+              args.scale, len(shapes), numel, args.threads, device, args.topk, args.chunk,
+              args.chunk, args.values, args.replicas), flush=True)
     if device.type == "cuda" and not ops.cuda_built():
         raise SystemExit("bench: this flexdemo build has no CUDA kernels")
 
     rows = []
-    rows.append(("flexdemo ops (DeMo step)",
-                 timed(FlexdemoStep(params_of(shapes, device), args.chunk, args.topk,
-                                    args.values, args.replicas), device, args.warmup,
-                       args.repeats)))
+    demo = DeMo(params_of(shapes, device), lr=1e-3, compression_topk=args.topk,
+                compression_chunk=args.chunk, values=args.values)
+    rows.append(("DeMo.step (reference step)", timed(demo.step, device, args.warmup, args.repeats)))
     flexdemo_default = FlexDeMo(params_of(shapes, device), lr=1e-3, compression_chunk=args.chunk)
     rows.append(("FlexDeMo.step (its defaults)",
                  timed(flexdemo_default.step, device, args.warmup, args.repeats)))
@@ -158,12 +137,15 @@ def main(argv=None):
     adamw = min(s for n, s in rows if n.startswith("torch AdamW"))
     default = dict(rows)["torch AdamW (default)"]
     reference, compact = rows[-2][1], rows[-1][1]
-    print("\nflexdemo / torch AdamW default: {:.2f}x, / fastest: {:.2f}x; plain-torch DeMo / "
-          "flexdemo: {:.1f}x (the reference's ops), {:.1f}x (compact)".format(
+    flex = dict(rows)["FlexDeMo.step (its defaults)"]
+    print("\nDeMo.step / torch AdamW default: {:.2f}x, / fastest: {:.2f}x; plain-torch DeMo / "
+          "DeMo.step: {:.1f}x (the reference's ops), {:.1f}x (compact)".format(
               ours / default, ours / adamw, reference / ours, compact / ours))
+    print("FlexDeMo.step (its defaults) / torch AdamW default: {:.2f}x".format(flex / default))
     if args.json:
         report = {name: seconds * 1e3 for name, seconds in rows}
         report.update(params=numel, device=str(device), threads=args.threads,
+                      flexdemo_defaults_over_default_adamw=flex / default,
                       flexdemo_over_default_adamw=ours / default,
                       flexdemo_over_fastest_adamw=ours / adamw,
                       plain_torch_over_flexdemo=reference / ours,

@@ -105,7 +105,8 @@ class FlexDeMo(torch.optim.Optimizer):
             given["lr"] = lr
         self.preset = self._preset or _options.preset_of(inner)
         self.given = _options.given(given)  # option -> value, as the user gave them
-        resolved = _options.resolve(self.preset, self.given)
+        self._spelling = _options.spelling(given)
+        resolved = _options.resolve(self.preset, self.given, given)
         defaults = dict(lr=resolved["lr"], weight_decay=resolved["weight_decay"],
                         betas=(resolved["beta1"], resolved["beta2"]), eps=resolved["eps"])
         super().__init__(params, defaults)
@@ -158,7 +159,7 @@ class FlexDeMo(torch.optim.Optimizer):
             if "nccl" in str(dist.get_backend(self.replicate_group)):
                 bucket = str(device)
         return torch.classes.flexdemo.Engine(local, self.preset, _options.words(given),
-                                             _options.SPELLING, name, bucket)
+                                             self._spelling, name, bucket)
 
     def _bind_state(self) -> None:
         """Every engine's state tensors in ``self.state`` (handles: loading copies into them),

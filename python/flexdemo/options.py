@@ -24,8 +24,6 @@ ALIASES = {
     "overlap": "overlap_step",
     "on_bad_peer": "peer_policy",
 }
-# How the engine's messages name an option given under an alias.
-SPELLING = ["{}={}".format(option, alias) for alias, option in ALIASES.items()]
 STEPS = ("flexdemo", "flexdemo-adamw", "demo")
 
 
@@ -78,16 +76,21 @@ def given(options: Dict) -> Dict[str, object]:
     return out
 
 
+def spelling(keywords) -> List[str]:
+    """How the engine's messages name the options given under an alias: as they were given."""
+    return ["{}={}".format(ALIASES[k], k) for k in keywords if k in ALIASES]
+
+
 def words(options: Dict[str, object]) -> List[str]:
     return ["{}={}".format(name, _word(value)) for name, value in options.items()]
 
 
-def resolve(step: str, options: Dict[str, object]) -> Dict[str, object]:
+def resolve(step: str, options: Dict[str, object], keywords=()) -> Dict[str, object]:
     """Every option of `step` with these given (checked by the engine: a ValueError names the
-    bad one)."""
+    bad one as `keywords`, the caller's, spell it)."""
     kinds = {name: kind for name, kind, _ in table()}
     out = {}
-    for pair in _ops.resolved_options(step, words(options), SPELLING):
+    for pair in _ops.resolved_options(step, words(options), spelling(keywords)):
         name, _, word = pair.partition("=")
         out[name] = _typed(kinds[name], word)
     return out

@@ -151,7 +151,7 @@ OptimizerOptions options_for(Preset p,
                     : 0.0;
   }
   if (unset("precondition")) o.precondition = preset(p).precondition && o.inner_steps == 1;
-  if (unset("topk")) o.topk = std::min(o.topk, o.chunk * o.chunk);
+  if (unset("topk") && o.chunk > 0) o.topk = std::min(o.topk, o.chunk * o.chunk);
   o.validate();
   return o;
 }

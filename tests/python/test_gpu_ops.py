@@ -1,5 +1,5 @@
-"""The ops on a GPU (the CUDA kernels) against the CPU's portable kernels (FLEXDEMO_ISA=portable:
-the GPU's arithmetic on the CPU): payloads, residuals and updates bit for bit, every encoding,
+"""The engine on a GPU (the CUDA kernels) against the CPU's portable kernels (FLEXDEMO_ISA=portable:
+the GPU's arithmetic on the CPU): residuals and updates bit for bit, every encoding,
 sign-SGD and the bounded step (the RMS-capped one to rounding); and FlexDeMo training on the
 GPU. Skips with one line where no GPU is visible. The checks run as a script in a process of
 their own (the kernels' instruction set is chosen once per process):
@@ -31,32 +31,30 @@ def test_gpu_ops_equal_the_portable_cpu_kernels():
 
 
 # ====== The checks (this file as a script) ======
-def step_on(device, values, replicas=2, **step):
-    from flexdemo import ops
-    layout = dict(chunk=CHUNK, chunk_mode="divisor", topk=TOPK, values=values)
+def step_on(device, values, **options):
+    """Two steps of the engine (one replica) from the same residual history and gradients."""
+    import flexdemo
     g = torch.Generator().manual_seed(3)
-    params = [torch.randn(s, generator=g).to(device) for s in SHAPES]
-    residuals = [(torch.randn(ops.residual_shape(p, CHUNK, "divisor"), generator=g) * 1e-3)
-                 .to(device) for p in params]
-    size = sum(ops.payload_bytes(params, CHUNK, "divisor", TOPK, values))
-    buckets = []
-    for _ in range(replicas):
-        grads = [torch.randn(s, generator=g).to(device) for s in SHAPES]
-        bucket = torch.empty(size, dtype=torch.uint8)  # host memory, as over gloo
-        ops.encode(params, grads, residuals, bucket, decay=0.99, lr=0.01, **layout)
-        buckets.append(bucket)
-    gathered = torch.cat(buckets)
-    ops.decode_sgd(gathered, replicas, params, lr=0.01, weight_decay=0.1, **step, **layout)
-    return gathered, [r.cpu() for r in residuals], [p.cpu() for p in params]
+    params = [torch.nn.Parameter(torch.randn(s, generator=g).to(device)) for s in SHAPES]
+    opt = flexdemo.DeMo(params, compression_chunk=CHUNK, compression_topk=TOPK, values=values,
+                        lr=0.01, weight_decay=0.1, compression_decay=0.99, **options)
+    residuals = [next(v for k, v in opt.state[p].items() if k.startswith("residual."))
+                 for p in params]
+    for r in residuals:
+        r.copy_(torch.randn(r.shape, generator=g) * 1e-3)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(device)
+        opt.step()
+    return [r.cpu() for r in residuals], [p.detach().cpu() for p in params]
 
 
-def same_as_portable_cpu(values, params_atol=0.0, **step):
-    want = step_on(torch.device("cpu"), values, **step)
-    got = step_on(torch.device("cuda"), values, **step)
-    assert torch.equal(got[0], want[0]), "payloads differ"
-    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1])), "residuals differ"
+def same_as_portable_cpu(values, params_atol=0.0, **options):
+    want = step_on(torch.device("cpu"), values, **options)
+    got = step_on(torch.device("cuda"), values, **options)
+    assert all(torch.equal(a, b) for a, b in zip(got[0], want[0])), "residuals differ"
     assert all(torch.allclose(a, b, rtol=0, atol=params_atol) if params_atol else torch.equal(a, b)
-               for a, b in zip(got[2], want[2])), "parameters differ"
+               for a, b in zip(got[1], want[1])), "parameters differ"
 
 
 def trains_on_the_gpu():

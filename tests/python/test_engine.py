@@ -1,0 +1,78 @@
+"""flexdemo's engine through the package: on 3 real replicas (torchrun, gloo) against float64
+DeMo (engine_checks.py does the checks), the options as the engine declares them, and payload
+sizes in closed form."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import flexdemo
+from flexdemo import ops
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_engine_on_3_replicas_follows_float64_demo():
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+         os.path.join(HERE, "engine_checks.py")],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"),
+        cwd=HERE)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    assert "engine checks: all passed" in run.stdout
+
+
+def test_payload_bytes_closed_form():
+    # fp32, 1-byte positions (chunks of <= 256 coefficients): 36 + chunks * k * (1 + 4).
+    p = torch.zeros(48, 40)  # 3 x 4 chunks of 16 x 10
+    assert ops.payload_bytes([p], 16, "divisor", 6, "fp32") == [36 + 12 * 6 * 5]
+    assert ops.payload_bytes([p], 16, "divisor", 6, "bf16") == [36 + 12 * 6 * 3]
+
+
+def test_bad_layouts_are_named():
+    p = [torch.zeros(8, 8)]
+    with pytest.raises(ValueError, match="value encoding 'fp16'; accepted: fp32, bf16"):
+        ops.payload_bytes(p, 4, "divisor", 2, "fp16")
+    with pytest.raises(ValueError, match="chunk 0 and topk 2 must be > 0"):
+        ops.payload_bytes(p, 0, "divisor", 2, "bf16")
+
+
+def test_options_are_the_engines_declaration():
+    """Every option the engine declares, once; each step's defaults read from it (not copied
+    here): the three steps differ where their declaration says."""
+    table = flexdemo.options.table()
+    names = [name for name, _, _ in table]
+    assert len(names) == len(set(names)) and all(help_ for _, _, help_ in table)
+    flex = flexdemo.options.defaults("flexdemo")
+    adamw = flexdemo.options.defaults("flexdemo-adamw")
+    demo = flexdemo.options.defaults("demo")
+    assert set(flex) == set(names)
+    assert (flex["inner"], flex["sign"], flex["precondition"], flex["fold_lr"], flex["rms_cap"],
+            flex["topk"], flex["values"]) == ("sgd", False, True, False, 1.0, 112, "fp8")
+    assert (adamw["inner"], adamw["beta1"], adamw["topk"], adamw["values"]) == (
+        "adamw", 0.0, 32, "bf16")
+    assert (demo["sign"], demo["topk"], demo["values"], demo["fold_lr"]) == (True, 32, "fp32",
+                                                                           True)
+    # FlexDeMo and DeMo start from them.
+    p = [torch.nn.Parameter(torch.zeros(8, 8))]
+    opt = flexdemo.FlexDeMo(p)
+    assert {name: getattr(opt, name) for name in names} == flex
+    assert flexdemo.FlexDeMo(p, inner="adamw").beta1 == 0.0
+    assert flexdemo.DeMo(p).sign is True
+
+
+def test_owner_and_overlap_options_reach_the_engine():
+    """Every capability of the trainer's step is an option here: one replica runs each."""
+    torch.manual_seed(0)
+    for options in (dict(exchange="owners"), dict(overlap=True), dict(inner_steps=4),
+                    dict(exchange_every=2)):
+        p = torch.nn.Parameter(torch.randn(16, 16))
+        opt = flexdemo.FlexDeMo([p], compression_chunk=8, **options)
+        before = p.detach().clone()
+        for _ in range(4):
+            p.grad = torch.randn(16, 16)
+            opt.step()
+        assert not torch.equal(p.detach(), before), options
