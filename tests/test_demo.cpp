@@ -3,6 +3,8 @@
 #include "closed_form.h"
 
 #include "flexdemo/optim.h"
+#include "flexdemo/train_options.h"
+#include "train/options.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -423,4 +425,43 @@ TEST(Demo, OverlapStepAppliesEachUpdateOneStepLater) {
     after_plain.push_back(p.detach().clone());
   }
   EXPECT_FALSE(at::equal(b.replicated_params().at(0), p.detach()));  // one update behind
+}
+
+// The three doors default to one step: the library's OptimizerOptions{} and preset, what
+// `flexdemo train` asks for when given nothing (per --optimizer), and what Python's FlexDeMo
+// reads (options_for with nothing given: tests/python/test_engine.py ties Python to it).
+TEST(Options, TheDoorsDefaultToOneStep) {
+  using optim::Preset;
+  auto words = [](const optim::OptimizerOptions& o) {
+    std::vector<std::string> out;
+    for (const optim::OptionInfo& info : optim::option_infos()) {
+      // seed: the trainer's run seed also seeds the random replicator's selection.
+      if (info.name != "seed") out.push_back(info.name + "=" + optim::option_value(o, info.name));
+    }
+    return out;
+  };
+  EXPECT_EQ(words(optim::OptimizerOptions{}), words(optim::preset(Preset::FlexDemo)));
+  for (const auto& [kind, step] : {std::pair{train::OptimizerKind::FlexDemo, Preset::FlexDemo},
+                                   std::pair{train::OptimizerKind::FlexDemoAdamW,
+                                             Preset::FlexDemoAdamW}}) {
+    train::TrainConfig c;
+    c.optimizer = kind;
+    c.resolve();
+    EXPECT_EQ(words(train::optimizer_options(c)), words(optim::options_for(step, {})))
+        << name_of(kind);
+    EXPECT_EQ(words(optim::preset(step)), words(optim::options_for(step, {})));
+  }
+}
+
+TEST(Options, EveryOptionReadsAndWritesByName) {
+  optim::OptimizerOptions o = optim::preset(optim::Preset::DeMo);
+  for (const optim::OptionInfo& info : optim::option_infos()) {
+    optim::OptimizerOptions copy = optim::preset(optim::Preset::FlexDemo);
+    optim::set_option(copy, info.name, optim::option_value(o, info.name));
+    EXPECT_EQ(optim::option_value(copy, info.name), optim::option_value(o, info.name)) << info.name;
+    EXPECT_FALSE(info.help.empty()) << info.name;
+  }
+  EXPECT_THROW(optim::set_option(o, "topk_per_chunk", "3"), optim::OptionsError);
+  EXPECT_THROW(optim::set_option(o, "topk", "three"), optim::OptionsError);
+  EXPECT_THROW(optim::set_option(o, "values", "fp16"), optim::OptionsError);
 }

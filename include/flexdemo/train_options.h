@@ -289,8 +289,6 @@ struct TrainConfig {
   void resolve();
 };
 
-// The optimizer's learning rate when --lr is not given: its best in the tuning sweep.
-double default_lr(OptimizerKind optimizer);
 
 // Whether an option's type is std::optional (unset: the optimizer's choice, until resolve()).
 template <class T>

@@ -128,9 +128,9 @@ namespace {
 // The optimizer's rules (their one place: OptimizerOptions::validate) on the options as they
 // resolve, its option names spelled as this command's flags.
 void check_optimizer(const TrainConfig& c) {
-  TrainConfig resolved = c;
-  resolved.resolve();
   try {
+    TrainConfig resolved = c;
+    resolved.resolve();
     optimizer_options(resolved);
   } catch (const optim::OptionsError& e) {
     fail(e.spelled(flag_of));
@@ -261,21 +261,36 @@ void TrainConfig::resolve() {
   const bool demo =
       optimizer == OptimizerKind::FlexDemo || optimizer == OptimizerKind::FlexDemoAdamW;
   if (!replicator) replicator = demo ? optim::ReplicatorKind::Demo : optim::ReplicatorKind::Full;
-  if (!lr) lr = default_lr(optimizer);
-  // AdamW's first moment on top of DeMo's residual (itself a momentum) trains worse: measured
-  // in docs/results/equal-steps.md.
-  if (!beta1) beta1 = optimizer == OptimizerKind::FlexDemoAdamW ? 0.0 : 0.9;
-  // flexdemo's step: AdamW's per-weight step with DeMo's residual as its momentum (each
-  // gradient preconditioned, entering the residual unscaled, the decoded mean applied with its
-  // size, a tensor's RMS capped at 1 as Adafactor clips its update), over a denser selection at
-  // fewer bits: the best measured over fortunes, code and translation
-  // (docs/results/loss-parity.md). The others keep the reference DeMo's.
-  const bool adaptive = optimizer == OptimizerKind::FlexDemo;
-  if (!precondition) precondition = adaptive && inner_steps == 1;
-  if (!fold_lr) fold_lr = !adaptive;
-  if (!rms_cap) rms_cap = adaptive && !sign && update_rms == 0.0 && !normalize ? 1.0 : 0.0;
-  if (!topk) topk = std::min<int64_t>(adaptive ? 112 : 32, chunk * chunk);
-  if (!values) values = adaptive ? compress::ValueEncoding::Fp8 : compress::ValueEncoding::Bf16;
+  // The optimizer's defaults are the library's (optim::preset, optim::options_for), the same
+  // Python's FlexDeMo and the C++ API start from: this command says which step and what was
+  // given. The dense optimizers take flexdemo-adamw's for the DeMo options they do not use, and
+  // their own first moment.
+  const optim::Preset step = optimizer == OptimizerKind::FlexDemo ? optim::Preset::FlexDemo
+                                                                  : optim::Preset::FlexDemoAdamW;
+  std::vector<std::pair<std::string, std::string>> given = {
+      {"inner", optimizer == OptimizerKind::FlexDemo || optimizer == OptimizerKind::Sgd ? "sgd"
+                                                                                       : "adamw"},
+      {"sign", sign ? "true" : "false"},
+      {"normalize", normalize ? "true" : "false"},
+      {"update_rms", fmt::format("{}", update_rms)},
+      {"inner_steps", std::to_string(inner_steps)},
+      {"chunk", std::to_string(chunk)}};
+  if (!demo) given.push_back({"lr", "0.001"}), given.push_back({"beta1", "0.9"});
+  if (lr) given.push_back({"lr", fmt::format("{}", *lr)});
+  if (beta1) given.push_back({"beta1", fmt::format("{}", *beta1)});
+  if (precondition) given.push_back({"precondition", *precondition ? "true" : "false"});
+  if (fold_lr) given.push_back({"fold_lr", *fold_lr ? "true" : "false"});
+  if (rms_cap) given.push_back({"rms_cap", fmt::format("{}", *rms_cap)});
+  if (topk) given.push_back({"topk", std::to_string(*topk)});
+  if (values) given.push_back({"values", name_of(*values)});
+  const optim::OptimizerOptions o = optim::options_for(step, given);
+  if (!lr) lr = o.lr;
+  if (!beta1) beta1 = o.beta1;
+  if (!precondition) precondition = o.precondition;
+  if (!fold_lr) fold_lr = o.fold_lr;
+  if (!rms_cap) rms_cap = o.rms_cap;
+  if (!topk) topk = o.topk;
+  if (!values) values = o.values;
 }
 
 std::vector<compress::ValueEncoding> link_encodings(const std::string& list) {
@@ -290,21 +305,6 @@ std::vector<compress::ValueEncoding> link_encodings(const std::string& list) {
     if (end == list.size()) return encodings;
     begin = end + 1;
   }
-}
-
-double default_lr(OptimizerKind optimizer) {
-  // The best of bench/tune.sh's sweep per optimizer (docs/results/equal-steps.md).
-  switch (optimizer) {
-    case OptimizerKind::FlexDemo:
-      return 1e-3;
-    case OptimizerKind::FlexDemoAdamW:
-      return 5e-4;
-    case OptimizerKind::AdamW:
-      return 1e-3;
-    case OptimizerKind::Sgd:
-      return 1e-3;
-  }
-  return 1e-3;
 }
 
 // ====== config.json ======
