@@ -75,8 +75,10 @@ class FlexDeMo(torch.optim.Optimizer):
         params: float32 parameters (or param groups: lr, weight_decay, betas, eps per group),
             all on one device; plain tensors or the DTensors of ``fully_shard``.
         lr: learning rate (default: the step's, 1e-3 or 5e-4 with inner "adamw").
-        inner: "sgd" (the default step: the direction, its RMS capped), "adamw" (the
-            ``flexdemo-adamw`` step) or "nesterov"; each brings its defaults.
+        step: the named step whose defaults apply (``flexdemo.options.STEPS``): "flexdemo" (the
+            default: the direction, its RMS capped), "flexdemo-adamw" or "demo" (the reference
+            DeMo's sign-SGD); by default chosen by inner.
+        inner: "sgd" (the flexdemo step), "adamw" (the flexdemo-adamw step) or "nesterov".
         **options: any option of the engine by its name (``flexdemo.options.table()``, in
             docs/python.md), or by the reference DeMo's: compression_decay (decay),
             compression_topk (topk), compression_chunk (chunk), exchange_every
@@ -95,15 +97,20 @@ class FlexDeMo(torch.optim.Optimizer):
 
     _preset = None  # DeMo: the reference step
 
-    def __init__(self, params, lr: Optional[float] = None, *, inner: str = "sgd", mesh=None,
-                 replicate_group=None, shard_group=None, on_nonfinite: str = "skip", **options):
+    def __init__(self, params, lr: Optional[float] = None, *, step: Optional[str] = None,
+                 inner: Optional[str] = None, mesh=None, replicate_group=None, shard_group=None,
+                 on_nonfinite: str = "skip", **options):
         if on_nonfinite not in ON_NONFINITE:
             raise _bad("on_nonfinite {!r}; accepted: {}".format(on_nonfinite,
                                                                 ", ".join(ON_NONFINITE)))
-        given = dict(options, inner=inner)
+        given = dict(options)
+        if inner is not None:
+            given["inner"] = inner
         if lr is not None:
             given["lr"] = lr
-        self.preset = self._preset or _options.preset_of(inner)
+        if step is not None and step not in _options.STEPS:
+            raise _bad("step {!r}; accepted: {}".format(step, ", ".join(_options.STEPS)))
+        self.preset = step or self._preset or _options.preset_of(inner or "sgd")
         self.given = _options.given(given)  # option -> value, as the user gave them
         self._spelling = _options.spelling(given)
         resolved = _options.resolve(self.preset, self.given, given)
