@@ -3,12 +3,13 @@
 // options from the same options_for) steps this rank's shards (rows cut as torch.chunk cuts
 // them, chunked by their own shape, as FSDP2's local shards are in Python) with the gradients
 // given, its replica group an MPI communicator; then writes its parameters and optimizer state.
-//   cross_front IN OUT
+//   cross_front IN OUT [SHARDS]
 // IN: shapes.txt (one tensor a line, its dimensions), params.f32 (every tensor, whole, float32),
 // grads.f32 (per step, per replica, every tensor whole), configs.txt (one run a line: the step,
-// flexdemo, flexdemo-adamw or demo, then name=value options). OUT/<line>.rank<r>.f32: after
-// that run, this rank's shards,
-// then its state tensors in name order.
+// flexdemo, flexdemo-adamw or demo, then name=value options). SHARDS: ranks a replica (default
+// 2; the replicas: the rest). OUT/<line>.rank<r>.f32: after that run, this rank's shards,
+// then its state tensors in name order; OUT/<line>.rank<r>.bytes: the bytes it sent over the
+// replica group (comm.h's count).
 #include "flexdemo/comm.h"
 #include "flexdemo/optim.h"
 #include "flexdemo/runtime.h"
@@ -69,20 +70,21 @@ std::vector<at::Tensor> shards_of(const at::Tensor& flat, const std::vector<std:
 int main(int argc, char** argv) {
   use_native_blas(argv);
   comm::MpiRuntime mpi(&argc, &argv);
-  if (argc != 3) {
-    std::cerr << "usage: cross_front IN OUT\n";
+  if (argc != 3 && argc != 4) {
+    std::cerr << "usage: cross_front IN OUT [SHARDS]\n";
     return 2;
   }
   const std::string in = argv[1], out = argv[2];
   try {
     set_num_threads(1);
     const auto world = mpi.world();
-    const int rank = world->rank(), replica = rank / 2, shard = rank % 2;
+    const int shards = argc == 4 ? std::stoi(argv[3]) : 2, rank = world->rank();
+    const int replica = rank / shards, shard = rank % shards, replica_count = world->size() / shards;
     const auto replicas = world->split(shard, replica);  // the ranks holding this shard
     const auto shapes = read_shapes(in + "/shapes.txt");
     const at::Tensor start = read_floats(in + "/params.f32");
     const at::Tensor grads = read_floats(in + "/grads.f32");
-    const int64_t steps = grads.numel() / (2 * start.numel());
+    const int64_t steps = grads.numel() / (replica_count * start.numel());
     std::ifstream configs(in + "/configs.txt");
     int line = 0;
     for (std::string config; std::getline(configs, config); ++line) {
@@ -96,20 +98,22 @@ int main(int argc, char** argv) {
       }
       const optim::OptimizerOptions options =
           optim::options_for(parse_name<optim::Preset>(step), given);
-      std::vector<at::Tensor> params = shards_of(start, shapes, shard, 2);
+      std::vector<at::Tensor> params = shards_of(start, shapes, shard, shards);
+      replicas->reset_stats();
       optim::Optimizer opt(params, options, replicas);
       for (int64_t s = 0; s < steps; ++s) {
-        const at::Tensor mine = grads.narrow(0, (s * 2 + replica) * start.numel(), start.numel());
-        opt.step(shards_of(mine, shapes, shard, 2));
+        const at::Tensor mine =
+            grads.narrow(0, (s * replica_count + replica) * start.numel(), start.numel());
+        opt.step(shards_of(mine, shapes, shard, shards));
       }
       std::vector<at::Tensor> written = params;
       auto state = opt.state_tensors();
       std::sort(state.begin(), state.end(),
                 [](const auto& a, const auto& b) { return a.first < b.first; });
       for (const auto& [name, t] : state) written.push_back(t);
-      std::ofstream file(out + "/" + std::to_string(line) + ".rank" + std::to_string(rank) +
-                             ".f32",
-                         std::ios::binary);
+      const std::string stem = out + "/" + std::to_string(line) + ".rank" + std::to_string(rank);
+      std::ofstream(stem + ".bytes") << replicas->stats().bytes_sent << "\n";
+      std::ofstream file(stem + ".f32", std::ios::binary);
       for (const at::Tensor& t : written) {
         const at::Tensor c = t.to(at::kFloat).contiguous();
         file.write(reinterpret_cast<const char*>(c.data_ptr<float>()), c.numel() * 4);

@@ -30,35 +30,62 @@ def cross_front_binary():
     return path
 
 
-def test_cpp_api_and_python_take_bit_identical_steps(tmp_path):
+def run_both(tmp_path, configs, shards, replicas):
+    """Both doors on the same data: per config line and rank, the C++ door's and the Python
+    door's files (parameters and state; bytes sent)."""
     binary = cross_front_binary()
     rng = np.random.default_rng(5)
     numel = sum(int(np.prod(s)) for s in SHAPES)
     (tmp_path / "shapes.txt").write_text("\n".join(" ".join(map(str, s)) for s in SHAPES) + "\n")
     rng.standard_normal(numel, dtype=np.float32).tofile(tmp_path / "params.f32")
-    (rng.standard_normal(STEPS * 2 * numel, dtype=np.float32) * 0.1).tofile(tmp_path / "grads.f32")
-    (tmp_path / "configs.txt").write_text("\n".join(CONFIGS) + "\n")
+    (rng.standard_normal(STEPS * replicas * numel, dtype=np.float32) * 0.1).tofile(
+        tmp_path / "grads.f32")
+    (tmp_path / "configs.txt").write_text("\n".join(configs) + "\n")
     cpp, py = tmp_path / "cpp", tmp_path / "py"
     cpp.mkdir()
     py.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     mpirun = shutil.which("mpirun")
     assert mpirun, "mpirun is missing (Debian's openmpi-bin: scripts/install-deps.sh)"
-    run = subprocess.run([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "4", binary,
-                          str(tmp_path), str(cpp)], capture_output=True, text=True, timeout=600,
-                         env=env)
+    ranks = str(shards * replicas)
+    run = subprocess.run([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", ranks, binary,
+                          str(tmp_path), str(cpp), str(shards)], capture_output=True, text=True,
+                         timeout=600, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "4", os.path.join(HERE, "cross_front_py.py"),
-                          str(tmp_path), str(py)], capture_output=True, text=True, timeout=600,
-                         env=env)
+                          "--nproc-per-node", ranks, os.path.join(HERE, "cross_front_py.py"),
+                          str(tmp_path), str(py), str(shards)], capture_output=True, text=True,
+                         timeout=600, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    return cpp, py
+
+
+def test_cpp_api_and_python_take_bit_identical_steps(tmp_path):
+    cpp, py = run_both(tmp_path, CONFIGS, shards=2, replicas=2)
+    start = np.fromfile(tmp_path / "params.f32", dtype=np.float32)
     for line, config in enumerate(CONFIGS):
         for rank in range(4):
             name = "{}.rank{}.f32".format(line, rank)
             a, b = (cpp / name).read_bytes(), (py / name).read_bytes()
             assert len(a) == len(b) > 0, (config, rank, len(a), len(b))
             assert a == b, "{}: rank {} differs (C++ against Python)".format(config, rank)
-        start = np.fromfile(tmp_path / "params.f32", dtype=np.float32)
         moved = np.fromfile(cpp / "{}.rank0.f32".format(line), dtype=np.float32)[:8]
         assert not np.array_equal(moved, start[:8]), config + ": nothing moved"
+
+
+def test_owners_bytes_a_node_equal_the_cpp_doors_at_4_replicas(tmp_path):
+    """4 replicas x 1: the owners' exchange through Python sends what it sends through the C++
+    door (bytes and results), and less than the all-gather's 3 payloads a node."""
+    configs = ["flexdemo chunk=16 demo_exchange=owners", "flexdemo chunk=16"]
+    cpp, py = run_both(tmp_path, configs, shards=1, replicas=4)
+    sent = {}
+    for line, config in enumerate(configs):
+        for rank in range(4):
+            stem = "{}.rank{}".format(line, rank)
+            assert (cpp / (stem + ".f32")).read_bytes() == (py / (stem + ".f32")).read_bytes(), (
+                config, rank)
+            a, b = int((cpp / (stem + ".bytes")).read_text()), int((py / (stem + ".bytes")).read_text())
+            assert a == b > 0, (config, rank, a, b)
+            sent.setdefault(line, []).append(a)
+    owners, all_gather = sum(sent[0]), sum(sent[1])
+    assert owners < all_gather * 2 / 3 + 1, (owners, all_gather)
