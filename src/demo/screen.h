@@ -1,6 +1,6 @@
-// Faulty peers: a gathered bucket's payloads checked before a value of them is decoded. Shared
-// by the library's DeMo replicator and the Python package's ops (python/csrc/ops.cpp), so both
-// leave out the same peers for the same bytes.
+// Faulty peers: a gathered bucket's payloads checked before a value of them is decoded. Called by
+// the DeMo replicators (src/optim/demo_exchange.h), which both doors (the trainer and the Python
+// package) run, so both leave out the same peers for the same bytes.
 #pragma once
 
 #include "flexdemo/compress.h"

@@ -1,5 +1,5 @@
 // The Replicator base's defaults and the factory that picks an implementation by kind; the
-// implementations live one per file (src/demo/replicator.cpp, dense_replicators.cpp).
+// implementations live one per file (demo_replicator.cpp, owner_replicator.cpp, dense_replicators.cpp).
 #include "replicator.h"
 
 #include <stdexcept>

@@ -88,7 +88,7 @@ std::unique_ptr<Replicator> make_demo_replicator(const std::vector<dct::ChunkPla
                                                  const OptimizerOptions& options,
                                                  std::shared_ptr<comm::Communicator> group,
                                                  at::Device device);
-// Demo with options.demo_exchange Owners (src/demo/owners.cpp).
+// Demo with options.demo_exchange Owners (owner_replicator.cpp).
 std::unique_ptr<Replicator> make_owner_replicator(const std::vector<dct::ChunkPlan>& plans,
                                                   const OptimizerOptions& options,
                                                   std::shared_ptr<comm::Communicator> group,

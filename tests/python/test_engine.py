@@ -76,3 +76,14 @@ def test_owner_and_overlap_options_reach_the_engine():
             p.grad = torch.randn(16, 16)
             opt.step()
         assert not torch.equal(p.detach(), before), options
+
+
+def test_docs_hold_the_generated_options_table():
+    """docs/python.md and docs/library.md carry `python -m flexdemo.options_doc`'s table."""
+    root = os.path.dirname(os.path.dirname(HERE))
+    for doc in ("python.md", "library.md"):
+        text = open(os.path.join(root, "docs", doc)).read()
+        begin, end = text.index(flexdemo.options.BEGIN), text.index(flexdemo.options.END)
+        held = text[begin + len(flexdemo.options.BEGIN) + 1:end]
+        assert held == flexdemo.options.markdown(), (
+            "docs/{} is not current: regenerate with python -m flexdemo.options_doc".format(doc))
