@@ -198,7 +198,7 @@ if $built; then
   else
     skip ncu_encode "no GPU or no ncu"
   fi
-  step bench 300 sh -c "'$build/flexdemo' bench optimizer --device $device --scale $bench_scale --topk 32 \
+  step bench 300 sh -c "'$build/flexdemo' bench optimizer --device $device --scale $bench_scale --step demo --topk 32 \
     --chunk 64 --values bf16 --steps 20 --json > '$work/bench.json'"
 
   # A small GPT on the corpus, 2 nodes x 2 ranks sharing the GPU (MPI: NCCL cannot put two ranks

@@ -29,15 +29,16 @@ struct NamedShape {
 };
 std::vector<NamedShape> gpt2_parameter_shapes(const GptShape& gpt);
 
-// What both benchmarks share: the parameter set and DeMo's compression settings.
+// What both benchmarks share: the parameter set and the DeMo step (a named step, the library's
+// optim::preset, with the options given over it: the same defaults as the command and Python).
 struct DemoBenchArgs {
-  double scale = 0.25;          // GPT-2-124M shapes scaled by this
-  int64_t topk = 32;            // coefficients kept per chunk
-  int64_t chunk = 64;           // target chunk edge
-  std::string values = "fp32";  // wire value encoding
-  int steps = 10;               // optimizer steps
-  bool json = false;            // one JSON object instead of text
-  std::string inner = "sgd";    // DeMo's inner optimizer: sgd (sign-SGD) or adamw
+  double scale = 0.25;             // GPT-2-124M shapes scaled by this
+  std::string step = "flexdemo";   // flexdemo, flexdemo-adamw or demo
+  int64_t topk = 0;                // coefficients kept per chunk (0: the step's)
+  int64_t chunk = 64;              // target chunk edge
+  std::string values;              // wire value encoding ("": the step's)
+  int steps = 10;                  // optimizer steps
+  bool json = false;               // one JSON object instead of text
 };
 
 // The DeMo options the flags ask for, validated (and --steps checked).
@@ -50,10 +51,7 @@ struct OptimizerBenchArgs : DemoBenchArgs {
 int run_bench_optimizer(const OptimizerBenchArgs& args);
 
 struct ExchangeBenchArgs : DemoBenchArgs {
-  ExchangeBenchArgs() {
-    values = "bf16";
-    steps = 20;
-  }
+  ExchangeBenchArgs() { steps = 20; }
   std::string replicator = "demo";  // compared against "full" (plain HSDP)
   int ranks_per_node = 0;           // 0: from MPI
   int shard_size = 0;               // 0: the whole node

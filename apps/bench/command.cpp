@@ -13,15 +13,15 @@ namespace {
 void add_demo_bench_flags(CLI::App* cmd, bench::DemoBenchArgs& args) {
   cmd->add_option("--scale", args.scale, "GPT-2-124M shapes scaled by S (0.25: 3.8M params)")
       ->capture_default_str();
-  cmd->add_option("--topk", args.topk, "coefficients kept per chunk")->capture_default_str();
+  cmd->add_option("--step", args.step,
+                  "the DeMo step whose defaults apply: flexdemo (the default), flexdemo-adamw, demo")
+      ->check(CLI::IsMember(names_of<optim::Preset>()))
+      ->capture_default_str();
+  cmd->add_option("--topk", args.topk, "coefficients kept per chunk (default: the step's)");
   cmd->add_option("--chunk", args.chunk, "target chunk edge")->capture_default_str();
-  cmd->add_option("--values", args.values, "wire value encoding")
-      ->check(CLI::IsMember(names_of<compress::ValueEncoding>()))
-      ->capture_default_str();
+  cmd->add_option("--values", args.values, "wire value encoding (default: the step's)")
+      ->check(CLI::IsMember(names_of<compress::ValueEncoding>()));
   cmd->add_option("--steps", args.steps, "optimizer steps (timed: the median is reported)")
-      ->capture_default_str();
-  cmd->add_option("--inner", args.inner, "DeMo's inner optimizer: sgd (sign-SGD) or adamw")
-      ->check(CLI::IsMember(names_of<optim::InnerKind>()))
       ->capture_default_str();
   cmd->add_flag("--json", args.json, "print one JSON object (rank 0)");
 }

@@ -151,10 +151,10 @@ int run_bench_exchange(const ExchangeBenchArgs& args, std::shared_ptr<comm::Comm
   const bool root = topo.world->rank() == 0;
   if (root && !args.json) {
     fmt::print(
-        "FlexDeMo exchange: {}; GPT-2 x{} shapes; {} + {}, top-{} of {}x{} chunks, {} "
+        "FlexDeMo exchange: {}; GPT-2 x{} shapes; {}, the {} step, top-{} of {}x{} chunks, {} "
         "values\n",
-        topo.describe(), args.scale, args.replicator, args.inner, options.topk, options.chunk,
-        options.chunk, args.values);
+        topo.describe(), args.scale, args.replicator, args.step, options.topk, options.chunk,
+        options.chunk, name_of(options.values));
   }
   const RunResult main = run(shapes, topo, options, args.steps, root && !args.json);
   optim::OptimizerOptions dense = options;

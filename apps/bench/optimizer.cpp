@@ -120,18 +120,15 @@ optim::OptimizerOptions demo_options(const DemoBenchArgs& args) {
   if (args.steps < 1) {
     throw std::invalid_argument("--steps must be >= 1, got " + std::to_string(args.steps));
   }
-  if (args.topk < 1)
-    throw std::invalid_argument("--topk must be >= 1, got " + std::to_string(args.topk));
-  if (args.chunk < 1) {
-    throw std::invalid_argument("--chunk must be >= 1, got " + std::to_string(args.chunk));
+  std::vector<std::pair<std::string, std::string>> given = {{"chunk",
+                                                            std::to_string(args.chunk)}};
+  if (args.topk != 0) given.push_back({"topk", std::to_string(args.topk)});
+  if (!args.values.empty()) given.push_back({"values", args.values});
+  try {
+    return optim::options_for(parse_name<optim::Preset>(args.step), given);
+  } catch (const optim::OptionsError& e) {
+    throw std::invalid_argument(e.spelled([](const std::string& name) { return "--" + name; }));
   }
-  optim::OptimizerOptions options;
-  options.topk = args.topk;
-  options.chunk = args.chunk;
-  options.values = parse_name<compress::ValueEncoding>(args.values);
-  options.inner = parse_name<optim::InnerKind>(args.inner);
-  options.validate();
-  return options;
 }
 
 int run_bench_optimizer(const OptimizerBenchArgs& args) {
@@ -184,7 +181,9 @@ int run_bench_optimizer(const OptimizerBenchArgs& args) {
   out["wire_bytes"] = t.wire_bytes;
   out["kept_coefficients"] = t.kept_coefficients;
   out["bytes_per_param"] = double(t.wire_bytes) / double(t.params);
-  out["inner"] = args.inner;
+  out["step"] = args.step;
+  out["topk"] = options.topk;
+  out["values"] = name_of(options.values);
   out["isa"] = kernels::to_string(kernels::active_isa());
   if (args.json) {
     fmt::print("{}\n", out.dump());
@@ -210,7 +209,8 @@ int run_bench_optimizer(const OptimizerBenchArgs& args) {
                double(t.wire_bytes) / double(t.kept_coefficients));
     fmt::print("bytes_per_param    {:.5f}   (dense fp32 all-reduce: 4 bytes per param)\n",
                double(t.wire_bytes) / double(t.params));
-    fmt::print("inner              {}\n", args.inner);
+    fmt::print("step               {} (top-k {}, {} values)\n", args.step, options.topk,
+               name_of(options.values));
     fmt::print("isa                {}   (the fast path's kernels; FLEXDEMO_ISA to choose)\n",
                kernels::to_string(kernels::active_isa()));
   }
