@@ -12,7 +12,7 @@
 // After the table it prints, per part, plain / fast measured in this run.
 #include "flexdemo/compress.h"
 #include "flexdemo/dct.h"
-#include "flexdemo/kernels.h"
+#include "demo/kernels.h"
 #include "flexdemo/runtime.h"
 
 #include <ATen/ATen.h>

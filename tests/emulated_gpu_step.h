@@ -9,7 +9,7 @@
 #include "demo/cuda/cuda_kernels.cuh"
 #include "demo/cuda/host_table.h"
 #include "flexdemo/compress.h"
-#include "flexdemo/kernels.h"
+#include "demo/kernels.h"
 
 #include <ATen/ATen.h>
 

@@ -5,7 +5,7 @@
 
 #include "demo/codec.h"
 #include "flexdemo/compress.h"
-#include "flexdemo/kernels.h"
+#include "demo/kernels.h"
 #include "isa.h"
 
 #include <ATen/ATen.h>

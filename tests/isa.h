@@ -1,7 +1,7 @@
 // Runs a test body once per instruction set of the fast path's kernels that this CPU has.
 #pragma once
 
-#include "flexdemo/kernels.h"
+#include "demo/kernels.h"
 
 #include <vector>
 

@@ -1,8 +1,9 @@
 // Top-k against a sort-based reference, the wire format's round trip and closed-form size,
 // rejection of malformed payloads, and decode-aggregate against a naive mean.
 #include "demo/codec.h"
+#include "demo/screen.h"
 #include "flexdemo/compress.h"
-#include "flexdemo/kernels.h"
+#include "demo/kernels.h"
 #include "isa.h"
 
 #include <ATen/ATen.h>

@@ -1,7 +1,7 @@
 // Chunk plans and the chunked DCT against the direct float64 formula.
 #include "flexdemo/compress.h"
 #include "flexdemo/dct.h"
-#include "flexdemo/kernels.h"
+#include "demo/kernels.h"
 #include "isa.h"
 
 #include <ATen/ATen.h>

@@ -3,7 +3,7 @@
 // saying so, where no GPU is visible (or the build has no CUDA).
 #include "gpu_step_check.h"
 
-#include "flexdemo/kernels.h"
+#include "demo/kernels.h"
 #include "flexdemo/optim.h"
 
 #include <ATen/ATen.h>

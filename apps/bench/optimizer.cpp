@@ -2,7 +2,7 @@
 // same GPT-2-shaped parameters, timed in the same run; prints the ratio and the wire size.
 #include "bench.h"
 
-#include "flexdemo/kernels.h"
+#include "demo/kernels.h"
 #include "flexdemo/optim.h"
 #include "flexdemo/runtime.h"
 

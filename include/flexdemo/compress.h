@@ -72,12 +72,11 @@ struct PayloadValues {
 PayloadValues scan_payload_values(const uint8_t* data, const dct::ChunkPlan& plan, int64_t k,
                                   ValueEncoding encoding);
 
-// A test aid (FLEXDEMO_INJECT_PAYLOAD): a faulty sender. Scale multiplies every value a
-// receiver decodes by `factor` (NaN: non-finite values) and re-seals the payload, so that only
-// a check of the values finds it; Corrupt flips one bit of the body, so the checksum fails.
+// How a test aid (Optimizer::tamper_next_exchange, FLEXDEMO_INJECT_PAYLOAD) makes a payload
+// faulty: Scale multiplies every value a receiver decodes by a factor (NaN: non-finite values)
+// and re-seals the payload, so that only a check of the values finds it; Corrupt flips one bit
+// of the body, so the checksum fails (src/demo/screen.h: tamper_payload).
 enum class Tamper { Scale, Corrupt };
-void tamper_payload(uint8_t* data, const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding,
-                    Tamper how, double factor = 1.0);
 
 // Decodes the payloads of one tensor from R replicas, given in rank order, each `size` bytes,
 // into out (float32 block layout, overwritten): per coefficient, the mean of the values of the

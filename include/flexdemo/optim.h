@@ -166,8 +166,9 @@ OptimizerOptions preset(Preset p);
 // The options a front door asks for: preset p's, then each given (name, value) set, then the
 // options that follow from others resolved where not given: rms_cap 1 only for the flexdemo step
 // with sign off, no update_rms and no normalize (else 0); precondition only with inner_steps 1;
-// topk at most chunk x chunk. Validated (OptionsError). The command's flags and Python's keywords
-// both come here, so the three doors default to the same step.
+// topk at most chunk x chunk. Validated (OptionsError; also a topk given above chunk x chunk,
+// which the library alone would clamp). The command's flags and Python's keywords both come
+// here, so the three doors default to the same step.
 OptimizerOptions options_for(Preset p,
                              const std::vector<std::pair<std::string, std::string>>& given);
 

@@ -10,7 +10,7 @@
 
 #include "flexdemo/compress.h"
 #include "flexdemo/dct.h"
-#include "flexdemo/kernels.h"
+#include "demo/kernels.h"
 
 #include <ATen/core/Tensor.h>
 

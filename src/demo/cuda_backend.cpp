@@ -8,7 +8,7 @@
 #include "flexdemo/comm.h"
 #include "flexdemo/compress.h"
 #include "flexdemo/dct.h"
-#include "flexdemo/kernels.h"
+#include "demo/kernels.h"
 
 #include <ATen/ATen.h>
 

@@ -25,3 +25,11 @@ std::vector<optim::PeerFault> screen_payloads(const uint8_t* gathered, int repli
                                               compress::ValueEncoding encoding, double scale_bound);
 
 }  // namespace flexdemo::demo
+
+namespace flexdemo::compress {
+
+// The test aid: one payload made faulty as `how` says (compress.h's Tamper), `factor` for Scale.
+void tamper_payload(uint8_t* data, const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding,
+                    Tamper how, double factor = 1.0);
+
+}  // namespace flexdemo::compress

@@ -3,7 +3,7 @@
 // With `precondition`, each gradient is first divided by the root of its running mean square.
 #include "stepping.h"
 
-#include "flexdemo/kernels.h"
+#include "demo/kernels.h"
 
 #include <ATen/ATen.h>
 

@@ -77,10 +77,6 @@ void OptimizerOptions::validate() const {
   if (!(decay >= 0.0 && decay < 1.0)) fail("{decay} must be in [0, 1), got " + str(decay));
   if (topk <= 0) fail("{topk} must be > 0, got " + std::to_string(topk));
   if (chunk <= 0) fail("{chunk} must be > 0, got " + std::to_string(chunk));
-  if (topk > chunk * chunk) {
-    fail("{topk} " + std::to_string(topk) + " exceeds the " + std::to_string(chunk * chunk) +
-         " coefficients of a {chunk} " + std::to_string(chunk) + " chunk");
-  }
   if (replicate_every < 1) {
     fail("{replicate_every} must be >= 1, got " + std::to_string(replicate_every));
   }

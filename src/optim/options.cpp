@@ -153,6 +153,13 @@ OptimizerOptions options_for(Preset p,
   if (unset("precondition")) o.precondition = preset(p).precondition && o.inner_steps == 1;
   if (unset("topk") && o.chunk > 0) o.topk = std::min(o.topk, o.chunk * o.chunk);
   o.validate();
+  // A top-k given above the chunk's coefficients is a mistake at a front door (the library
+  // itself clamps it to each chunk).
+  if (!unset("topk") && o.topk > o.chunk * o.chunk) {
+    throw OptionsError("{topk} " + std::to_string(o.topk) + " exceeds the " +
+                       std::to_string(o.chunk * o.chunk) + " coefficients of a {chunk} " +
+                       std::to_string(o.chunk) + " chunk");
+  }
   return o;
 }
 

@@ -19,6 +19,8 @@
 #include "replicator.h"
 #include "step_rule.h"
 
+#include "demo/screen.h"
+
 #include "flexdemo/comm.h"
 
 #include <ATen/ATen.h>

@@ -2,7 +2,7 @@
 // parameters. AdamW follows torch.optim.AdamW's operation order, so it can be checked against it.
 #include "step_rule.h"
 
-#include "flexdemo/kernels.h"
+#include "demo/kernels.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -8,7 +8,7 @@
 #pragma once
 
 #include "demo/backend.h"
-#include "flexdemo/kernels.h"
+#include "demo/kernels.h"
 #include "flexdemo/optim.h"
 
 #include <ATen/core/Tensor.h>

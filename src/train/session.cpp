@@ -6,7 +6,7 @@
 #include "options.h"
 
 #include "flexdemo/comm.h"
-#include "flexdemo/kernels.h"
+#include "demo/kernels.h"
 #include "flexdemo/runtime.h"
 #include "runtime/autocast.h"
 

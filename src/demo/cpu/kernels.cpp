@@ -1,6 +1,6 @@
 // The fast path's tensor-level entry points: factorised DCT plans, the choice of instruction set,
 // and the loops over chunks (in parallel, one scratch area per task) around the chunk kernels.
-#include "flexdemo/kernels.h"
+#include "demo/kernels.h"
 
 #include "demo/codec.h"
 #include "demo/cpu/chunk_kernels.h"

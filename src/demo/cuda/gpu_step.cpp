@@ -1,7 +1,7 @@
 // kernels::GpuStep: the host side of the CUDA DeMo kernels (cuda_kernels.cu) — chunk tables and
 // DCT bases on the device, the per-step pointers, the launches on the current stream, and the
 // payloads' headers and checksums on the host. Without FLEXDEMO_CUDA it only says so.
-#include "flexdemo/kernels.h"
+#include "demo/kernels.h"
 
 #include "demo/cpu/chunk_kernels.h"
 #include "demo/cuda/host_table.h"

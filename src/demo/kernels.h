@@ -1,4 +1,4 @@
-// flexdemo/kernels.h — DeMo's CPU fast path: fused per-chunk kernels for the chunked DCT, the
+// demo/kernels.h (private) — DeMo's CPU fast path: fused per-chunk kernels for the chunked DCT, the
 // residual update and top-k, and the inverse DCT of sparse coefficients (optionally applying the
 // inner optimizer's step as it goes). Each kernel exists for
 // several instruction sets (chosen at run time: the best this CPU has, or FLEXDEMO_ISA) and is
