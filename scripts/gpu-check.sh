@@ -7,9 +7,9 @@
 #   probe            GPU, driver, compute mode, torch, CUDA, NCCL, nvcc, OpenMPI, CMake versions
 #   python_build     the Python package (python/) against python3's torch: needs only torch, a
 #                    compiler, CMake and nvcc
-#   python_ops       its torch ops on the GPU equal the CPU's portable kernels bit for bit, every
+#   python_ops       its engine on the GPU equals the CPU's portable kernels bit for bit, every
 #                    encoding, and FlexDeMo trains there (tests/python/test_gpu_ops.py)
-#   python_bench     python -m flexdemo.bench --scale 1: the ops' DeMo step against torch AdamW
+#   python_bench     python -m flexdemo.bench --scale 1: DeMo.step and FlexDeMo.step against torch AdamW
 #                    (foreach, fused) and the plain-torch DeMo step
 #   configure, build the C++ library, CLI and GPU tests against that torch, with what the machine
 #                    lacks taken from .gpu-deps/ (scripts/fetch-gpu-deps.sh, unpacked into a
