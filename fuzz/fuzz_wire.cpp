@@ -5,7 +5,7 @@
 // bounds, is a finding.
 #include "flexdemo/compress.h"
 #include "flexdemo/dct.h"
-#include "flexdemo/kernels.h"
+#include "demo/kernels.h"
 
 #include <ATen/ATen.h>
 #include <zlib.h>

@@ -13,6 +13,13 @@
 
 namespace flexdemo::optim {
 
+// The step's types, as the replicators name them.
+using demo::Backend;
+using demo::Bucket;
+using demo::make_backend;
+using demo::Update;
+using demo::Updates;
+
 // What the backend's kernels need of the options.
 demo::BackendOptions backend_options(const OptimizerOptions& options);
 

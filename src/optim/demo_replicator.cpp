@@ -26,12 +26,6 @@
 namespace flexdemo::optim {
 namespace {
 
-using demo::Backend;
-using demo::Bucket;
-using demo::make_backend;
-using demo::Update;
-using demo::Updates;
-
 class DemoReplicator final : public optim::Replicator {
  public:
   DemoReplicator(const std::vector<dct::ChunkPlan>& plans, const optim::OptimizerOptions& options,

@@ -31,12 +31,6 @@
 namespace flexdemo::optim {
 namespace {
 
-using demo::Backend;
-using demo::Bucket;
-using demo::make_backend;
-using demo::Update;
-using demo::Updates;
-
 // Some of a tensor's chunk rows, exchanged as a tensor of their own.
 struct Piece {
   size_t tensor = 0;
