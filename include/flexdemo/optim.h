@@ -162,6 +162,9 @@ struct OptimizerOptions {
 //                   preconditioning
 enum class Preset { FlexDemo, FlexDemoAdamW, DeMo };
 OptimizerOptions preset(Preset p);
+// The step an inner rule brings its defaults from, where no step is named: flexdemo-adamw for
+// adamw, flexdemo otherwise.
+Preset preset_for(InnerKind inner);
 
 // The options a front door asks for: preset p's, then each given (name, value) set, then the
 // options that follow from others resolved where not given: rms_cap 1 only for the flexdemo step

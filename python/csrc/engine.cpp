@@ -57,18 +57,34 @@ auto options_checked(F&& f, const std::vector<std::string>& spelling = {}) {
   }
 }
 
+// preset "": the one the given inner rule brings (optim::preset_for; an unknown rule is
+// named by options_for).
 optim::OptimizerOptions resolve(const std::string& preset, const std::vector<std::string>& given,
                                 const std::vector<std::string>& spelling) {
   return options_checked(
-      [&] { return optim::options_for(parse_name<optim::Preset>(preset), pairs_of(given)); },
+      [&] {
+        const auto pairs = pairs_of(given);
+        optim::Preset step = optim::Preset::FlexDemo;
+        if (!preset.empty()) {
+          step = parse_name<optim::Preset>(preset);
+        } else {
+          for (const auto& [name, value] : pairs) {
+            if (name != "inner") continue;
+            for (const optim::InnerKind inner : values_of<optim::InnerKind>()) {
+              if (name_of(inner) == value) step = optim::preset_for(inner);
+            }
+          }
+        }
+        return optim::options_for(step, pairs);
+      },
       spelling);
 }
 
 class Engine final : public torch::CustomClassHolder {
  public:
   // params: this rank's tensors (contiguous float32, one device; a shard is its local tensor,
-  // chunked by its own shape); preset and given options ("name=value") as options_for takes
-  // them, spelled in errors as `spelling` says; group: the replica group's torch.distributed
+  // chunked by its own shape); preset ("": by the inner rule) and given options ("name=value")
+  // as options_for takes them, spelled in errors as `spelling` says; group: the replica group's torch.distributed
   // name ("" for one replica); device: where its collectives take their buffers.
   Engine(std::vector<at::Tensor> params, std::string preset, std::vector<std::string> given,
          std::vector<std::string> spelling, std::string group, std::string device) {
@@ -180,7 +196,8 @@ std::vector<std::tuple<std::string, std::string, std::string>> option_table() {
   return out;
 }
 
-// Every option as "name=value" for a preset with these given (options_for: validated).
+// Every option as "name=value" for a preset ("": by the inner rule) with these given
+// (options_for: validated).
 std::vector<std::string> resolved_options(const std::string& preset,
                                           const std::vector<std::string>& given,
                                           const std::vector<std::string>& spelling) {

@@ -18,15 +18,11 @@ namespace {
 
 using c10d::ProcessGroup;
 
-struct Stats {
-  comm::CommStats totals;
-};
-
 // A c10d Work; wait() completes it, then whatever the collective still has to do on the host
 // (the average's division, a variable gather's copy), once.
 class GroupWork final : public comm::Work {
  public:
-  GroupWork(c10::intrusive_ptr<c10d::Work> work, std::shared_ptr<Stats> stats, uint64_t sent,
+  GroupWork(c10::intrusive_ptr<c10d::Work> work, std::shared_ptr<comm::CommStats> stats, uint64_t sent,
             uint64_t received, std::function<void()> then = {})
       : work_(std::move(work)),
         stats_(std::move(stats)),
@@ -51,17 +47,17 @@ class GroupWork final : public comm::Work {
     }
     done_ = true;
     if (then_) then_();
-    stats_->totals.seconds +=
+    stats_->seconds +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    stats_->totals.bytes_sent += sent_;
-    stats_->totals.bytes_received += received_;
-    ++stats_->totals.collectives;
+    stats_->bytes_sent += sent_;
+    stats_->bytes_received += received_;
+    ++stats_->collectives;
   }
   bool is_completed() override { return done_ || work_->isCompleted(); }
 
  private:
   c10::intrusive_ptr<c10d::Work> work_;
-  std::shared_ptr<Stats> stats_;
+  std::shared_ptr<comm::CommStats> stats_;
   uint64_t sent_, received_;
   std::function<void()> then_;
   bool done_ = false;
@@ -153,8 +149,8 @@ class GroupCommunicator final : public comm::Communicator {
   }
   std::shared_ptr<comm::Communicator> split_by_host() override { return split(0, 0); }
 
-  comm::CommStats stats() const override { return stats_->totals; }
-  void reset_stats() override { stats_->totals = {}; }
+  comm::CommStats stats() const override { return *stats_; }
+  void reset_stats() override { *stats_ = {}; }
 
  private:
   static void check(bool ok, const char* what) {
@@ -185,7 +181,7 @@ class GroupCommunicator final : public comm::Communicator {
 
   c10::intrusive_ptr<ProcessGroup> group_;
   at::Device device_;
-  std::shared_ptr<Stats> stats_ = std::make_shared<Stats>();
+  std::shared_ptr<comm::CommStats> stats_ = std::make_shared<comm::CommStats>();
 };
 
 }  // namespace

@@ -110,7 +110,7 @@ class FlexDeMo(torch.optim.Optimizer):
             given["lr"] = lr
         if step is not None and step not in _options.STEPS:
             raise _bad("step {!r}; accepted: {}".format(step, ", ".join(_options.STEPS)))
-        self.preset = step or self._preset or _options.preset_of(inner or "sgd")
+        self.preset = step or self._preset or ""  # "": the engine's, by the inner rule
         self.given = _options.given(given)  # option -> value, as the user gave them
         self._spelling = _options.spelling(given)
         resolved = _options.resolve(self.preset, self.given, given)
@@ -198,6 +198,14 @@ class FlexDeMo(torch.optim.Optimizer):
                     key, value = "{}.{}".format(what, where), t
                 self.state[p][key] = value
                 self._handles.append((p, key, t))
+
+    def state_dict(self):
+        """torch's, each parameter's "step" the steps taken (kept as one count while stepping)."""
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.requires_grad:
+                    self.state[p]["step"].fill_(self._steps)
+        return super().state_dict()
 
     def load_state_dict(self, state_dict) -> None:
         """torch's, then every engine tensor loaded from it and bound again."""
@@ -306,10 +314,6 @@ class FlexDeMo(torch.optim.Optimizer):
         for group, engine, gs in zip(self.param_groups, self._engines, grads):
             if engine is not None:
                 engine.step(gs, group["lr"])
-        for g in self.param_groups:
-            for p in g["params"]:
-                if p.requires_grad:
-                    self.state[p]["step"].fill_(self._steps)
         self._report_peers()
 
     def _report_peers(self) -> None:

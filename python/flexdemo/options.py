@@ -51,11 +51,6 @@ def _word(value) -> str:
     return str(value)
 
 
-def preset_of(inner: str) -> str:
-    """The step a FlexDeMo(inner=...) starts from."""
-    return "flexdemo-adamw" if inner == "adamw" else "flexdemo"
-
-
 def given(options: Dict) -> Dict[str, object]:
     """Keywords as the engine names them (aliases resolved, betas split); an unknown keyword is
     a TypeError naming it, as Python's own would be."""
@@ -86,8 +81,9 @@ def words(options: Dict[str, object]) -> List[str]:
 
 
 def resolve(step: str, options: Dict[str, object], keywords=()) -> Dict[str, object]:
-    """Every option of `step` with these given (checked by the engine: a ValueError names the
-    bad one as `keywords`, the caller's, spell it)."""
+    """Every option of `step` ("": the one the given inner rule brings, the engine's choice) with
+    these given (checked by the engine: a ValueError names the bad one as `keywords`, the
+    caller's, spell it)."""
     kinds = {name: kind for name, kind, _ in table()}
     out = {}
     for pair in _ops.resolved_options(step, words(options), spelling(keywords)):

@@ -105,6 +105,10 @@ OptimizerOptions preset(Preset p) {
   return o;
 }
 
+Preset preset_for(InnerKind inner) {
+  return inner == InnerKind::AdamW ? Preset::FlexDemoAdamW : Preset::FlexDemo;
+}
+
 std::vector<OptionInfo> option_infos() {
   std::vector<OptionInfo> infos;
 #define FLEXDEMO_OPTION_INFO(name, type, default_value, help) \
