@@ -138,6 +138,30 @@ FLEXDEMO_HD int64_t get_bits(const uint8_t* p, int64_t bit, int width) {
   return v;
 }
 
+// Up to 8 bytes from p as a little-endian word, `avail` of them readable (0 beyond): a record's
+// bits read a word at a time without reading past it.
+FLEXDEMO_HD uint64_t load_le64(const uint8_t* p, int64_t avail) {
+  uint64_t v = 0;
+  if (avail >= 8) {
+    for (int b = 0; b < 8; ++b) v |= uint64_t(p[b]) << (8 * b);  // one load, as compilers see it
+    return v;
+  }
+  for (int b = 0; b < avail; ++b) v |= uint64_t(p[b]) << (8 * b);
+  return v;
+}
+// `width` (<= 56) bits of a record of `bytes` bytes from bit `bit` on, LSB first.
+FLEXDEMO_HD uint64_t record_bits(const uint8_t* record, int64_t bytes, int64_t bit, int width) {
+  const uint64_t word = load_le64(record + bit / 8, bytes - bit / 8) >> (bit % 8);
+  return word & ((uint64_t(1) << width) - 1);
+}
+FLEXDEMO_HD int lowest_set_bit(uint64_t x) {  // x != 0
+#if defined(__CUDA_ARCH__)
+  return __ffsll(static_cast<long long>(x)) - 1;
+#else
+  return __builtin_ctzll(x);
+#endif
+}
+
 // Fields narrower than a byte (1bit and 2bit values, packed records) share bytes with their
 // neighbours, in a chunk and across chunks. They are ORed into zeroed bytes through Bytes::or_byte:
 // PlainBytes where one thread writes a payload, AtomicBytes where many do (the GPU's).
@@ -205,7 +229,8 @@ FLEXDEMO_HD int64_t get_position(const uint8_t* body, const Layout& l, int64_t c
 }
 // Chunk c's positions, in the order sent, into out[0, k). Returns how many the chunk holds: k, or
 // for a damaged packed record another count (out then holds the first min(count, k)), or -1 for
-// a record with a padding bit set (not one this codec writes).
+// a record with a padding bit set (not one this codec writes). A packed record's bitmap is read
+// 56 bits at a time, its set bits found by their index.
 FLEXDEMO_HD int64_t get_positions(const uint8_t* body, const Layout& l, int64_t c, int64_t* out) {
   if (l.index_bytes > 0) {
     for (int64_t j = 0; j < l.k; ++j) out[j] = get_position(body, l, c, j);
@@ -215,14 +240,19 @@ FLEXDEMO_HD int64_t get_positions(const uint8_t* body, const Layout& l, int64_t 
   const int low = packed_low_bits(l.chunk_numel, l.k);
   const int64_t high_at = l.k * low, high_bits = packed_high_bits(l.chunk_numel, l.k);
   int64_t found = 0;
-  for (int64_t b = 0; b < high_bits; ++b) {
-    if (!get_bit(record, high_at + b)) continue;
-    if (found < l.k) out[found] = (b - found) << low | get_bits(record, found * low, low);
-    ++found;
+  for (int64_t b = 0; b < high_bits; b += 56) {
+    const int width = high_bits - b < 56 ? int(high_bits - b) : 56;
+    for (uint64_t w = record_bits(record, l.record_bytes, high_at + b, width); w != 0; w &= w - 1) {
+      const int64_t bit = b + lowest_set_bit(w);
+      if (found < l.k) {
+        out[found] = (bit - found) << low |
+                     int64_t(record_bits(record, l.record_bytes, found * low, low));
+      }
+      ++found;
+    }
   }
-  for (int64_t b = high_at + high_bits; b < l.record_bytes * 8; ++b) {
-    if (get_bit(record, b)) return -1;
-  }
+  const int64_t used = high_at + high_bits;  // the padding: the last byte's bits above these
+  if (used % 8 != 0 && (record[l.record_bytes - 1] >> (used % 8)) != 0) return -1;
   return found;
 }
 
@@ -371,11 +401,12 @@ FLEXDEMO_HD float put_value(uint8_t* body, const Layout& l, ValueEncoding e, int
 // Chunk c's k entries (ascending positions pos, values val) into a zeroed body: positions,
 // scales, values; val[j] replaced by what a receiver decodes, so that error feedback removes
 // exactly what was sent. The CPU encoders' per-chunk step (one payload at a time: PlainBytes;
-// chunks written by several tasks: AtomicBytes).
+// chunks written by several tasks: AtomicBytes, for the values narrower than a byte: a chunk's
+// positions are whole bytes of its own, written plainly).
 template <class Bytes>
 FLEXDEMO_HD void put_chunk(uint8_t* body, const Layout& l, ValueEncoding e, int64_t c,
                            const int64_t* pos, float* val) {
-  for (int64_t j = 0; j < l.k; ++j) put_position<Bytes>(body, l, c, j, pos[j]);
+  for (int64_t j = 0; j < l.k; ++j) put_position<PlainBytes>(body, l, c, j, pos[j]);
   const ChunkScales scales = chunk_scales(e, val, nullptr, l.k);
   put_scales(body, l, e, c, scales);
   for (int64_t j = 0; j < l.k; ++j)
@@ -419,6 +450,11 @@ FLEXDEMO_HD void get_values(const uint8_t* body, const Layout& l, ValueEncoding 
         out[j] = bf16_value(uint16_t(v[0] | v[1] << 8));
       }
       return;
+    case ValueEncoding::Fp8: {
+      const float scale = get_f32(body + l.scales_at + 4 * c);
+      for (int64_t j = 0; j < l.k; ++j) out[j] = fp8_value(values[first + j]) * scale;
+      return;
+    }
     default:
       for (int64_t j = 0; j < l.k; ++j) out[j] = get_value(body, l, e, first + j);
   }

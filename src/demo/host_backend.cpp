@@ -4,6 +4,7 @@
 // top-k chunk by chunk, the sparse inverse fused with the SGD or AdamW update). Both write
 // and read payloads through compress.h's wire format, so their bytes are the same.
 #include "backend.h"
+#include "screen.h"
 
 #include "flexdemo/compress.h"
 #include "flexdemo/dct.h"
@@ -161,12 +162,11 @@ class CpuBackend final : public HostBackend {
 
   // Per chunk, only the coefficients received; the update fused into their inverse, so the
   // direction never goes through memory.
-  bool decode_one(size_t i, const std::vector<const uint8_t*>& payloads, size_t size,
+  bool decode_one(size_t i, const std::vector<const uint8_t*>& payloads, size_t /*size*/,
                   const Bucket& b, const at::Tensor& samples,
                   const std::optional<Update>& update) override {
     const dct::ChunkPlan& plan = plans_[i];
-    const compress::SparseChunks coeffs =
-        compress::decode_mean_sparse(payloads, size, plan, b.topk, b.values);
+    const compress::SparseChunks coeffs = mean_of_screened(payloads, plan, b.topk, b.values);
     if (!update) {
       kernels::idct_sparse(coeffs, plan, samples);
       return true;

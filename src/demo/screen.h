@@ -24,6 +24,12 @@ std::vector<optim::PeerFault> screen_payloads(const uint8_t* gathered, int repli
                                               const std::vector<size_t>& offsets, int64_t k,
                                               compress::ValueEncoding encoding, double scale_bound);
 
+// compress::decode_mean_sparse of payloads that passed screen_payloads (or this replica's own,
+// as it encoded them): the same means, without validating them again.
+compress::SparseChunks mean_of_screened(const std::vector<const uint8_t*>& payloads,
+                                        const dct::ChunkPlan& plan, int64_t k,
+                                        compress::ValueEncoding encoding);
+
 }  // namespace flexdemo::demo
 
 namespace flexdemo::compress {

@@ -153,10 +153,14 @@ PayloadValues scan_payload_values(const uint8_t* data, const dct::ChunkPlan& pla
   const Layout l = layout_of(plan, k, encoding);
   const uint8_t* body = data + kHeaderBytes;
   PayloadValues scan;
-  for (int64_t e = 0; e < l.entries; ++e) {
-    const double v = codec::get_value(body, l, encoding, e);
-    scan.finite = scan.finite && std::isfinite(v);
-    scan.sum_squares += v * v;
+  std::vector<float> values(size_t(l.k));
+  for (int64_t c = 0; c < l.chunks; ++c) {
+    codec::get_values(body, l, encoding, c, values.data());
+    for (const float value : values) {
+      const double v = value;
+      scan.finite = scan.finite && std::isfinite(v);
+      scan.sum_squares += v * v;
+    }
   }
   return scan;
 }
@@ -187,7 +191,19 @@ void tamper_payload(uint8_t* data, const dct::ChunkPlan& plan, int64_t k, ValueE
 SparseChunks decode_mean_sparse(const std::vector<const uint8_t*>& payloads, size_t size,
                                 const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding) {
   for (const uint8_t* p : payloads) validate_payload(p, size, plan, k, encoding);
-  const Layout l = layout_of(plan, k, encoding);
+  return demo::mean_of_screened(payloads, plan, k, encoding);
+}
+
+}  // namespace flexdemo::compress
+
+namespace flexdemo::demo {
+
+compress::SparseChunks mean_of_screened(const std::vector<const uint8_t*>& payloads,
+                                        const dct::ChunkPlan& plan, int64_t k,
+                                        compress::ValueEncoding encoding) {
+  using compress::SparseChunks;
+  namespace cm = kernels::chunk_math;
+  const codec::Layout l = codec::layout(plan.num_chunks(), plan.chunk_numel(), k, encoding);
   const int64_t capacity = int64_t(payloads.size()) * l.k;
   SparseChunks out;
   out.positions = at::empty({l.chunks, capacity}, at::kInt);
@@ -207,7 +223,7 @@ SparseChunks decode_mean_sparse(const std::vector<const uint8_t*>& payloads, siz
       float* val_out = values + c * capacity;
       int64_t count = 0;
       for (const uint8_t* payload : payloads) {  // rank order: the same sums on every replica
-        const uint8_t* body = payload + kHeaderBytes;
+        const uint8_t* body = payload + codec::kHeaderBytes;
         codec::get_positions(body, l, c, chunk_positions.data());
         codec::get_values(body, l, encoding, c, chunk_values.data());
         for (int64_t j = 0; j < l.k; ++j) {
@@ -232,6 +248,10 @@ SparseChunks decode_mean_sparse(const std::vector<const uint8_t*>& payloads, siz
   });
   return out;
 }
+
+}  // namespace flexdemo::demo
+
+namespace flexdemo::compress {
 
 void decode_mean(const std::vector<const uint8_t*>& payloads, size_t size,
                  const dct::ChunkPlan& plan, int64_t k, ValueEncoding encoding,

@@ -10,6 +10,7 @@
 #include "demo/cpu/chunk_kernels.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -474,20 +475,11 @@ void dct_accumulate(const ChunkShape& shape, const float* src, int64_t src_strid
 }
 
 // ====== Top-k by partial selection ======
-struct Greater {
-  bool operator()(uint64_t x, uint64_t y) const { return x > y; }
-};
-
 inline uint32_t magnitude(float x) {
   uint32_t bits;
   std::memcpy(&bits, &x, 4);
   return bits & 0x7fffffffu;  // IEEE bits of |x|: they compare like |x| (NaN above infinity)
 }
-// The plain path's order: magnitude, then the lower position.
-inline uint64_t key_of(uint32_t mag, int64_t pos) {
-  return uint64_t(mag) << 32 | (0xffffffffu - uint32_t(pos));
-}
-
 inline v8i magnitudes(const float* p) {
   return (v8i)load(p) & splat_i(0x7fffffff);
 }
@@ -522,12 +514,14 @@ struct PackedLanes {
 constexpr PackedLanes kPackedLanes{};
 #endif
 
-// Positions of the entries whose magnitude is >= t, ascending; returns how many. positions
-// needs room for n (whole vectors are stored, but never past the entries read so far).
-int64_t collect_at_least(const float* x, int64_t n, uint32_t t, int32_t* positions) {
+// Positions of the entries whose magnitude is >= t, ascending, and their magnitudes; returns how
+// many. positions and mags need room for n (whole vectors are stored, but never past the
+// entries read so far).
+int64_t collect_at_least(const float* x, int64_t n, uint32_t t, int32_t* positions,
+                         int32_t* mags) {
   const v8i vt = splat_i(int32_t(t));
   int64_t count = 0, i = 0;
-#if defined(__AVX512F__)  // 16 at a time: the hits' positions packed by one compress
+#if defined(__AVX512F__)  // 16 at a time: the hits packed by one compress each
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (; i + 16 <= n; i += 16) {
     const __m512i mag = _mm512_and_si512(_mm512_loadu_si512(x + i), _mm512_set1_epi32(0x7fffffff));
@@ -535,120 +529,111 @@ int64_t collect_at_least(const float* x, int64_t n, uint32_t t, int32_t* positio
     _mm512_storeu_si512(
         positions + count,
         _mm512_maskz_compress_epi32(hits, _mm512_add_epi32(iota, _mm512_set1_epi32(int32_t(i)))));
+    _mm512_storeu_si512(mags + count, _mm512_maskz_compress_epi32(hits, mag));
     count += __builtin_popcount(hits);
   }
 #endif
   for (; i + 8 <= n; i += 8) {
-    const unsigned bits = lane_mask(magnitudes(x + i) >= vt);
+    const v8i mag = magnitudes(x + i);
+    const unsigned bits = lane_mask(mag >= vt);
 #if defined(__AVX2__)  // without a branch per hit: store the packed lanes, count them
     const __m256i lanes =
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kPackedLanes.lanes[bits]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(positions + count),
                         _mm256_add_epi32(lanes, _mm256_set1_epi32(int32_t(i))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(mags + count),
+                        _mm256_permutevar8x32_epi32(reinterpret_cast<__m256i>(mag), lanes));
     count += __builtin_popcount(bits);
 #else
-    for (unsigned b = bits; b != 0; b &= b - 1) positions[count++] = int32_t(i + __builtin_ctz(b));
+    for (unsigned b = bits; b != 0; b &= b - 1) {
+      mags[count] = mag[__builtin_ctz(b)];
+      positions[count++] = int32_t(i + __builtin_ctz(b));
+    }
 #endif
   }
   for (; i < n; ++i) {
-    if (magnitude(x[i]) >= t) positions[count++] = int32_t(i);
+    if (magnitude(x[i]) >= t) mags[count] = int32_t(magnitude(x[i])), positions[count++] = int32_t(i);
   }
   return count;
 }
 
-// The r-th largest magnitude (r <= 16) in a sample: 8 consecutive entries out of every 128,
-// each lane keeping its r largest in vectors (no branches), then the r-th largest of those.
-// 0 when the sample has fewer than r entries.
-uint32_t sampled_rank(const float* x, int64_t n, int r) {
-  v8i top[16];
-  for (int j = 0; j < r; ++j) top[j] = splat_i(-1);
-  for (int64_t i = 0; i + 8 <= n; i += 128) {
-    v8i m = magnitudes(x + i);
-    for (int j = 0; j < r; ++j) {  // the larger stays, the smaller moves down: a max and a min
-      const v8i kept = m > top[j] ? m : top[j];
-      m = m > top[j] ? top[j] : m;
-      top[j] = kept;
-    }
+// How many of mags[0, count) are >= t; mags is padded with -1 to whole vectors.
+int64_t count_at_least(const int32_t* mags, int64_t count, int32_t t) {
+  typedef int32_t vi __attribute__((vector_size(sizeof(vwide))));
+  typedef int32_t viu __attribute__((vector_size(sizeof(vwide)), aligned(4), may_alias));
+  constexpr int L = lanes_of<vwide>;
+  vi hits = {};
+  for (int64_t j = 0; j < count; j += L) {
+    hits += *reinterpret_cast<const viu*>(mags + j) >= (vi{} + t);  // true: -1
   }
-  int32_t values[16 * 8];
-  for (int j = 0; j < r; ++j) {
-    for (int q = 0; q < 8; ++q) values[j * 8 + q] = top[j][q];
-  }
-  int32_t largest = 0;
-  for (int pass = 0; pass < r; ++pass) {  // take the largest out, r times
-    int at = 0;
-    for (int q = 1; q < 8 * r; ++q) at = values[q] > values[at] ? q : at;
-    largest = values[at];
-    values[at] = -1;
-  }
-  return largest > 0 ? uint32_t(largest) : 0;
+  int64_t sum = 0;
+  for (int q = 0; q < L; ++q) sum -= hits[q];
+  return sum;
 }
 
-// Writes to chosen[0, k), in the keys' order, the positions of the k largest of count distinct
-// keys (keys in ascending position order give ascending positions), by counting for each key how
-// many are larger: count^2 comparisons, but vectorised and without the mispredicted branches of
-// a partition, which cost more for the few dozen candidates here. A vector of keys is compared
-// with every key in turn, so that each lane ends holding its key's rank (no sum across lanes).
-// keys needs room for count rounded up to 8, chosen for count.
-void choose_by_rank(uint64_t* keys, int64_t count, int64_t k, int32_t* chosen) {
-  constexpr int K = lanes_of<vwide> / 2;  // keys a vector
-  typedef int64_t vk __attribute__((vector_size(8 * K)));
-  typedef int64_t vku __attribute__((vector_size(8 * K), aligned(8), may_alias));
-  const int64_t padded = (count + K - 1) / K * K;
-  for (int64_t j = count; j < padded; ++j) keys[j] = 0;  // lanes past count: never read back
-  int64_t taken = 0;
-  for (int64_t i = 0; i < padded; i += K) {
-    const vk mine = *reinterpret_cast<const vku*>(keys + i);  // < 2^63: no sign bit in a key
-    vk larger = {};
-    for (int64_t j = 0; j < count; ++j) larger += (vk{} + int64_t(keys[j])) > mine;  // true: -1
-    for (int q = 0; q < K && i + q < count; ++q) {
-      chosen[taken] = int32_t(0xffffffffu - (keys[i + q] & 0xffffffffu));
-      taken += -larger[q] < k;  // written always, kept when chosen: no branch
-    }
+// The k-th largest of mags[0, count) (k <= count; magnitudes' bits, >= 0), given lo <= it: the
+// largest t with at least k entries >= t, found by bisection on the bits, each probe a
+// vectorised count (no branch per entry, no partition). Pads mags with -1 to whole vectors:
+// it needs room for count + 16.
+int32_t kth_largest(int32_t* mags, int64_t count, int64_t k, int32_t lo) {
+  int32_t largest = lo;
+  for (int64_t j = 0; j < count; ++j) largest = std::max(largest, mags[j]);
+  for (int64_t j = count; j < count + lanes_of<vwide>; ++j) mags[j] = -1;
+  int64_t low = lo, high = int64_t(largest) + 1;  // count(>= low) >= k > count(>= high)
+  while (high - low > 1) {
+    const int64_t mid = low + (high - low) / 2;
+    (count_at_least(mags, count, int32_t(mid)) >= k ? low : high) = mid;
   }
+  return int32_t(low);
 }
 
-// The k largest magnitudes are found among the entries >= a threshold t taken from a sample
-// (the r-th largest of one entry in 16: about 1.5k entries pass), lowered until at least k
-// pass (t = 0 takes every entry); then an exact selection among those, and a bitmap of the
-// chosen positions puts them in ascending order.
+// The sample a threshold is taken from: 8 consecutive entries out of every 136, the start moving
+// 8 entries along each time, so that a chunk's rows of 64 are sampled in every column and not
+// only in their first 8 (a DCT's low frequencies lie there). Writes their magnitudes to out
+// (room for n / 17 + 8 + 16) and returns how many.
+int64_t sample_magnitudes(const float* x, int64_t n, int32_t* out) {
+  int64_t count = 0;
+  for (int64_t i = 0; i + 8 <= n; i += 136, count += 8) {
+    const v8i m = magnitudes(x + i);
+    std::memcpy(out + count, &m, sizeof m);
+  }
+  return count;
+}
+
+// The k largest magnitudes are found among the entries >= a threshold t: the magnitude the
+// sample ranks where about 2k + 2 of the chunk would pass, lowered (by half an exponent, about
+// a third) until at least k pass. Among those, the k-th largest magnitude comes by bisection;
+// the chosen are every candidate above it and the first of those equal to it (ties go to the
+// lower position), taken in one pass in ascending position order.
+constexpr uint32_t kLowerStep = 1u << 22;  // in a magnitude's bits: half an exponent step
 void select_topk(const float* values, int64_t n, int64_t k, int64_t* positions, float* selected,
                  uint64_t* scratch) {
-  uint64_t* keys = scratch;                                           // n + 8
+  int32_t* mags = reinterpret_cast<int32_t*>(scratch);                // n + 16
   int32_t* candidates = reinterpret_cast<int32_t*>(scratch + n + 8);  // n + 8
-  uint64_t* chosen = scratch + n + 8 + (n + 9) / 2;                   // n bits
-  int64_t count = 0;
+  uint32_t t = 0;
   if (n >= 256 && k * 8 <= n) {
-    for (int r = int((3 * k + 31) / 32); r <= 16; r *= 2) {  // 1/16 sampled: ~1.5k pass
-      const uint32_t t = sampled_rank(values, n, r);
-      if (t == 0) break;
-      count = collect_at_least(values, n, t, candidates);
-      if (count >= k) break;
-    }
+    const int64_t sampled = sample_magnitudes(values, n, mags);
+    const int64_t rank = std::min(sampled, (2 * k * sampled + n - 1) / n + 2);
+    t = uint32_t(kth_largest(mags, sampled, rank, 0));
   }
-  if (count < k) count = collect_at_least(values, n, 0, candidates);
-  for (int64_t j = 0; j < count; ++j) {
-    keys[j] = key_of(magnitude(values[candidates[j]]), candidates[j]);
+  int64_t count = collect_at_least(values, n, t, candidates, mags);
+  while (count < k) {
+    t = t > kLowerStep ? t - kLowerStep : 0;
+    count = collect_at_least(values, n, t, candidates, mags);
   }
-  if (count <= 128) {  // candidates come in ascending position order, and so do the chosen
-    choose_by_rank(keys, count, k, candidates);  // the candidates live on in keys: reused
-    for (int64_t j = 0; j < k; ++j) positions[j] = candidates[j];
-  } else {  // the chosen marked in a bitmap over positions, read back in order
-    const int64_t words = (n + 63) / 64;
-    std::fill(chosen, chosen + words, uint64_t(0));
-    std::nth_element(keys, keys + (k - 1), keys + count, Greater());
-    for (int64_t j = 0; j < k; ++j) {
-      const uint64_t pos = 0xffffffffu - (keys[j] & 0xffffffffu);
-      chosen[pos / 64] |= uint64_t(1) << (pos % 64);
-    }
-    int64_t j = 0;
-    for (int64_t word = 0; word < words; ++word) {
-      for (uint64_t bits = chosen[word]; bits != 0; bits &= bits - 1) {
-        positions[j++] = word * 64 + __builtin_ctzll(bits);
-      }
-    }
+  const int32_t kth = kth_largest(mags, count, k, int32_t(t));
+  const int64_t above = kth == INT32_MAX ? 0 : count_at_least(mags, count, kth + 1);
+  int64_t ties = k - above, taken = 0;  // how many equal to kth are chosen
+  for (int64_t j = 0; j < count; ++j) {  // kept in place: taken <= j
+    const bool tie = mags[j] == kth, take = mags[j] > kth || (tie && ties > 0);
+    ties -= tie && take;
+    candidates[taken] = candidates[j];
+    taken += take;
   }
-  for (int64_t j = 0; j < k; ++j) selected[j] = values[positions[j]];
+  for (int64_t j = 0; j < k; ++j) {
+    positions[j] = candidates[j];
+    selected[j] = values[candidates[j]];
+  }
 }
 
 // ====== The sparse inverse ======
