@@ -209,6 +209,23 @@ FLEXDEMO_HD void put_position(uint8_t* body, const Layout& l, int64_t c, int64_t
   put_bits<Bytes>(record, j * low, pos, low);
   set_bit<Bytes>(record, l.k * low + (pos >> low) + j);
 }
+// Chunk c's k ascending positions as its packed record, in one pass (the CPU's): the low bits
+// streamed a byte at a time, then the bitmap's bits set. The record's bytes are zero and its own.
+FLEXDEMO_HD void put_packed_record(uint8_t* body, const Layout& l, int64_t c, const int64_t* pos) {
+  uint8_t* record = body + c * l.record_bytes;
+  const int low = packed_low_bits(l.chunk_numel, l.k);
+  const uint64_t mask = (uint64_t(1) << low) - 1;
+  uint64_t pending = 0;  // bits not yet written, LSB first
+  int held = 0;
+  uint8_t* out = record;
+  for (int64_t j = 0; j < l.k; ++j) {
+    pending |= (uint64_t(pos[j]) & mask) << held;
+    for (held += low; held >= 8; held -= 8, pending >>= 8) *out++ = uint8_t(pending);
+  }
+  if (held > 0) *out = uint8_t(pending);
+  const int64_t high_at = l.k * low;
+  for (int64_t j = 0; j < l.k; ++j) set_bit<PlainBytes>(record, high_at + (pos[j] >> low) + j);
+}
 // Position j of chunk c, on its own (a GPU thread's share): for a packed record, the place of the
 // bitmap's j-th set bit minus j, then its low bits. A valid record holds k set bits.
 FLEXDEMO_HD int64_t get_position(const uint8_t* body, const Layout& l, int64_t c, int64_t j) {
@@ -282,24 +299,26 @@ FLEXDEMO_HD int8_t int8_quantize(float value, float scale) {
 }
 // fp8 e4m3 (OCP E4M3FN: bias 7, no infinities, S.1111.111 NaN, largest 448) by round to nearest
 // even, saturating to +-448; NaN stays NaN. Integer arithmetic on the float's bits, so that both
-// sides round alike.
+// sides round alike; every case computed and one selected, so that a loop of them vectorises.
 FLEXDEMO_HD uint8_t fp8_bits(float x) {
   const uint32_t u = cm::float_bits(x), a = u & 0x7fffffffu;
-  const uint8_t sign = uint8_t((u >> 24) & 0x80u);
-  if (a > 0x7f800000u) return sign | 0x7f;   // NaN
-  if (a >= 0x43e00000u) return sign | 0x7e;  // 448 and above, infinity too: the largest
-  if (a < 0x3c800000u) {                     // below 2^-6: subnormal, in steps of 2^-9 (exact)
-    return sign | uint8_t(round_even(cm::bits_float(a) * 512.0f));
-  }
-  const uint32_t r = (a + 0x7ffffu + ((a >> 20) & 1u)) >> 20;  // exponent and 3 mantissa bits
-  return sign | uint8_t(r - ((127 - 7) << 3));
+  const uint32_t sign = (u >> 24) & 0x80u;
+  // Below 2^-6: subnormal, in steps of 2^-9, x * 512 < 8 rounded to nearest even by adding and
+  // taking away 2^23 (exact: the float's own rounding does it).
+  const uint32_t subnormal = uint32_t((cm::bits_float(a) * 512.0f + 8388608.0f) - 8388608.0f);
+  const uint32_t normal = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - ((127 - 7) << 3);
+  const uint32_t code = a > 0x7f800000u   ? 0x7fu   // NaN
+                        : a >= 0x43e00000u ? 0x7eu  // 448 and above, infinity too: the largest
+                        : a < 0x3c800000u  ? subnormal
+                                           : normal;
+  return uint8_t(sign | code);
 }
 FLEXDEMO_HD float fp8_value(uint8_t bits) {
   const uint32_t e = (bits >> 3) & 15u, m = bits & 7u;
-  const float v = e == 15 && m == 7 ? cm::bits_float(0x7fc00000u)
-                  : e == 0          ? float(m) * 0.001953125f  // m * 2^-9
-                                    : cm::bits_float((e + 127 - 7) << 23 | m << 20);
-  return bits & 0x80u ? -v : v;
+  const uint32_t magnitude = e == 15 && m == 7 ? 0x7fc00000u
+                             : e == 0 ? cm::float_bits(float(m) * 0.001953125f)  // m * 2^-9
+                                      : (e + 127 - 7) << 23 | m << 20;
+  return cm::bits_float(magnitude | uint32_t(bits & 0x80u) << 24);
 }
 FLEXDEMO_HD double abs64(float x) {  // |x| in double, as std::fabs gives it
   return double(cm::bits_float(cm::magnitude_bits(x)));
@@ -406,9 +425,22 @@ FLEXDEMO_HD float put_value(uint8_t* body, const Layout& l, ValueEncoding e, int
 template <class Bytes>
 FLEXDEMO_HD void put_chunk(uint8_t* body, const Layout& l, ValueEncoding e, int64_t c,
                            const int64_t* pos, float* val) {
-  for (int64_t j = 0; j < l.k; ++j) put_position<PlainBytes>(body, l, c, j, pos[j]);
+  if (l.index_bytes == 0) {
+    put_packed_record(body, l, c, pos);
+  } else {
+    for (int64_t j = 0; j < l.k; ++j) put_position<PlainBytes>(body, l, c, j, pos[j]);
+  }
   const ChunkScales scales = chunk_scales(e, val, nullptr, l.k);
   put_scales(body, l, e, c, scales);
+  if (e == ValueEncoding::Fp8) {  // put_value's, in a loop of its own (it vectorises)
+    uint8_t* values = body + l.values_at + c * l.k;
+    for (int64_t j = 0; j < l.k; ++j) {
+      const uint8_t q = scales.scale > 0.0f ? fp8_bits(val[j] / scales.scale) : 0;
+      values[j] = q;
+      val[j] = fp8_value(q) * scales.scale;
+    }
+    return;
+  }
   for (int64_t j = 0; j < l.k; ++j)
     val[j] = put_value<Bytes>(body, l, e, c * l.k + j, val[j], scales);
 }
