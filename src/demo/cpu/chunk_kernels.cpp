@@ -514,14 +514,12 @@ struct PackedLanes {
 constexpr PackedLanes kPackedLanes{};
 #endif
 
-// Positions of the entries whose magnitude is >= t, ascending, and their magnitudes; returns how
-// many. positions and mags need room for n (whole vectors are stored, but never past the
-// entries read so far).
-int64_t collect_at_least(const float* x, int64_t n, uint32_t t, int32_t* positions,
-                         int32_t* mags) {
+// Positions of the entries whose magnitude is >= t, ascending; returns how many. positions
+// needs room for n (whole vectors are stored, but never past the entries read so far).
+int64_t collect_at_least(const float* x, int64_t n, uint32_t t, int32_t* positions) {
   const v8i vt = splat_i(int32_t(t));
   int64_t count = 0, i = 0;
-#if defined(__AVX512F__)  // 16 at a time: the hits packed by one compress each
+#if defined(__AVX512F__)  // 16 at a time: the hits' positions packed by one compress
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (; i + 16 <= n; i += 16) {
     const __m512i mag = _mm512_and_si512(_mm512_loadu_si512(x + i), _mm512_set1_epi32(0x7fffffff));
@@ -529,30 +527,23 @@ int64_t collect_at_least(const float* x, int64_t n, uint32_t t, int32_t* positio
     _mm512_storeu_si512(
         positions + count,
         _mm512_maskz_compress_epi32(hits, _mm512_add_epi32(iota, _mm512_set1_epi32(int32_t(i)))));
-    _mm512_storeu_si512(mags + count, _mm512_maskz_compress_epi32(hits, mag));
     count += __builtin_popcount(hits);
   }
 #endif
   for (; i + 8 <= n; i += 8) {
-    const v8i mag = magnitudes(x + i);
-    const unsigned bits = lane_mask(mag >= vt);
+    const unsigned bits = lane_mask(magnitudes(x + i) >= vt);
 #if defined(__AVX2__)  // without a branch per hit: store the packed lanes, count them
     const __m256i lanes =
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kPackedLanes.lanes[bits]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(positions + count),
                         _mm256_add_epi32(lanes, _mm256_set1_epi32(int32_t(i))));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(mags + count),
-                        _mm256_permutevar8x32_epi32(reinterpret_cast<__m256i>(mag), lanes));
     count += __builtin_popcount(bits);
 #else
-    for (unsigned b = bits; b != 0; b &= b - 1) {
-      mags[count] = mag[__builtin_ctz(b)];
-      positions[count++] = int32_t(i + __builtin_ctz(b));
-    }
+    for (unsigned b = bits; b != 0; b &= b - 1) positions[count++] = int32_t(i + __builtin_ctz(b));
 #endif
   }
   for (; i < n; ++i) {
-    if (magnitude(x[i]) >= t) mags[count] = int32_t(magnitude(x[i])), positions[count++] = int32_t(i);
+    if (magnitude(x[i]) >= t) positions[count++] = int32_t(i);
   }
   return count;
 }
@@ -571,18 +562,25 @@ int64_t count_at_least(const int32_t* mags, int64_t count, int32_t t) {
   return sum;
 }
 
-// The k-th largest of mags[0, count) (k <= count; magnitudes' bits, >= 0), given lo <= it: the
-// largest t with at least k entries >= t, found by bisection on the bits, each probe a
-// vectorised count (no branch per entry, no partition). Pads mags with -1 to whole vectors:
-// it needs room for count + 16.
-int32_t kth_largest(int32_t* mags, int64_t count, int64_t k, int32_t lo) {
+// A threshold t >= lo over mags[0, count) (magnitudes' bits, >= 0) that at least `fewest` and
+// at most `most` of them reach, or else the largest t that at least `fewest` reach (with fewest
+// = most = k: the k-th largest magnitude, or a t that exactly k reach). Needs count(>= lo) >=
+// fewest. Found by bisection on the bits, each probe a vectorised count (no branch per entry,
+// no partition), stopping at the first probe inside the range. Pads mags with -1 to whole
+// vectors: it needs room for count + 16.
+int32_t threshold_between(int32_t* mags, int64_t count, int32_t lo, int64_t fewest, int64_t most) {
   int32_t largest = lo;
   for (int64_t j = 0; j < count; ++j) largest = std::max(largest, mags[j]);
   for (int64_t j = count; j < count + lanes_of<vwide>; ++j) mags[j] = -1;
-  int64_t low = lo, high = int64_t(largest) + 1;  // count(>= low) >= k > count(>= high)
+  int64_t low = lo, high = int64_t(largest) + 1;  // count(>= low) >= fewest > count(>= high)
   while (high - low > 1) {
-    const int64_t mid = low + (high - low) / 2;
-    (count_at_least(mags, count, int32_t(mid)) >= k ? low : high) = mid;
+    const int64_t mid = low + (high - low) / 2, reach = count_at_least(mags, count, int32_t(mid));
+    if (reach < fewest) {
+      high = mid;
+    } else {
+      low = mid;
+      if (reach <= most) break;
+    }
   }
   return int32_t(low);
 }
@@ -600,11 +598,12 @@ int64_t sample_magnitudes(const float* x, int64_t n, int32_t* out) {
   return count;
 }
 
-// The k largest magnitudes are found among the entries >= a threshold t: the magnitude the
-// sample ranks where about 2k + 2 of the chunk would pass, lowered (by half an exponent, about
-// a third) until at least k pass. Among those, the k-th largest magnitude comes by bisection;
-// the chosen are every candidate above it and the first of those equal to it (ties go to the
-// lower position), taken in one pass in ascending position order.
+// The k largest magnitudes are found among the entries >= a threshold t: one the sample ranks
+// where about 1.5k to 3k of the chunk would pass, lowered (by half an exponent, about a
+// third) until at least k pass. Among those, a threshold kth exactly k reach (or the k-th
+// largest magnitude, where ties leave none) comes by bisection; the chosen are every candidate
+// above kth and the first of those equal to it (ties go to the lower position), taken in one
+// pass in ascending position order.
 constexpr uint32_t kLowerStep = 1u << 22;  // in a magnitude's bits: half an exponent step
 void select_topk(const float* values, int64_t n, int64_t k, int64_t* positions, float* selected,
                  uint64_t* scratch) {
@@ -613,15 +612,16 @@ void select_topk(const float* values, int64_t n, int64_t k, int64_t* positions, 
   uint32_t t = 0;
   if (n >= 256 && k * 8 <= n) {
     const int64_t sampled = sample_magnitudes(values, n, mags);
-    const int64_t rank = std::min(sampled, (2 * k * sampled + n - 1) / n + 2);
-    t = uint32_t(kth_largest(mags, sampled, rank, 0));
+    const int64_t rank = std::min(sampled, (3 * k * sampled) / (2 * n) + 2);
+    t = uint32_t(threshold_between(mags, sampled, 0, rank, 2 * rank));
   }
-  int64_t count = collect_at_least(values, n, t, candidates, mags);
+  int64_t count = collect_at_least(values, n, t, candidates);
   while (count < k) {
     t = t > kLowerStep ? t - kLowerStep : 0;
-    count = collect_at_least(values, n, t, candidates, mags);
+    count = collect_at_least(values, n, t, candidates);
   }
-  const int32_t kth = kth_largest(mags, count, k, int32_t(t));
+  for (int64_t j = 0; j < count; ++j) mags[j] = int32_t(magnitude(values[candidates[j]]));
+  const int32_t kth = threshold_between(mags, count, int32_t(t), k, k);
   const int64_t above = kth == INT32_MAX ? 0 : count_at_least(mags, count, kth + 1);
   int64_t ties = k - above, taken = 0;  // how many equal to kth are chosen
   for (int64_t j = 0; j < count; ++j) {  // kept in place: taken <= j
