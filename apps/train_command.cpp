@@ -22,30 +22,30 @@ void add_option(CLI::App& cmd, T& field, const train::OptionSpec& spec) {
   const std::string flag = spec.flag();
   CLI::Option* option = nullptr;
   if constexpr (std::is_same_v<T, bool>) {
-    option = cmd.add_flag(flag + ",!--no-" + flag.substr(2), field, spec.help);
+    option = cmd.add_flag(flag + ",!--no-" + flag.substr(2), field, spec.help_text());
   } else if constexpr (std::is_same_v<T, std::optional<bool>>) {
     option = cmd.add_flag_function(
         flag + ",!--no-" + flag.substr(2), [&field](int64_t count) { field = count > 0; },
-        spec.help);
+        spec.help_text());
   } else if constexpr (std::is_enum_v<T>) {
     option =
         cmd.add_option_function<std::string>(
-               flag, [&field](const std::string& word) { field = parse_name<T>(word); }, spec.help)
+               flag, [&field](const std::string& word) { field = parse_name<T>(word); }, spec.help_text())
             ->check(CLI::IsMember(names_of<T>()))
             ->default_str(name_of(field));
   } else if constexpr (train::is_optional<T>::value) {
     using V = typename T::value_type;
     if constexpr (std::is_arithmetic_v<V>) {
       option = cmd.add_option_function<V>(
-          flag, [&field](V value) { field = value; }, spec.help);
+          flag, [&field](V value) { field = value; }, spec.help_text());
     } else {
       option = cmd.add_option_function<std::string>(
                       flag, [&field](const std::string& word) { field = parse_name<V>(word); },
-                      spec.help)
+                      spec.help_text())
                    ->check(CLI::IsMember(names_of<V>()));
     }
   } else {
-    option = cmd.add_option(flag, field, spec.help)->capture_default_str();
+    option = cmd.add_option(flag, field, spec.help_text())->capture_default_str();
     if (spec.accepts.words) option->check(CLI::IsMember(spec.accepts.words()));
   }
   if (spec.accepts.env) option->envname(spec.accepts.env);

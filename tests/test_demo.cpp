@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <map>
+#include <sstream>
 
 using namespace flexdemo;
 
@@ -451,6 +453,52 @@ TEST(Options, TheDoorsDefaultToOneStep) {
         << name_of(kind);
     EXPECT_EQ(words(optim::preset(step)), words(optim::options_for(step, {})));
   }
+}
+
+// The command's flags that are the optimizer's options take their range and help from the
+// optimizer's declaration, name only flags the command has, and reject what the library rejects
+// with the same words; the optimizer's options the command leaves out are these, on purpose.
+TEST(Options, TheCommandsFlagsAreTheOptimizersOptions) {
+  std::map<std::string, train::OptionSpec> flags;
+  const train::TrainConfig defaults;
+  train::for_each_option(defaults, [&](const auto&, const train::OptionSpec& spec) {
+    flags.emplace(spec.flag(), spec);
+  });
+  std::vector<std::string> left_out;
+  for (const optim::OptionInfo& info : optim::option_infos()) {
+    const auto flag = flags.find(train::flag_of(info.name));
+    // The command's --seed is the run's, which also seeds the random replicator's selection.
+    if (flag == flags.end() || info.name == "seed") {
+      left_out.push_back(info.name);
+      continue;
+    }
+    const train::OptionSpec& spec = flag->second;
+    EXPECT_EQ(std::string(spec.help), info.help) << info.name;
+    EXPECT_EQ(spec.accepts.range.text(), info.range.text()) << info.name;
+    optim::spell(info.help, [&](const std::string& named) {
+      EXPECT_EQ(flags.count(train::flag_of(named)), 1u) << info.name << "'s help names {" << named
+                                                        << "}, which the command lacks";
+      return named;
+    });
+    if (!info.range.low) continue;
+    // Just below the bound: the library and the command refuse it alike.
+    const double below = *info.range.low - (info.range.low_open ? 0.0 : 1.0);
+    optim::OptimizerOptions o;
+    std::ostringstream word;
+    word << below;
+    optim::set_option(o, info.name, word.str());
+    try {
+      o.validate();
+      ADD_FAILURE() << info.name << " " << below << " passed the library";
+    } catch (const optim::OptionsError& e) {
+      const std::string command =
+          spec.flag() + " must be " + spec.accepts.range.text() + ", got ";
+      EXPECT_EQ(e.spelled(train::flag_of).rfind(command, 0), 0u)
+          << e.spelled(train::flag_of) << " / " << command;
+    }
+  }
+  EXPECT_EQ(left_out, (std::vector<std::string>{"inner", "eps", "momentum", "chunk_mode",
+                                                "fast_path", "random_fraction", "seed"}));
 }
 
 TEST(Options, EveryOptionReadsAndWritesByName) {

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -63,89 +64,158 @@ enum class InnerKind {
 // the mean, on every replica alike (each decides from the same gathered bytes).
 enum class PeerPolicy { Stop, Drop };
 
+// ====== What a number option accepts ======
+// Bounds (open or closed) and a note after them, as an error reads them: "{topk} must be >= 1,
+// got 0", "{decay} must be in [0, 1), got 1", "{rms_cap} must be >= 0 (0: off), got -1". The
+// command's own options use the same (flexdemo/train_options.h).
+struct Range {
+  std::optional<double> low, high;
+  bool low_open = false, high_open = false;  // > instead of >=, < instead of <=
+  const char* note = "";                     // after the bound: " (0: off)"
+  bool holds(double v) const;
+  std::string text() const;  // ">= 1", "> 0", "in [0, 1)", then the note
+};
+constexpr Range unbounded() {
+  return {};
+}
+constexpr Range at_least(double low, const char* note = "") {
+  return {low, std::nullopt, false, false, note};
+}
+constexpr Range above(double low) {
+  return {low, std::nullopt, true, false, ""};
+}
+constexpr Range closed(double low, double high) {
+  return {low, high, false, false, ""};
+}
+constexpr Range half_open(double low, double high) {  // [low, high)
+  return {low, high, false, true, ""};
+}
+constexpr Range open_closed(double low, double high) {  // (low, high]
+  return {low, high, true, false, ""};
+}
+
 // ====== The optimizer's options: declared once ======
-// X(name, type, default, help): the field of OptimizerOptions, its default (the default step,
-// FlexDeMo's: see presets below), and its help, which the command's --help, config.json, the
-// Python keywords and the tables in docs/options.md, docs/library.md and docs/python.md all
-// take from here (tools/options_doc). The ranges and the rules between options are validate()'s.
+// X(name, type, default, range, help): the field of OptimizerOptions, its default (the default
+// step, FlexDeMo's: see presets below), what a number accepts, and its help, in which {name}
+// names another option (each front door spells it its own way: --topk, compression_topk). The
+// command's flags of the same names, config.json, the Python keywords and the tables in
+// docs/options.md, docs/library.md and docs/python.md all take their range and help from here;
+// validate() checks each range and the rules between options.
 // Chunk geometry (chunk, chunk_mode) applies to whole parameters (the constructor taking
 // tensors); OptimParams (e.g. shards) bring their own plans.
-#define FLEXDEMO_OPTIMIZER_OPTIONS(X)                                                             \
-  /* ====== The step rule ====== */                                                             \
-  X(inner, InnerKind, InnerKind::Sgd,                                                           \
-    "the rule that applies the replicas' direction: sgd (by the direction, bounded, or its "    \
-    "sign), adamw (AdamW fed with the direction or its sign), nesterov (CPUs only)")            \
-  X(lr, double, 1e-3, "learning rate (> 0); with fold_lr also the scale a gradient enters the " \
-    "residual with")                                                                            \
-  X(weight_decay, double, 0.0, "decoupled weight decay (>= 0, lr x weight_decay < 1)")          \
-  X(sign, bool, false, "step by the sign of the direction (DeMo's sign-SGD) instead of itself") \
-  X(normalize, bool, false, "sign off: each chunk of the direction scaled to unit RMS")         \
-  X(update_rms, double, 0.0,                                                                    \
-    "sign off, > 0: each tensor's update (this rank's share) scaled to this RMS (0: off)")      \
-  X(step_bound, double, 0.0,                                                                    \
-    "sign off, > 0: each element of the update clamped to [-step_bound, step_bound] (0: off)")  \
-  X(rms_cap, double, 1.0,                                                                       \
-    "sign off and inner sgd, > 0: each tensor's update whose RMS is above it scaled down to "  \
-    "it, as Adafactor clips its update (0: off)")                                               \
-  X(beta1, double, 0.9, "AdamW's first-moment decay, in [0, 1)")                                \
-  X(beta2, double, 0.999,                                                                       \
-    "AdamW's second-moment decay and the preconditioner's, in [0, 1)")                          \
-  X(eps, double, 1e-8, "AdamW's and the preconditioner's epsilon (> 0)")                        \
-  X(momentum, double, 0.9, "nesterov: the momentum, in [0, 1)")                                 \
-  /* ====== DeMo's compression ====== */                                                        \
-  X(decay, double, 0.999, "residual decay per step, in [0, 1)")                                 \
-  X(fold_lr, bool, false,                                                                       \
-    "residual += lr x gradient (the reference DeMo's); off: += gradient, so a decaying "        \
-    "schedule does not weight old gradients above new ones")                                    \
-  X(precondition, bool, true,                                                                   \
-    "divide each gradient by the root of its running mean square (AdamW's denominator: beta2, " \
-    "eps, this replica's own) before it enters the residual; with inner_steps 1 only")          \
-  X(topk, int64_t, 112, "coefficients kept per chunk (> 0; clamped to the chunk)")              \
-  X(transform, Transform, Transform::Dct,                                                       \
-    "dct (DeMo's chunked DCT-II) or none (the residual's own entries; CPUs only)")              \
-  X(chunk, int64_t, 64, "target chunk edge of whole parameters (> 0)")                          \
-  X(chunk_mode, dct::ChunkMode, dct::ChunkMode::Divisor,                                        \
-    "divisor (per dimension the largest divisor <= chunk, the reference's) or padded")         \
-  X(values, compress::ValueEncoding, compress::ValueEncoding::Fp8,                              \
-    "wire encoding of the kept values: fp32, bf16, int8, fp8, 2bit, 1bit")                      \
-  X(fast_path, bool, true,                                                                      \
-    "the fused kernels; off: the plain whole-tensor transforms (the reference they are tested " \
-    "against)")                                                                                 \
-  /* ====== The exchange ====== */                                                              \
-  X(replicator, ReplicatorKind, ReplicatorKind::Demo,                                           \
-    "how replicas exchange: demo (compressed), full (dense all-reduce: HSDP), none, random")    \
-  X(demo_exchange, DemoExchange, DemoExchange::AllGather,                                       \
-    "all-gather (every replica's payload to every replica) or owners (bytes a node stay about " \
-    "two payloads whatever the number of replicas)")                                            \
-  X(owner_topk, int64_t, 0,                                                                     \
-    "owners: coefficients an owner returns a chunk (0: as many as fit in a payload's bytes at " \
-    "owner_values)")                                                                            \
-  X(owner_values, compress::ValueEncoding, compress::ValueEncoding::TwoBit,                     \
-    "owners: the encoding of what an owner returns")                                            \
-  X(replicate_every, int64_t, 1,                                                                \
-    "exchange and update every N steps (>= 1); the steps between fold their gradients in")      \
-  X(overlap_step, bool, false,                                                                  \
-    "demo: the exchange runs through the next step and is applied there (one step stale; "      \
-    "CPUs only)")                                                                               \
-  X(random_fraction, double, 1.0 / 32, "random: the fraction of rows exchanged, in (0, 1]")     \
-  X(seed, uint64_t, 0, "random: the selection seed, the same on every replica")                 \
-  /* ====== Checks of the peers' payloads (demo) ====== */                                      \
-  X(peer_policy, PeerPolicy, PeerPolicy::Drop,                                                  \
-    "a peer whose payloads fail the checks: drop (left out of the mean on every replica "       \
-    "alike) or stop")                                                                           \
-  X(peer_scale_bound, double, 100.0,                                                            \
-    "out of scale: a tensor's values' norm above this many times the replicas' lower median "   \
-    "(> 1; 0: no scale check)")                                                                 \
-  /* ====== Many local steps (DiLoCo's outer loop) ====== */                                    \
-  X(inner_steps, int64_t, 1,                                                                    \
-    "> 1: local steps on this replica's own gradient, and every inner_steps steps an outer "    \
-    "step on the replicas' mean change through the replicator")                                 \
-  X(outer_lr, double, 1.0, "inner_steps > 1: the outer step's rate (> 0)")                      \
-  X(outer_momentum, double, 0.0, "inner_steps > 1: the outer step's Nesterov momentum, [0, 1)") \
-  X(outer_sign, bool, false, "inner_steps > 1: the outer step by the sign of the mean")
+// clang-format off
+#define FLEXDEMO_OPTIMIZER_OPTIONS(X)                                                              \
+  /* ====== The step rule ====== */                                                              \
+  X(inner, InnerKind, InnerKind::Sgd, optim::unbounded(),                                        \
+    "the rule that applies the replicas' direction: sgd (by the direction, bounded, or its "     \
+    "sign), adamw (AdamW fed with the direction or its sign), nesterov (CPUs only)")             \
+  X(lr, double, 1e-3, optim::above(0),                                                           \
+    "learning rate (the peak of a schedule); with {fold_lr} also the scale a gradient enters "   \
+    "the residual with")                                                                         \
+  X(weight_decay, double, 0.0, optim::at_least(0),                                               \
+    "decoupled weight decay ({lr} x {weight_decay} < 1)")                                        \
+  X(sign, bool, false, optim::unbounded(),                                                       \
+    "step by the sign of the direction (DeMo's sign-SGD); off: by the direction itself (for "    \
+    "the flexdemo step: the adaptive step, with {precondition}, {rms_cap} and no {fold_lr})")    \
+  X(normalize, bool, false, optim::unbounded(),                                                  \
+    "{sign} off: each chunk of the direction scaled to unit RMS (sign's step size, the "         \
+    "direction's shape within the chunk)")                                                       \
+  X(update_rms, double, 0.0, optim::at_least(0, " (0: off)"),                                    \
+    "{sign} off: each tensor's update (this rank's share) scaled to this RMS before the rate")   \
+  X(step_bound, double, 0.0, optim::at_least(0, " (0: off)"),                                    \
+    "{sign} off: each element of the update clamped to [-B, B] before the rate")                 \
+  X(rms_cap, double, 1.0, optim::at_least(0, " (0: off)"),                                       \
+    "{sign} off, the SGD rule (not AdamW's): each tensor's update (this rank's share) whose "    \
+    "RMS is above C scaled down to C before the rate, as Adafactor clips its update (the "       \
+    "flexdemo step's default: 1 without {update_rms} or {normalize}, else 0)")                   \
+  X(beta1, double, 0.9, optim::half_open(0, 1),                                                  \
+    "AdamW's first-moment decay (0 for flexdemo-adamw: DeMo's residual is its momentum)")        \
+  X(beta2, double, 0.999, optim::half_open(0, 1),                                                \
+    "AdamW's second-moment decay and the preconditioner's")                                      \
+  X(eps, double, 1e-8, optim::above(0), "AdamW's and the preconditioner's epsilon")              \
+  X(momentum, double, 0.9, optim::half_open(0, 1), "{inner} nesterov: the momentum")             \
+  /* ====== DeMo's compression ====== */                                                         \
+  X(decay, double, 0.999, optim::half_open(0, 1), "DeMo's residual decay per step")              \
+  X(fold_lr, bool, false, optim::unbounded(),                                                    \
+    "scale each gradient by the step's {lr} as it enters DeMo's residual (the reference's); "    \
+    "off: add it as it is, so a decaying schedule does not weight old gradients above new ones") \
+  X(precondition, bool, true, optim::unbounded(),                                                \
+    "divide each gradient by the root of its running mean square (AdamW's second moment: "       \
+    "{beta2}, bias-corrected) before it enters DeMo's residual; each replica keeps its own (the " \
+    "flexdemo step's default: on without {inner_steps})")                                        \
+  X(topk, int64_t, 112, optim::at_least(1),                                                      \
+    "DCT coefficients kept per chunk (at most a chunk's)")                                       \
+  X(transform, Transform, Transform::Dct, optim::unbounded(),                                    \
+    "the per-chunk transform DeMo selects in: dct (DeMo's chunked DCT-II), or none (the "        \
+    "residual's own entries; CPUs only, without the fused kernels)")                             \
+  X(chunk, int64_t, 64, optim::at_least(1), "DCT chunk edge (of whole parameters)")              \
+  X(chunk_mode, dct::ChunkMode, dct::ChunkMode::Divisor, optim::unbounded(),                     \
+    "divisor (per dimension the largest divisor <= {chunk}, the reference's) or padded")         \
+  X(values, compress::ValueEncoding, compress::ValueEncoding::Fp8, optim::unbounded(),           \
+    "wire encoding of DeMo's kept values: fp32, bf16, int8, fp8, 2bit, 1bit")                    \
+  X(fast_path, bool, true, optim::unbounded(),                                                   \
+    "the fused kernels; off: the plain whole-tensor transforms (the reference they are tested "  \
+    "against)")                                                                                  \
+  /* ====== The exchange ====== */                                                               \
+  X(replicator, ReplicatorKind, ReplicatorKind::Demo, optim::unbounded(),                        \
+    "how replicas exchange: demo (compressed), full (dense all-reduce: HSDP), none, random")     \
+  X(demo_exchange, DemoExchange, DemoExchange::AllGather, optim::unbounded(),                    \
+    "DeMo's collectives between replicas: all-gather (every replica receives every other's "     \
+    "payload) or owners (each replica owns a share of the chunks and keeps the top-k of their "  \
+    "mean: about two payloads a node a step whatever the node count)")                           \
+  X(owner_topk, int64_t, 0, optim::at_least(0, " (0: as many as fit in a payload's bytes)"),     \
+    "{demo_exchange} owners: coefficients a chunk each owner returns (0: as many as fit, at "    \
+    "{owner_values}, in the bytes of a replica's payload)")                                      \
+  X(owner_values, compress::ValueEncoding, compress::ValueEncoding::TwoBit, optim::unbounded(),  \
+    "{demo_exchange} owners: the value encoding of the owners' returned coefficients")           \
+  X(replicate_every, int64_t, 1, optim::at_least(1),                                             \
+    "exchange and update every N steps; the steps between fold their gradients in")              \
+  X(overlap_step, bool, false, optim::unbounded(),                                               \
+    "run each exchange through the next step and apply it there (one step stale), hiding it "    \
+    "behind that step's forward and backward ({replicator} demo; CPUs only)")                    \
+  X(random_fraction, double, 1.0 / 32, optim::open_closed(0, 1),                                 \
+    "{replicator} random: the fraction of rows exchanged")                                       \
+  X(seed, uint64_t, 0, optim::unbounded(),                                                       \
+    "{replicator} random: the selection seed, the same on every replica")                        \
+  /* ====== Checks of the peers' payloads (demo) ====== */                                       \
+  X(peer_policy, PeerPolicy, PeerPolicy::Drop, optim::unbounded(),                               \
+    "a peer whose payloads fail the checks (corrupt, non-finite or out of scale): drop (left "   \
+    "out of the mean on every replica alike) or stop")                                           \
+  X(peer_scale_bound, double, 100.0, optim::at_least(0, " (0: no scale check)"),                 \
+    "out of scale: a tensor's values' norm above this many times the replicas' lower median "    \
+    "(0 or > 1)")                                                                                \
+  /* ====== Many local steps (DiLoCo's outer loop) ====== */                                     \
+  X(inner_steps, int64_t, 1, optim::at_least(1),                                                 \
+    "take H local steps on each replica, then exchange the parameters' change since the last "   \
+    "exchange through {replicator} and apply the mean with the outer step (DiLoCo's outer "      \
+    "loop; 1: exchange every step)")                                                             \
+  X(outer_lr, double, 1.0, optim::above(0),                                                      \
+    "{inner_steps} > 1: the outer step's rate (1 with momentum 0: the replicas' parameters "     \
+    "averaged)")                                                                                 \
+  X(outer_momentum, double, 0.0, optim::half_open(0, 1),                                         \
+    "{inner_steps} > 1: the outer step's Nesterov momentum (DiLoCo's 0.9 with {outer_lr} 0.7)")  \
+  X(outer_sign, bool, false, optim::unbounded(),                                                 \
+    "{inner_steps} > 1: step by the sign of the replicas' mean change (then {outer_lr} is "      \
+    "every parameter's step)")
+// clang-format on
+
+// Each option's range and help as compile-time constants (optim::declared::topk.help), so that
+// another declaration can take them (the command's flags: flexdemo/train_options.h).
+struct Declared {
+  const char* name;
+  Range range;
+  const char* help;
+};
+namespace declared {
+#define FLEXDEMO_OPTIMIZER_DECLARED(name, type, default_value, range, help) \
+  inline constexpr Declared name{#name, range, help};
+FLEXDEMO_OPTIMIZER_OPTIONS(FLEXDEMO_OPTIMIZER_DECLARED)
+#undef FLEXDEMO_OPTIMIZER_DECLARED
+}  // namespace declared
 
 struct OptimizerOptions {
-#define FLEXDEMO_OPTIMIZER_FIELD(name, type, default_value, help) type name = default_value;
+#define FLEXDEMO_OPTIMIZER_FIELD(name, type, default_value, range, help) \
+  type name = default_value;
   FLEXDEMO_OPTIMIZER_OPTIONS(FLEXDEMO_OPTIMIZER_FIELD)
 #undef FLEXDEMO_OPTIMIZER_FIELD
 
@@ -178,10 +248,15 @@ OptimizerOptions options_for(Preset p,
 // Every option by name, as declared above.
 struct OptionInfo {
   std::string name;
-  std::string type;     // double, int, bool, or the accepted words ("sgd|adamw|nesterov")
-  std::string help;
+  std::string type;  // double, int, bool, or the accepted words ("sgd|adamw|nesterov")
+  Range range;
+  std::string help;  // other options named {name}: see spell()
 };
 std::vector<OptionInfo> option_infos();
+// text with each {name} replaced by spelling(name): how a front door writes an option's name in
+// its help and errors (--weight-decay, compression_topk).
+std::string spell(const std::string& text,
+                  const std::function<std::string(const std::string&)>& spelling);
 // An option's value as a word ("0.001", "true", "fp8") and back; set_option throws OptionsError
 // naming an unknown option or a value of the wrong kind (the ranges are validate()'s).
 std::string option_value(const OptimizerOptions& o, const std::string& name);

@@ -42,15 +42,14 @@ enum class OptionRole {
   Unsaved,  // not written to config.json
 };
 
-// What an option accepts. A number's range reads in its error as "--NAME must be >= 1, got 0";
-// a word's list as CLI11's "--NAME: x not in {a,b}".
+// What an option accepts: a number's range (optim::Range: "--NAME must be >= 1, got 0"), a
+// word's list (CLI11's "--NAME: x not in {a,b}"), and an environment variable that sets it too.
 struct Accepts {
-  std::optional<double> low, high;
-  bool low_open = false, high_open = false;       // > instead of >=, < instead of <=
-  const char* note = "";                          // after the bound: " (0: the preset's)"
+  optim::Range range;
   std::vector<std::string> (*words)() = nullptr;  // a string option's accepted words
-  const char* env = nullptr;                      // an environment variable that sets it too
+  const char* env = nullptr;
 
+  Accepts(optim::Range r = {}) : range(r) {}  // NOLINT: a range is what most options accept
   Accepts from_env(const char* variable) const {
     Accepts a = *this;
     a.env = variable;
@@ -60,18 +59,10 @@ struct Accepts {
 inline Accepts anything() {
   return {};
 }
-inline Accepts at_least(double low, const char* note = "") {
-  return {low, {}, false, false, note};
-}
-inline Accepts above(double low) {
-  return {low, {}, true, false};
-}
-inline Accepts closed(double low, double high) {
-  return {low, high, false, false};
-}
-inline Accepts half_open(double low, double high) {
-  return {low, high, false, true};
-}
+using optim::above;
+using optim::at_least;
+using optim::closed;
+using optim::half_open;
 inline Accepts one_of(std::vector<std::string> (*words)()) {
   Accepts a;
   a.words = words;
@@ -82,12 +73,16 @@ struct OptionSpec {
   const char* name;  // snake_case: the config.json key; the flag (and TOML key) is --kebab-case
   OptionRole role;
   Accepts accepts;
-  const char* help;
-  std::string flag() const;  // "--" + name with '_' -> '-'
+  const char* help;       // other options named {name} (the optimizer's help: see below)
+  bool chosen = false;    // std::optional: unset, the --optimizer's choice
+  std::string flag() const;         // "--" + name with '_' -> '-'
+  std::string help_text() const;    // help with {names} as flags, and the choice when unset
 };
 
 // clang-format off
 // X(name, type, default, role, accepts, help). std::optional: unset means "the optimizer's".
+// An option that is the optimizer's (include/flexdemo/optim.h) takes its range and help from
+// there (optim::declared::NAME), so the command and the library accept and say the same.
 #define FLEXDEMO_TRAIN_OPTIONS(X)                                                                  \
   /* ====== Model ====== */                                                                        \
   X(model, std::string, "gpt-micro", Model, one_of(model::model_presets),                          \
@@ -130,17 +125,17 @@ struct OptionSpec {
     "tokens per sequence (translation pairs: the longest source; longer ones are cut)")            \
   X(target_seq, int64_t, 0, Model, at_least(0, " (0: --seq)"),                                     \
     "translation pairs: the longest target in tokens (0: --seq)")                                  \
-  X(lr, std::optional<double>, std::nullopt, Run, above(0),                                        \
-    "peak learning rate (default: the optimizer's tuned one, docs/results)")                      \
+  X(lr, std::optional<double>, std::nullopt, Run,                                                  \
+    optim::declared::lr.range, optim::declared::lr.help)                                           \
   X(warmup, int64_t, 20, Run, at_least(0), "linear warmup steps, then cosine decay")               \
   X(min_lr_ratio, double, 0.1, Run, closed(0, 1), "final lr as a fraction of --lr")                \
   X(clip, double, 1.0, Run, at_least(0),                                                           \
     "clip each replica's gradient to this global norm (0: off)")                                   \
-  X(weight_decay, double, 0.0, State, anything(), "decoupled weight decay")                        \
-  X(beta1, std::optional<double>, std::nullopt, State, half_open(0, 1),                            \
-    "AdamW's first-moment decay (default: 0.9; 0 for flexdemo-adamw: DeMo's residual is "          \
-    "its momentum already)")                                                                       \
-  X(beta2, double, 0.999, State, half_open(0, 1), "AdamW's second-moment decay")                   \
+  X(weight_decay, double, 0.0, State,                                                              \
+    optim::declared::weight_decay.range, optim::declared::weight_decay.help)                       \
+  X(beta1, std::optional<double>, std::nullopt, State,                                             \
+    optim::declared::beta1.range, optim::declared::beta1.help)                                     \
+  X(beta2, double, 0.999, State, optim::declared::beta2.range, optim::declared::beta2.help)        \
   X(max_time, double, 0.0, Run, at_least(0, " seconds (0: no limit)"),                             \
     "stop after the step that reaches this many seconds of training, with a checkpoint "           \
     "(0: no limit)")                                                                               \
@@ -148,64 +143,46 @@ struct OptionSpec {
   X(optimizer, OptimizerKind, OptimizerKind::FlexDemo, State, anything(),                          \
     "flexdemo (DeMo between nodes + the adaptive step, or sign-SGD with --sign), flexdemo-adamw "  \
     "(+ AdamW), adamw or sgd (dense, full exchange)")                                              \
-  X(replicator, std::optional<optim::ReplicatorKind>, std::nullopt, State, anything(),             \
-    "exchange between nodes (default: the optimizer's)")                                           \
-  X(demo_exchange, optim::DemoExchange, optim::DemoExchange::AllGather, Run, anything(),           \
-    "DeMo's collectives between nodes: all-gather (every node receives every other's payload) "    \
-    "or owners (each node owns a share of the chunks and keeps the top-k of their mean: about "    \
-    "two payloads a node a step whatever the node count)")                                         \
-  X(owner_topk, int64_t, 0, Run, at_least(0, " (0: as many as fit in a payload's bytes)"),          \
-    "--demo-exchange owners: coefficients a chunk each owner returns (0: as many as fit, at "      \
-    "--owner-values, in the bytes of a node's payload)")                                           \
-  X(owner_values, compress::ValueEncoding, compress::ValueEncoding::TwoBit, Run, anything(),       \
-    "--demo-exchange owners: the value encoding of the owners' returned coefficients")             \
-  X(sign, bool, false, State, anything(),                                                          \
-    "apply sign(update), DeMo's sign-SGD step; --no-sign: the update itself (for flexdemo: the "   \
-    "adaptive step, with --precondition, --no-fold-lr and --rms-cap)")                             \
-  X(normalize, bool, false, State, anything(),                                                     \
-    "with --no-sign: scale each DCT chunk of the update to unit RMS (sign's step size, the "       \
-    "update's shape within the chunk)")                                                            \
-  X(update_rms, double, 0.0, State, at_least(0, " (0: off)"),                                      \
-    "with --no-sign: scale each tensor's update (this rank's shard of it) to this RMS before the " \
-    "rate (0: off)")                                                                               \
-  X(step_bound, double, 0.0, State, at_least(0, " (0: off)"),                                      \
-    "with --no-sign: clamp each element of the update to [-B, B] before the rate (0: off)")         \
-  X(rms_cap, std::optional<double>, std::nullopt, State, at_least(0, " (0: off)"),                 \
-    "with --no-sign: scale each tensor's update (this rank's shard of it) whose RMS is above C "   \
-    "down to C before the rate, as Adafactor clips its update (default: 1 for flexdemo without "   \
-    "--sign, --update-rms or --normalize; 0 (off) otherwise)")                                     \
-  X(topk, std::optional<int64_t>, std::nullopt, State, at_least(1),                                \
-    "DCT coefficients kept per chunk (default: 112 for flexdemo, 32 otherwise; at most a chunk's)") \
-  X(chunk, int64_t, 64, Model, at_least(1), "DCT chunk edge")                                      \
-  X(transform, optim::Transform, optim::Transform::Dct, State, anything(),                         \
-    "the per-chunk transform DeMo selects in: dct, or none (the residual's own entries; CPUs "      \
-    "only, without the fused kernels)")                                                            \
-  X(decay, double, 0.999, State, half_open(0, 1), "DeMo residual decay")                           \
-  X(fold_lr, std::optional<bool>, std::nullopt, State, anything(),                                 \
-    "scale each gradient by the step's learning rate as it enters DeMo's residual (the "           \
-    "reference's; default: off for flexdemo, on otherwise); --no-fold-lr: add it as it is, so a "  \
-    "decaying schedule does not weight old gradients above new ones")                              \
-  X(precondition, std::optional<bool>, std::nullopt, State, anything(),                            \
-    "divide each gradient by the root of its running mean square (AdamW's second moment: "         \
-    "--beta2, bias-corrected) before it enters DeMo's residual; each replica keeps its own "       \
-    "(default: on for flexdemo without --inner-steps, off otherwise)")                             \
-  X(values, std::optional<compress::ValueEncoding>, std::nullopt, State, anything(),               \
-    "wire value encoding of DeMo's payloads (default: fp8 for flexdemo, bf16 otherwise)")          \
-  X(replicate_every, int64_t, 1, State, at_least(1), "exchange every N steps")                     \
-  X(inner_steps, int64_t, 1, State, at_least(1),                                                   \
-    "take H local steps on each replica, then exchange the parameters' change since the last "     \
-    "exchange through --replicator and apply the mean with the outer SGD (DiLoCo's outer loop; "    \
-    "1: exchange every step)")                                                                     \
-  X(outer_lr, double, 1.0, State, above(0),                                                        \
-    "--inner-steps: the outer SGD's rate (1 with momentum 0: the replicas' parameters averaged)")   \
-  X(outer_momentum, double, 0.0, State, half_open(0, 1),                                           \
-    "--inner-steps: the outer SGD's Nesterov momentum (DiLoCo's 0.9 with --outer-lr 0.7)")         \
-  X(outer_sign, bool, false, State, anything(),                                                    \
-    "--inner-steps: step by the sign of the replicas' mean pseudo-gradient (then --outer-lr is "   \
-    "every parameter's step, e.g. H x --lr)")                                                      \
-  X(overlap_step, bool, false, State, anything(),                                                  \
-    "run each exchange between nodes through the next step and apply it there (one step "          \
-    "stale), hiding it behind that step's forward and backward")                                   \
+  X(replicator, std::optional<optim::ReplicatorKind>, std::nullopt, State,                         \
+    optim::declared::replicator.range, optim::declared::replicator.help)                           \
+  X(demo_exchange, optim::DemoExchange, optim::DemoExchange::AllGather, Run,                       \
+    optim::declared::demo_exchange.range, optim::declared::demo_exchange.help)                     \
+  X(owner_topk, int64_t, 0, Run,                                                                   \
+    optim::declared::owner_topk.range, optim::declared::owner_topk.help)                           \
+  X(owner_values, compress::ValueEncoding, compress::ValueEncoding::TwoBit, Run,                   \
+    optim::declared::owner_values.range, optim::declared::owner_values.help)                       \
+  X(sign, bool, false, State, optim::declared::sign.range, optim::declared::sign.help)             \
+  X(normalize, bool, false, State,                                                                 \
+    optim::declared::normalize.range, optim::declared::normalize.help)                             \
+  X(update_rms, double, 0.0, State,                                                                \
+    optim::declared::update_rms.range, optim::declared::update_rms.help)                           \
+  X(step_bound, double, 0.0, State,                                                                \
+    optim::declared::step_bound.range, optim::declared::step_bound.help)                           \
+  X(rms_cap, std::optional<double>, std::nullopt, State,                                           \
+    optim::declared::rms_cap.range, optim::declared::rms_cap.help)                                 \
+  X(topk, std::optional<int64_t>, std::nullopt, State,                                             \
+    optim::declared::topk.range, optim::declared::topk.help)                                       \
+  X(chunk, int64_t, 64, Model, optim::declared::chunk.range, optim::declared::chunk.help)          \
+  X(transform, optim::Transform, optim::Transform::Dct, State,                                     \
+    optim::declared::transform.range, optim::declared::transform.help)                             \
+  X(decay, double, 0.999, State, optim::declared::decay.range, optim::declared::decay.help)        \
+  X(fold_lr, std::optional<bool>, std::nullopt, State,                                             \
+    optim::declared::fold_lr.range, optim::declared::fold_lr.help)                                 \
+  X(precondition, std::optional<bool>, std::nullopt, State,                                        \
+    optim::declared::precondition.range, optim::declared::precondition.help)                       \
+  X(values, std::optional<compress::ValueEncoding>, std::nullopt, State,                           \
+    optim::declared::values.range, optim::declared::values.help)                                   \
+  X(replicate_every, int64_t, 1, State,                                                            \
+    optim::declared::replicate_every.range, optim::declared::replicate_every.help)                 \
+  X(inner_steps, int64_t, 1, State,                                                                \
+    optim::declared::inner_steps.range, optim::declared::inner_steps.help)                         \
+  X(outer_lr, double, 1.0, State, optim::declared::outer_lr.range, optim::declared::outer_lr.help) \
+  X(outer_momentum, double, 0.0, State,                                                            \
+    optim::declared::outer_momentum.range, optim::declared::outer_momentum.help)                   \
+  X(outer_sign, bool, false, State,                                                                \
+    optim::declared::outer_sign.range, optim::declared::outer_sign.help)                           \
+  X(overlap_step, bool, false, State,                                                              \
+    optim::declared::overlap_step.range, optim::declared::overlap_step.help)                       \
   X(link_budget, LinkBudgetMode, LinkBudgetMode::Off, State, anything(),                            \
     "auto: measure the link between nodes and a step's compute, and choose top-k, values and the " \
     "exchange interval (within the --link-* bounds) so that the exchange stays hidden behind "     \
@@ -225,7 +202,7 @@ struct OptionSpec {
     "final (the same result as without; needs --clip 0 and --on-nonfinite stop)")                  \
   /* ====== Topology ====== */                                                                     \
   X(ranks_per_node, int, 0, Run,                                                                   \
-    at_least(0, " (0: from MPI)").from_env("FLEXDEMO_RANKS_PER_NODE"),                             \
+    Accepts(at_least(0, " (0: from MPI)")).from_env("FLEXDEMO_RANKS_PER_NODE"),                             \
     "ranks per node (0: from MPI)")                                                                \
   X(shard_size, int, 0, Run, at_least(0, " (0: the whole node)"),                                  \
     "ranks per shard group (0: the node)")                                                         \
@@ -256,13 +233,10 @@ struct OptionSpec {
     "every N steps, stop if the replicas' parameters differ (0: off)")                             \
   X(on_nonfinite, NonFinitePolicy, NonFinitePolicy::Skip, Run, anything(),                         \
     "a NaN/Inf loss or gradient on any rank: skip the step on all ranks, or stop")                 \
-  X(on_bad_peer, optim::PeerPolicy, optim::PeerPolicy::Drop, Run, anything(),                      \
-    "a payload from another node that is corrupt, non-finite or out of scale (--peer-scale-bound): " \
-    "drop (leave that node out of the step's mean, alike on every replica, with a line naming "    \
-    "it) or stop (demo replicator)")                                                               \
-  X(peer_scale_bound, double, 100.0, Run, at_least(0, " (0: no scale check)"),                      \
-    "a node's payload for a tensor is out of scale when its values' norm is above this many times " \
-    "the lower median of every node's norm for that tensor (> 1; with two nodes: the smaller)")     \
+  X(on_bad_peer, optim::PeerPolicy, optim::PeerPolicy::Drop, Run,                                  \
+    optim::declared::peer_policy.range, optim::declared::peer_policy.help)                         \
+  X(peer_scale_bound, double, 100.0, Run,                                                          \
+    optim::declared::peer_scale_bound.range, optim::declared::peer_scale_bound.help)               \
   X(checkpoint_every, int64_t, 0, Run, at_least(0),                                                \
     "also checkpoint every N steps (0: only at the end)")                                          \
   X(keep_checkpoints, int64_t, 2, Run, at_least(1),                                                \
@@ -300,7 +274,7 @@ struct is_optional<std::optional<T>> : std::true_type {};
 template <class Config, class Visitor>
 void for_each_option(Config& config, Visitor&& visit) {
 #define FLEXDEMO_VISIT(name, type, default_value, role, accepts, help) \
-  visit(config.name, OptionSpec{#name, OptionRole::role, accepts, help});
+  visit(config.name, OptionSpec{#name, OptionRole::role, accepts, help, is_optional<type>::value});
   FLEXDEMO_TRAIN_OPTIONS(FLEXDEMO_VISIT)
 #undef FLEXDEMO_VISIT
 }

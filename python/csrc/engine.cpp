@@ -187,11 +187,14 @@ class Engine final : public torch::CustomClassHolder {
 };
 
 // ====== The options' declaration, as Python reads it ======
-// (name, type, help) of every option, in declaration order.
-std::vector<std::tuple<std::string, std::string, std::string>> option_table() {
-  std::vector<std::tuple<std::string, std::string, std::string>> out;
+// (name, type, accepts, help) of every option, in declaration order: accepts a number's range
+// (">= 1", "[0, 1)", "" for any), help naming other options as {name}.
+std::vector<std::tuple<std::string, std::string, std::string, std::string>> option_table() {
+  std::vector<std::tuple<std::string, std::string, std::string, std::string>> out;
   for (const optim::OptionInfo& info : optim::option_infos()) {
-    out.emplace_back(info.name, info.type, info.help);
+    std::string accepts = info.range.text();
+    if (accepts.rfind("in ", 0) == 0) accepts = accepts.substr(3);
+    out.emplace_back(info.name, info.type, accepts, info.help);
   }
   return out;
 }

@@ -2,12 +2,13 @@
 include/flexdemo/optim.h): names, types, help, and each step's defaults, read from the extension
 so that Python, ``flexdemo train`` and the C++ library default to the same step.
 
-    flexdemo.options.table()               # [(name, type, help), ...] in declaration order
+    flexdemo.options.table()               # [(name, type, accepts, help), ...] in declaration order
     flexdemo.options.defaults("flexdemo")  # {name: value} of a step: flexdemo, flexdemo-adamw, demo
 """
 
 from __future__ import annotations
 
+import re
 from typing import Dict, List, Tuple
 
 import torch
@@ -27,9 +28,10 @@ ALIASES = {
 STEPS = ("flexdemo", "flexdemo-adamw", "demo")
 
 
-def table() -> List[Tuple[str, str, str]]:
-    """Every option as (name, type, help): type "float", "int", "bool" or the accepted words
-    ("sgd|adamw|nesterov")."""
+def table() -> List[Tuple[str, str, str, str]]:
+    """Every option as (name, type, accepts, help): type "float", "int", "bool" or the accepted
+    words ("sgd|adamw|nesterov"); accepts a number's range (">= 1", "[0, 1)"; "" for any); help
+    names other options as {name}."""
     return [tuple(row) for row in _ops.option_table()]
 
 
@@ -54,7 +56,7 @@ def _word(value) -> str:
 def given(options: Dict) -> Dict[str, object]:
     """Keywords as the engine names them (aliases resolved, betas split); an unknown keyword is
     a TypeError naming it, as Python's own would be."""
-    known = {name for name, _, _ in table()}
+    known = {name for name, _, _, _ in table()}
     out = {}
     for key, value in options.items():
         if key == "betas":
@@ -84,7 +86,7 @@ def resolve(step: str, options: Dict[str, object], keywords=()) -> Dict[str, obj
     """Every option of `step` ("": the one the given inner rule brings, the engine's choice) with
     these given (checked by the engine: a ValueError names the bad one as `keywords`, the
     caller's, spell it)."""
-    kinds = {name: kind for name, kind, _ in table()}
+    kinds = {name: kind for name, kind, _, _ in table()}
     out = {}
     for pair in _ops.resolved_options(step, words(options), spelling(keywords)):
         name, _, word = pair.partition("=")
@@ -102,9 +104,9 @@ def markdown() -> str:
     those copies current)."""
     keyword = {option: alias for alias, option in ALIASES.items()}
     steps = {step: defaults(step) for step in STEPS}
-    lines = ["| option | Python keyword | type | " + " | ".join(STEPS) + " | meaning |",
-             "|---|---|---|" + "---|" * len(STEPS) + "---|"]
-    for name, kind, help_ in table():
+    lines = ["| option | Python keyword | type | accepts | " + " | ".join(STEPS) + " | meaning |",
+             "|---|---|---|---|" + "---|" * len(STEPS) + "---|"]
+    for name, kind, accepts, help_ in table():
         cells = []
         for step in STEPS:
             value = steps[step][name]
@@ -112,9 +114,9 @@ def markdown() -> str:
         alias = keyword.get(name, "")
         if name in ("beta1", "beta2"):
             alias = "betas"
-        lines.append("| `{}` | {} | {} | {} | {} |".format(
+        lines.append("| `{}` | {} | {} | {} | {} | {} |".format(
             name, "`{}`".format(alias) if alias else "", kind.replace("|", ", "),
-            " | ".join(cells), help_))
+            accepts.replace("|", "\\|"), " | ".join(cells), re.sub(r"\{(\w+)\}", r"\1", help_)))
     return "\n".join(lines) + "\n"
 
 

@@ -11,6 +11,7 @@
 
 #include <sstream>
 #include <stdexcept>
+#include <type_traits>
 #include <utility>
 
 namespace flexdemo::optim {
@@ -18,20 +19,16 @@ namespace flexdemo::optim {
 // ====== Options ======
 namespace {
 
-// text with every {name} replaced by name(name).
-std::string spell(const std::string& text,
-                  const std::function<std::string(const std::string&)>& name) {
-  std::string out;
-  for (size_t at = 0; at < text.size();) {
-    const size_t open = text.find('{', at), close = text.find('}', open);
-    if (open == std::string::npos || close == std::string::npos) {
-      out += text.substr(at);
-      break;
-    }
-    out += text.substr(at, open - at) + name(text.substr(open + 1, close - open - 1));
-    at = close + 1;
+// OptionsError unless a number option's value is in its range (words and switches: nothing).
+template <class T>
+void check_range(const char* name, const T& value, const Range& range) {
+  if constexpr (std::is_arithmetic_v<T> && !std::is_same_v<T, bool>) {
+    if (range.holds(double(value))) return;
+    std::ostringstream got;
+    got << value;
+    throw OptionsError("{" + std::string(name) + "} must be " + range.text() + ", got " +
+                       got.str());
   }
-  return out;
 }
 
 std::string as_is(const std::string& name) {
@@ -55,14 +52,15 @@ void OptimizerOptions::validate() const {
     s << v;
     return s.str();
   };
-  if (!(lr > 0.0)) fail("{lr} must be > 0, got " + str(lr));
-  if (!(weight_decay >= 0.0) || !(lr * weight_decay < 1.0)) {
-    fail("{weight_decay} must be >= 0 with {lr} x {weight_decay} < 1, got " + str(weight_decay));
+  // Each number within its declared range.
+#define FLEXDEMO_CHECK_RANGE(name, type, default_value, range, help) check_range(#name, name, range);
+  FLEXDEMO_OPTIMIZER_OPTIONS(FLEXDEMO_CHECK_RANGE)
+#undef FLEXDEMO_CHECK_RANGE
+  // The rules between options.
+  if (!(lr * weight_decay < 1.0)) {
+    fail("{lr} x {weight_decay} must be < 1, got " + str(lr) + " x " + str(weight_decay));
   }
   if (normalize && sign) fail("{normalize} needs {sign} off (sign's step is unit RMS already)");
-  if (!(update_rms >= 0.0)) fail("{update_rms} must be >= 0 (0: off), got " + str(update_rms));
-  if (!(step_bound >= 0.0)) fail("{step_bound} must be >= 0 (0: off), got " + str(step_bound));
-  if (!(rms_cap >= 0.0)) fail("{rms_cap} must be >= 0 (0: off), got " + str(rms_cap));
   if ((update_rms > 0.0 || step_bound > 0.0 || rms_cap > 0.0) && sign) {
     fail("{update_rms}, {step_bound} and {rms_cap} need {sign} off (sign's step is bounded "
          "already)");
@@ -71,37 +69,14 @@ void OptimizerOptions::validate() const {
     fail("{update_rms} and {rms_cap} exclude each other (one sets the RMS, one caps it)");
   }
   if (update_rms > 0.0 && normalize) fail("{update_rms} and {normalize} exclude each other");
-  if (!(beta1 >= 0.0 && beta1 < 1.0)) fail("{beta1} must be in [0, 1), got " + str(beta1));
-  if (!(beta2 >= 0.0 && beta2 < 1.0)) fail("{beta2} must be in [0, 1), got " + str(beta2));
-  if (!(eps > 0.0)) fail("{eps} must be > 0, got " + str(eps));
-  if (!(decay >= 0.0 && decay < 1.0)) fail("{decay} must be in [0, 1), got " + str(decay));
-  if (topk <= 0) fail("{topk} must be > 0, got " + std::to_string(topk));
-  if (chunk <= 0) fail("{chunk} must be > 0, got " + std::to_string(chunk));
-  if (replicate_every < 1) {
-    fail("{replicate_every} must be >= 1, got " + std::to_string(replicate_every));
-  }
   if (overlap_step && replicator != ReplicatorKind::Demo) {
     fail("{overlap_step} needs {replicator} demo");
   }
   if (demo_exchange == DemoExchange::Owners && replicator != ReplicatorKind::Demo) {
     fail("{demo_exchange} owners needs {replicator} demo");
   }
-  if (owner_topk < 0) {
-    fail("{owner_topk} must be >= 0 (0: as many as fit), got " + std::to_string(owner_topk));
-  }
   if (demo_exchange == DemoExchange::Owners && overlap_step) {
     fail("{demo_exchange} owners and {overlap_step} exclude each other");
-  }
-  if (!(random_fraction > 0.0 && random_fraction <= 1.0)) {
-    fail("{random_fraction} must be in (0, 1], got " + str(random_fraction));
-  }
-  if (!(momentum >= 0.0 && momentum < 1.0)) {
-    fail("{momentum} must be in [0, 1), got " + str(momentum));
-  }
-  if (inner_steps < 1) fail("{inner_steps} must be >= 1, got " + std::to_string(inner_steps));
-  if (!(outer_lr > 0.0)) fail("{outer_lr} must be > 0, got " + str(outer_lr));
-  if (!(outer_momentum >= 0.0 && outer_momentum < 1.0)) {
-    fail("{outer_momentum} must be in [0, 1), got " + str(outer_momentum));
   }
   if (inner_steps > 1 && replicate_every > 1) {
     fail("{inner_steps} " + std::to_string(inner_steps) + " and {replicate_every} " +
@@ -110,7 +85,7 @@ void OptimizerOptions::validate() const {
   }
   if (inner_steps > 1 && precondition) fail("{inner_steps} and {precondition} exclude each other");
   if (inner_steps > 1 && overlap_step) fail("{inner_steps} and {overlap_step} exclude each other");
-  if (!(peer_scale_bound == 0.0 || peer_scale_bound > 1.0)) {
+  if (peer_scale_bound > 0.0 && !(peer_scale_bound > 1.0)) {
     fail("{peer_scale_bound} must be 0 (off) or > 1, got " + str(peer_scale_bound));
   }
 }

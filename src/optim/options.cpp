@@ -5,6 +5,7 @@
 #include "flexdemo/value_encoding.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <set>
 #include <sstream>
@@ -76,6 +77,43 @@ T parse_word(const std::string& name, const std::string& word) {
 
 }  // namespace
 
+bool Range::holds(double v) const {
+  const bool too_low = low && (low_open ? !(v > *low) : !(v >= *low));
+  const bool too_high = high && (high_open ? !(v < *high) : !(v <= *high));
+  return !too_low && !too_high && !std::isnan(v);
+}
+
+std::string Range::text() const {
+  auto number = [](double v) {
+    std::ostringstream s;
+    s << v;
+    return s.str();
+  };
+  std::string bound;
+  if (high) {
+    bound = std::string("in ") + (low_open ? "(" : "[") + number(low.value_or(0)) + ", " +
+            number(*high) + (high_open ? ")" : "]");
+  } else if (low) {
+    bound = std::string(low_open ? "> " : ">= ") + number(*low);
+  }
+  return bound + note;
+}
+
+std::string spell(const std::string& text,
+                  const std::function<std::string(const std::string&)>& spelling) {
+  std::string out;
+  for (size_t at = 0; at < text.size();) {
+    const size_t open = text.find('{', at), close = text.find('}', open);
+    if (open == std::string::npos || close == std::string::npos) {
+      out += text.substr(at);
+      break;
+    }
+    out += text.substr(at, open - at) + spelling(text.substr(open + 1, close - open - 1));
+    at = close + 1;
+  }
+  return out;
+}
+
 OptimizerOptions preset(Preset p) {
   OptimizerOptions o;  // the declaration's defaults: the flexdemo step
   switch (p) {
@@ -111,15 +149,15 @@ Preset preset_for(InnerKind inner) {
 
 std::vector<OptionInfo> option_infos() {
   std::vector<OptionInfo> infos;
-#define FLEXDEMO_OPTION_INFO(name, type, default_value, help) \
-  infos.push_back({#name, type_of<type>(), help});
+#define FLEXDEMO_OPTION_INFO(name, type, default_value, range, help) \
+  infos.push_back({#name, type_of<type>(), range, help});
   FLEXDEMO_OPTIMIZER_OPTIONS(FLEXDEMO_OPTION_INFO)
 #undef FLEXDEMO_OPTION_INFO
   return infos;
 }
 
 std::string option_value(const OptimizerOptions& o, const std::string& name) {
-#define FLEXDEMO_OPTION_GET(field, type, default_value, help) \
+#define FLEXDEMO_OPTION_GET(field, type, default_value, range, help) \
   if (name == #field) return word_of<type>(o.field);
   FLEXDEMO_OPTIMIZER_OPTIONS(FLEXDEMO_OPTION_GET)
 #undef FLEXDEMO_OPTION_GET
@@ -127,7 +165,7 @@ std::string option_value(const OptimizerOptions& o, const std::string& name) {
 }
 
 void set_option(OptimizerOptions& o, const std::string& name, const std::string& value) {
-#define FLEXDEMO_OPTION_SET(field, type, default_value, help) \
+#define FLEXDEMO_OPTION_SET(field, type, default_value, range, help) \
   if (name == #field) {                                       \
     o.field = parse_word<type>(name, value);                  \
     return;                                                   \

@@ -39,19 +39,9 @@ void check_accepted(const T& value, const OptionSpec& spec) {
   if constexpr (is_optional<T>::value) {
     if (value) check_accepted(*value, spec);  // unset: the optimizer's, valid
   } else if constexpr (std::is_arithmetic_v<T> && !std::is_same_v<T, bool>) {
-    const double v = double(value);
-    const bool too_low = a.low && (a.low_open ? !(v > *a.low) : !(v >= *a.low));
-    const bool too_high = a.high && (a.high_open ? !(v < *a.high) : !(v <= *a.high));
-    if (!too_low && !too_high && !std::isnan(v)) return;
-    std::string bound;
-    if (a.high) {
-      bound = fmt::format("in {}{}, {}{}", a.low_open ? "(" : "[", *a.low, *a.high,
-                          a.high_open ? ")" : "]");
-    } else {
-      bound = fmt::format("{} {}", a.low_open ? ">" : ">=", *a.low);
-    }
+    if (a.range.holds(double(value))) return;
     throw std::invalid_argument(
-        fmt::format("{} must be {}{}, got {}", spec.flag(), bound, a.note, value));
+        fmt::format("{} must be {}, got {}", spec.flag(), a.range.text(), value));
   } else if constexpr (std::is_same_v<T, std::string>) {
     if (!a.words) return;
     const std::vector<std::string> words = a.words();
@@ -72,6 +62,7 @@ bool uses_demo_replicator(const TrainConfig& c) {
 }  // namespace
 
 std::string flag_of(const std::string& name) {
+  if (name == "peer_policy") return "--on-bad-peer";  // the optimizer's name for it
   std::string f = "--" + name;
   std::replace(f.begin(), f.end(), '_', '-');
   return f;
@@ -79,6 +70,40 @@ std::string flag_of(const std::string& name) {
 
 std::string OptionSpec::flag() const {
   return flag_of(name);
+}
+
+// What an option the --optimizer chooses resolves to under each: "112 for flexdemo; 32 for
+// flexdemo-adamw, adamw, sgd".
+std::string chosen_text(const std::string& name) {
+  std::vector<std::pair<std::string, std::string>> groups;  // value, the optimizers
+  for (const std::string& kind : names_of<OptimizerKind>()) {
+    TrainConfig c;
+    c.optimizer = parse_name<OptimizerKind>(kind);
+    c.resolve();
+    std::string value;
+    for_each_option(c, [&](const auto& field, const OptionSpec& spec) {
+      if (spec.name == name) value = json_of(field).dump();
+    });
+    auto at = std::find_if(groups.begin(), groups.end(),
+                           [&](const auto& g) { return g.first == value; });
+    if (at == groups.end()) {
+      groups.push_back({value, kind});
+    } else {
+      at->second += ", " + kind;
+    }
+  }
+  if (groups.size() == 1) return groups.front().first;
+  std::string text;
+  for (const auto& [value, kinds] : groups) {
+    text += (text.empty() ? "" : "; ") + value + " for " + kinds;
+  }
+  return text;
+}
+
+std::string OptionSpec::help_text() const {
+  std::string text = optim::spell(help, flag_of);
+  if (chosen) text += " (default: " + chosen_text(name) + ")";
+  return text;
 }
 
 model::ModelFamily family(const TrainConfig& c) {

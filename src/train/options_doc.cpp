@@ -35,11 +35,9 @@ std::string accepted_text(const OptionSpec& spec) {
     for (const std::string& w : names_of<V>()) text += (text.empty() ? "" : ", ") + w;
   } else if (a.words) {
     for (const std::string& w : a.words()) text += (text.empty() ? "" : ", ") + w;
-  } else if (a.high) {
-    text =
-        fmt::format("{}{}, {}{}", a.low_open ? "(" : "[", *a.low, *a.high, a.high_open ? ")" : "]");
-  } else if (a.low) {
-    text = fmt::format("{} {}{}", a.low_open ? ">" : ">=", *a.low, a.note);
+  } else if (a.range.low) {  // ">= 1 (note)", or "[0, 1)" for a range closed above
+    text = a.range.text();
+    if (text.rfind("in ", 0) == 0) text = text.substr(3);
   }
   if (a.env) text += fmt::format("{}env {}", text.empty() ? "" : "; ", a.env);
   return text;
@@ -83,7 +81,7 @@ std::string options_markdown() {
   for_each_option(defaults, [&md](const auto& value, const OptionSpec& spec) {
     using T = std::decay_t<decltype(value)>;
     md += fmt::format("| `{}` | `{}` | {} | {} | {} |\n", spec.flag(), cell(json_of(value).dump()),
-                      role_text(spec.role), cell(accepted_text<T>(spec)), cell(spec.help));
+                      role_text(spec.role), cell(accepted_text<T>(spec)), cell(spec.help_text()));
   });
   return md;
 }

@@ -44,8 +44,10 @@ def test_options_are_the_engines_declaration():
     """Every option the engine declares, once; each step's defaults read from it (not copied
     here): the three steps differ where their declaration says."""
     table = flexdemo.options.table()
-    names = [name for name, _, _ in table]
-    assert len(names) == len(set(names)) and all(help_ for _, _, help_ in table)
+    names = [name for name, _, _, _ in table]
+    assert len(names) == len(set(names)) and all(help_ for _, _, _, help_ in table)
+    accepts = {name: accepted for name, _, accepted, _ in table}
+    assert (accepts["topk"], accepts["decay"], accepts["lr"]) == (">= 1", "[0, 1)", "> 0")
     flex = flexdemo.options.defaults("flexdemo")
     adamw = flexdemo.options.defaults("flexdemo-adamw")
     demo = flexdemo.options.defaults("demo")

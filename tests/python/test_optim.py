@@ -137,7 +137,7 @@ def one_param(**kwargs):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(compression_topk=65, compression_chunk=8),
      "compression_topk 65 exceeds the 64 coefficients of a compression_chunk 8 chunk"),
-    (dict(compression_chunk=0), "compression_chunk must be > 0, got 0"),
+    (dict(compression_chunk=0), "compression_chunk must be >= 1, got 0"),
     (dict(values="fp16"), "values 'fp16': unknown value encoding 'fp16'; accepted: fp32, bf16"),
     (dict(inner="lion"), "inner 'lion': unknown inner optimizer 'lion'; accepted: sgd, adamw"),
     (dict(lr=0), "lr must be > 0, got 0"),
