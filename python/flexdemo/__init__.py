@@ -8,7 +8,8 @@ nodes) for your own training loop.
 
 ``flexdemo.DeMo`` is a drop-in for the reference DeMo optimizer (same arguments). Both drive the
 engine ``flexdemo train`` runs (``torch.classes.flexdemo.Engine``); ``flexdemo.options`` lists
-its options and each step's defaults.
+its options and each step's defaults; ``flexdemo.ElasticLoadPlanner`` loads a DCP checkpoint
+on another number of nodes.
 """
 
 import os as _os
@@ -18,8 +19,10 @@ import torch as _torch
 _torch.ops.load_library(_os.path.join(_os.path.dirname(__file__), "libflexdemo_ops.so"))
 
 from . import ops, options  # noqa: E402  (the library must be loaded first)
+from .checkpoint import ElasticLoadPlanner  # noqa: E402
 from .fsdp import hybrid_mesh, shard_model  # noqa: E402
 from .optim import DeMo, FlexDeMo  # noqa: E402
 
-__all__ = ["DeMo", "FlexDeMo", "hybrid_mesh", "shard_model", "ops", "options"]
+__all__ = ["DeMo", "ElasticLoadPlanner", "FlexDeMo", "hybrid_mesh", "shard_model", "ops",
+           "options"]
 __version__ = "0.1.0"

@@ -1,0 +1,101 @@
+"""Run by test_elastic.py under torchrun (gloo, CPU), 2 ranks a node: one leg of an elastic
+run, or the uninterrupted run.
+
+    dist_elastic.py FIRST LAST LOAD SAVE OUT [RANKS_PER_NODE]
+
+Trains steps [FIRST, LAST) of one job (the same global batch each step whatever the number of
+nodes: node n takes its share of the step's rows, each of its ranks (2 by default) its share of
+that), FSDP2 inside
+the node and FlexDeMo's default step between nodes; LOAD (or "-"): a DCP checkpoint to start
+from, loaded with flexdemo.ElasticLoadPlanner; SAVE (or "-"): where to write the last step's.
+Rank 0 writes the global mean loss of every step to OUT (JSON), and each rank's per-replica state
+(a sum of norms) as loaded and as left.
+"""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                     get_optimizer_state_dict,
+                                                     set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import flexdemo
+
+ROWS, SEQ = 8, 32  # the global batch: 8 sequences of 32 tokens
+
+
+def batch(step):
+    """Learnable rows: each a random start, then token t + 1 = (5 t + 3) mod 64."""
+    g = torch.Generator().manual_seed(7000 + step)
+    rows = [torch.randint(0, 64, (ROWS,), generator=g)]
+    for _ in range(SEQ - 1):
+        rows.append((rows[-1] * 5 + 3) % 64)
+    return torch.stack(rows, dim=1)
+
+
+def residual_norms(opt):
+    """This rank's per-replica state (the residuals and running mean squares), as one float64
+    sum of norms: what the elastic load must carry."""
+    total = 0.0
+    for state in opt.state.values():
+        for key, t in state.items():
+            if ".replica" in key:
+                total += t.double().norm().item()
+    return total
+
+
+def by_rank(value):
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def main():
+    first, last, load, save, out = int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:6]
+    per_node = int(sys.argv[6]) if len(sys.argv) > 6 else 2
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    nodes, node, shard = world // per_node, rank // per_node, rank % per_node
+    torch.manual_seed(3)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=64, n_layer=2,
+                                       n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+                                       attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    mesh = flexdemo.hybrid_mesh(ranks_per_node=per_node, device_type="cpu")
+    flexdemo.shard_model(model, mesh, blocks=model.transformer.h)
+    opt = flexdemo.FlexDeMo(model.parameters(), mesh=mesh, lr=1e-3, compression_chunk=16)
+    if load != "-":
+        state = {"model": get_model_state_dict(model),
+                 "optim": get_optimizer_state_dict(model, opt)}
+        dcp.load(state, checkpoint_id=load, planner=flexdemo.ElasticLoadPlanner())
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, opt, state["optim"])
+    loaded = by_rank(residual_norms(opt))
+    losses = []
+    for step in range(first, last):
+        rows = batch(step).chunk(nodes)[node].chunk(per_node)[shard]
+        loss = model(rows, labels=rows).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)  # every rank the same number of rows: the global mean
+        losses.append(mean.item() / world)
+    if save != "-":
+        dcp.save({"model": get_model_state_dict(model),
+                  "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=save)
+    saved = by_rank(residual_norms(opt))
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"losses": losses, "steps": opt._steps, "loaded_state": loaded,
+                       "saved_state": saved}, f)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
