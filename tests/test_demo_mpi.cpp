@@ -645,6 +645,38 @@ TEST(DemoMpi, FaultyPeerIsLeftOutAlikeEverywhereAsIfItWereAbsent) {
   }
 }
 
+TEST(DemoMpi, AReplicasOwnCorruptPayloadIsNotPreviewedUnderOverlap) {
+  // --overlap-step previews each replica's own payloads, which nobody screens: a corrupt one (the
+  // test aid) is skipped there (the faulty replica keeps its committed parameters) and left out
+  // of everyone's mean one step later, every replica alike.
+  auto world = test_world();
+  const int faulty = world->size() - 1;
+  optim::OptimizerOptions o = bf16_options();
+  o.overlap_step = true;
+  std::vector<at::Tensor> params = make_params();
+  optim::Optimizer demo(params, o, world->split(0, world->rank()));
+  for (int step = 0; step < 3; ++step) {
+    set_gradients(params, world->rank(), step);
+    const bool corrupt = world->rank() == faulty && step == 1;
+    if (corrupt) demo.tamper_next_exchange(compress::Tamper::Corrupt, 1.0);
+    demo.step();
+    const std::vector<at::Tensor> committed = demo.replicated_params();
+    for (size_t i = 0; i < params.size(); ++i) {  // previewed: the parameters moved past them
+      const at::Tensor p = params[i].detach().reshape(committed[i].sizes());
+      EXPECT_EQ(at::equal(p, committed[i]), corrupt)
+          << "step " << step << " rank " << world->rank() << " tensor " << i;
+    }
+  }
+  const std::vector<optim::PeerFault> faults = demo.take_peer_faults();
+  ASSERT_EQ(faults.size(), kShapes.size());  // step 1's payloads, decoded at step 2
+  for (const optim::PeerFault& f : faults) EXPECT_EQ(f.replica, faulty);
+  for (const at::Tensor& p : demo.replicated_params()) {
+    at::Tensor root = p.clone();
+    world->broadcast(root, 0);
+    EXPECT_TRUE(at::equal(p, root));
+  }
+}
+
 TEST(DemoMpi, FaultyPeerStopsEveryReplicaUnderTheStopPolicy) {
   auto world = test_world();
   const int faulty = world->size() - 1;

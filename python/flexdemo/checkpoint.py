@@ -7,7 +7,8 @@ parameters are. A run with as many replicas loads as it is; one with another num
 with ``ElasticLoadPlanner``: replica r takes the state of the checkpoint's replica r mod R, the
 rule ``flexdemo train --resume`` follows (src/train/elastic_state.cpp). The shard group keeps
 its size (the trainer also re-cuts shards; Python does not yet: a different size is refused in
-one line).
+one line), and so does the number of nodes of a checkpoint taken with ``overlap_step`` (its
+exchange in flight is the old nodes' payloads; the trainer settles it, Python refuses).
 
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     dcp.load(state, checkpoint_id=path, planner=flexdemo.ElasticLoadPlanner())
@@ -52,6 +53,10 @@ class ElasticLoadPlanner(DefaultLoadPlanner):
                                                  shard)
             here = tuple(self.state_dict[key].shape)
             there = tuple(self.metadata.state_dict_metadata[source].size)
+            if here != there and m["what"].endswith("pending_payloads"):
+                raise ValueError(
+                    "flexdemo: the checkpoint holds an exchange in flight (overlap_step) among "
+                    "another number of nodes; resume it on as many nodes")
             if here != there:
                 raise ValueError(
                     "flexdemo: the checkpoint's {} of shard {} has shape {}, this run's {}: it "

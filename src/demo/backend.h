@@ -85,8 +85,9 @@ class Backend {
   // taken out of the residual (error feedback).
   virtual void encode(Bucket& b, const std::vector<at::Tensor>& grads, double lr) = 0;
   // From `replicas` buckets of payloads in `gathered` (rank order; b's layout), each screened
-  // already (screen.h: screen_payloads; or this replica's own): per coefficient the mean of the replicas that sent it (summed in rank order, so
-  // bit-identical on every replica), the inverse DCT, and each tensor's update.
+  // already (screen.h: screen_payloads; or this replica's own, whole): per coefficient the mean
+  // of the replicas that sent it (summed in rank order, so bit-identical on every replica), the
+  // inverse DCT, and each tensor's update.
   virtual void decode(const Bucket& b, const at::Tensor& gathered, int replicas,
                       const Updates& updates) = 0;
 };

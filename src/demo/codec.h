@@ -305,7 +305,8 @@ FLEXDEMO_HD uint8_t fp8_bits(float x) {
   const uint32_t sign = (u >> 24) & 0x80u;
   // Below 2^-6: subnormal, in steps of 2^-9, x * 512 < 8 rounded to nearest even by adding and
   // taking away 2^23 (exact: the float's own rounding does it).
-  const uint32_t subnormal = uint32_t((cm::bits_float(a) * 512.0f + 8388608.0f) - 8388608.0f);
+  const float small = cm::bits_float(a < 0x3c800000u ? a : 0u);  // the others: not this case
+  const uint32_t subnormal = uint32_t((small * 512.0f + 8388608.0f) - 8388608.0f);
   const uint32_t normal = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - ((127 - 7) << 3);
   const uint32_t code = a > 0x7f800000u   ? 0x7fu   // NaN
                         : a >= 0x43e00000u ? 0x7eu  // 448 and above, infinity too: the largest

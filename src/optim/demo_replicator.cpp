@@ -145,10 +145,13 @@ class DemoReplicator final : public optim::Replicator {
     use_next_layout();  // what arrived was decoded as it was sent; this step's in the new one
     if (previews()) save_committed(inner);
     backend_->encode(all_, grads, lr);
+    const bool tampered = tamper_.has_value();
     launch(all_);
     tamper_.reset();
     pending_.fill_(1);
-    if (previews()) preview(inner.hyper().lr, inner);
+    // The preview decodes this replica's own payloads unscreened: a test aid's corrupt ones
+    // (tamper_next_exchange) only if they are whole, as a receiver would check them.
+    if (previews() && (!tampered || whole(all_.send, all_))) preview(inner.hyper().lr, inner);
   }
 
   // The payloads' sizes for options_'s top-k and values, and the bucket of every tensor.
@@ -218,6 +221,22 @@ class DemoReplicator final : public optim::Replicator {
     const std::vector<int> kept =
         passing_replicas(b, b.recv, replicas(), plans_, options_, peer_faults_);
     decode_passing(*backend_, b, b.recv, replicas(), kept, updates);
+  }
+
+  // Whether every payload of bucket b in `bytes` (one replica's, on the host) passes the wire
+  // format's validation.
+  bool whole(const at::Tensor& bytes, const Bucket& b) const {
+    for (size_t k = 0; k < b.tensors.size(); ++k) {
+      const dct::ChunkPlan& plan = plans_[b.tensors[k]];
+      try {
+        compress::validate_payload(bytes.data_ptr<uint8_t>() + b.offsets[k],
+                                   compress::wire_payload_bytes(plan, b.topk, b.values), plan,
+                                   b.topk, b.values);
+      } catch (const compress::WireFormatError&) {
+        return false;
+      }
+    }
+    return true;
   }
 
   // The test aid: this replica's payloads in the bucket, tampered before they are sent.
@@ -300,8 +319,8 @@ std::vector<int> passing_replicas(const Bucket& b, const at::Tensor& gathered, i
   std::vector<dct::ChunkPlan> bucket_plans;
   for (size_t i : b.tensors) bucket_plans.push_back(plans[i]);
   std::vector<optim::PeerFault> found =
-      demo::screen_payloads(host.data_ptr<uint8_t>(), replicas, b.bytes, bucket_plans, b.offsets, b.topk,
-                      b.values, options.peer_scale_bound);
+      demo::screen_payloads(host.data_ptr<uint8_t>(), replicas, b.bytes, bucket_plans, b.offsets,
+                            b.topk, b.values, options.peer_scale_bound);
   for (optim::PeerFault& f : found) f.tensor = b.tensors[f.tensor];
   if (!found.empty() && options.peer_policy == optim::PeerPolicy::Stop) {
     throw optim::PeerFaultError(found.front());

@@ -599,12 +599,12 @@ int64_t sample_magnitudes(const float* x, int64_t n, int32_t* out) {
 }
 
 // The k largest magnitudes are found among the entries >= a threshold t: one the sample ranks
-// where about 1.5k to 3k of the chunk would pass, lowered (by half an exponent, about a
-// third) until at least k pass. Among those, a threshold kth exactly k reach (or the k-th
-// largest magnitude, where ties leave none) comes by bisection; the chosen are every candidate
-// above kth and the first of those equal to it (ties go to the lower position), taken in one
-// pass in ascending position order.
-constexpr uint32_t kLowerStep = 1u << 22;  // in a magnitude's bits: half an exponent step
+// where about 1.5k to 3k of the chunk would pass, lowered until at least k pass (first by half
+// an exponent, about a third, each step twice the last). Among those, a threshold kth exactly k
+// reach (or the k-th largest magnitude, where ties leave none) comes by bisection; the chosen
+// are every candidate above kth and the first of those equal to it (ties go to the lower
+// position), taken in one pass in ascending position order.
+constexpr uint64_t kLowerStep = 1u << 22;  // in a magnitude's bits: half an exponent step
 void select_topk(const float* values, int64_t n, int64_t k, int64_t* positions, float* selected,
                  uint64_t* scratch) {
   int32_t* mags = reinterpret_cast<int32_t*>(scratch);                // n + 16
@@ -616,8 +616,8 @@ void select_topk(const float* values, int64_t n, int64_t k, int64_t* positions, 
     t = uint32_t(threshold_between(mags, sampled, 0, rank, 2 * rank));
   }
   int64_t count = collect_at_least(values, n, t, candidates);
-  while (count < k) {
-    t = t > kLowerStep ? t - kLowerStep : 0;
+  for (uint64_t step = kLowerStep; count < k; step *= 2) {  // a sample far off: a few passes
+    t = t > step ? uint32_t(t - step) : 0;
     count = collect_at_least(values, n, t, candidates);
   }
   for (int64_t j = 0; j < count; ++j) mags[j] = int32_t(magnitude(values[candidates[j]]));
