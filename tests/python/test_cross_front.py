@@ -8,9 +8,9 @@ FLEXDEMO_CROSS_FRONT."""
 import os
 import shutil
 import subprocess
-import sys
 
 import numpy as np
+from torchrun import succeeded, torchrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -52,11 +52,7 @@ def run_both(tmp_path, configs, shards, replicas):
                           str(tmp_path), str(cpp), str(shards)], capture_output=True, text=True,
                          timeout=600, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", ranks, os.path.join(HERE, "cross_front_py.py"),
-                          str(tmp_path), str(py), str(shards)], capture_output=True, text=True,
-                         timeout=600, env=env)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    assert succeeded(torchrun(ranks, "cross_front_py.py", tmp_path, py, shards))
     return cpp, py
 
 

@@ -13,27 +13,20 @@ default step written on 2 nodes x 2 ranks resumes on 1 x 2 and then on 2 x 2 aga
 """
 
 import json
-import os
-import subprocess
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from torchrun import torchrun
 STOPS = (0, 6, 12, 18)
 
 
-def torchrun(tmp, ranks, first, last, load, save, name, per_node=2):
+def run_leg(tmp, ranks, first, last, load, save, name, per_node=2):
     out = tmp / "{}.json".format(name)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         str(ranks), os.path.join(HERE, "dist_elastic.py"), str(first), str(last),
-         str(load) if load else "-", str(save) if save else "-", str(out), str(per_node)],
-        capture_output=True, text=True, timeout=600, env=env, cwd=HERE)
+    run = torchrun(ranks, "dist_elastic.py", first, last, load or "-", save or "-", out,
+                   per_node)
     return run, out
 
 
 def leg(tmp, ranks, first, last, load, save, name):
-    run, out = torchrun(tmp, ranks, first, last, load, save, name)
+    run, out = run_leg(tmp, ranks, first, last, load, save, name)
     errors = [line for line in run.stderr.splitlines() if "Error" in line or "error:" in line]
     assert run.returncode == 0, "\n".join([name] + errors[:20]) + run.stderr[-2000:]
     return json.loads(out.read_text())
@@ -60,7 +53,7 @@ def test_dcp_resumes_on_another_number_of_nodes(tmp_path):
 
 def test_another_shard_size_is_refused_in_one_line(tmp_path):
     leg(tmp_path, 2, 0, 2, None, tmp_path / "a", "two")  # 1 node x 2 ranks
-    run, _ = torchrun(tmp_path, 4, 2, 3, tmp_path / "a", None, "four", per_node=4)
+    run, _ = run_leg(tmp_path, 4, 2, 3, tmp_path / "a", None, "four", per_node=4)
     assert run.returncode != 0
     assert "resume with shard groups of the same size" in run.stdout + run.stderr, (
         run.stderr[-4000:])

@@ -3,11 +3,10 @@ DeMo (engine_checks.py does the checks), the options as the engine declares them
 sizes in closed form."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from torchrun import succeeded, torchrun
 
 import flexdemo
 from flexdemo import ops
@@ -16,12 +15,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_engine_on_3_replicas_follows_float64_demo():
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-         os.path.join(HERE, "engine_checks.py")],
-        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"),
-        cwd=HERE)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    run = torchrun(3, "engine_checks.py")
+    assert succeeded(run)
     assert "engine checks: all passed" in run.stdout
 
 

@@ -4,10 +4,9 @@ saves checkpoints and models transformers loads."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from torchrun import succeeded, torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -18,14 +17,11 @@ def test_example_trains_both_and_saves(tmp_path, family):
     text.write_text("\n".join("the {} quick brown fox {} jumps over the lazy dog {}".format(
         i, i * 7 % 13, i % 5) for i in range(2000)))
     out = tmp_path / "run"
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         os.path.join(ROOT, "examples", "python", "train_gpt.py"), "--data", str(text),
-         "--out", str(out), "--steps", "8", "--eval-every", "4", "--eval-seqs", "8",
-         "--vocab", "300", "--width", "64", "--layers", "1", "--seq", "32", "--chunk", "16",
-         "--topk", "8", "--warmup", "2", "--model", family],
-        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    run = torchrun(4, os.path.join(ROOT, "examples", "python", "train_gpt.py"), "--data", text,
+                   "--out", out, "--steps", 8, "--eval-every", 4, "--eval-seqs", 8, "--vocab", 300,
+                   "--width", 64, "--layers", 1, "--seq", 32, "--chunk", 16, "--topk", 8,
+                   "--warmup", 2, "--model", family)
+    assert succeeded(run)
     assert "fewer bytes between nodes" in run.stdout
     results = {r["optimizer"]: r for r in json.loads((out / "results.json").read_text())["results"]}
     assert set(results) == {"flexdemo", "adamw-hsdp"}
