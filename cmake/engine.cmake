@@ -23,6 +23,7 @@ function(flexdemo_add_engine)
     ${src}/demo/cpu/portable_kernels.cpp
     ${src}/demo/cuda/gpu_step.cpp
     ${src}/optim/options.cpp
+    ${src}/optim/link_budget.cpp
     ${src}/optim/optimizer.cpp
     ${src}/optim/every_step.cpp
     ${src}/optim/local_steps.cpp

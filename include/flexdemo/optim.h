@@ -64,6 +64,12 @@ enum class InnerKind {
 // the mean, on every replica alike (each decides from the same gathered bytes).
 enum class PeerPolicy { Stop, Drop };
 
+// Whether the exchange's schedule follows the link (LinkBudget, flexdemo/link_budget.h).
+enum class LinkBudgetMode {
+  Off,   // the fixed topk, values and replicate_every
+  Auto,  // top-k, values and interval chosen from the measured link and compute, re-measured
+};
+
 // ====== What a number option accepts ======
 // Bounds (open or closed) and a note after them, as an error reads them: "{topk} must be >= 1,
 // got 0", "{decay} must be in [0, 1), got 1", "{rms_cap} must be >= 0 (0: off), got -1". The
@@ -196,7 +202,22 @@ constexpr Range open_closed(double low, double high) {  // (low, high]
     "{inner_steps} > 1: the outer step's Nesterov momentum (DiLoCo's 0.9 with {outer_lr} 0.7)")  \
   X(outer_sign, bool, false, optim::unbounded(),                                                 \
     "{inner_steps} > 1: step by the sign of the replicas' mean change (then {outer_lr} is "      \
-    "every parameter's step)")
+    "every parameter's step)")                                                                   \
+  /* ====== The link budget (flexdemo/link_budget.h: read by a LinkBudget, not the step) ====== */\
+  X(link_budget, LinkBudgetMode, LinkBudgetMode::Off, optim::unbounded(),                        \
+    "auto: measure the link between nodes and a step's compute, and choose top-k, values and "   \
+    "the exchange interval (within the {link_min_topk}, {link_max_topk}, {link_values} and "     \
+    "{link_max_every} bounds) so that the exchange stays hidden behind compute (under "          \
+    "{overlap_step}) or costs at most a tenth of a step; re-measured every {link_probe_every} "  \
+    "steps (demo replicator; off: the fixed {topk}, {values}, {replicate_every})")               \
+  X(link_min_topk, int64_t, 8, optim::at_least(1), "{link_budget} auto: the smallest top-k chosen") \
+  X(link_max_topk, int64_t, 128, optim::at_least(1), "{link_budget} auto: the largest top-k chosen") \
+  X(link_values, std::string, "bf16,2bit", optim::unbounded(),                                   \
+    "{link_budget} auto: the value encodings it may choose, comma-separated, preferred first")   \
+  X(link_max_every, int64_t, 4, optim::at_least(1),                                              \
+    "{link_budget} auto: the longest exchange interval chosen (in steps)")                       \
+  X(link_probe_every, int64_t, 100, optim::at_least(1),                                          \
+    "{link_budget} auto: steps between two measurements of the link (and choices)")
 // clang-format on
 
 // Each option's range and help as compile-time constants (optim::declared::topk.help), so that
@@ -447,6 +468,13 @@ struct NameTable<optim::PeerPolicy> {
   static constexpr const char* what = "peer policy";
   static constexpr std::pair<optim::PeerPolicy, const char*> entries[] = {
       {optim::PeerPolicy::Drop, "drop"}, {optim::PeerPolicy::Stop, "stop"}};
+};
+
+template <>
+struct NameTable<optim::LinkBudgetMode> {
+  static constexpr const char* what = "link budget";
+  static constexpr std::pair<optim::LinkBudgetMode, const char*> entries[] = {
+      {optim::LinkBudgetMode::Off, "off"}, {optim::LinkBudgetMode::Auto, "auto"}};
 };
 
 template <>

@@ -31,7 +31,7 @@ enum class ProgressMode { Auto, Bar, Lines };
 enum class NonFinitePolicy { Skip, Stop };
 enum class DeviceKind { Auto, Cpu, Cuda };
 enum class BackendKind { Auto, Mpi, Nccl };
-enum class LinkBudgetMode { Off, Auto };
+using optim::LinkBudgetMode;
 
 // ====== How an option is checked and kept ======
 // What a resumed run (--resume) and a checkpoint's readers do with an option.
@@ -183,20 +183,18 @@ struct OptionSpec {
     optim::declared::outer_sign.range, optim::declared::outer_sign.help)                           \
   X(overlap_step, bool, false, State,                                                              \
     optim::declared::overlap_step.range, optim::declared::overlap_step.help)                       \
-  X(link_budget, LinkBudgetMode, LinkBudgetMode::Off, State, anything(),                            \
-    "auto: measure the link between nodes and a step's compute, and choose top-k, values and the " \
-    "exchange interval (within the --link-* bounds) so that the exchange stays hidden behind "     \
-    "compute (under --overlap-step) or costs at most a tenth of a step; re-measured every "        \
-    "--link-probe-every steps, every choice in metrics.jsonl (demo replicator; off: the fixed "    \
-    "--topk, --values, --replicate-every)")                                                        \
-  X(link_min_topk, int64_t, 8, Run, at_least(1), "--link-budget auto: the smallest top-k chosen")  \
-  X(link_max_topk, int64_t, 128, Run, at_least(1), "--link-budget auto: the largest top-k chosen") \
-  X(link_values, std::string, "bf16,2bit", Run, anything(),                                        \
-    "--link-budget auto: the value encodings it may choose, comma-separated, preferred first")     \
-  X(link_max_every, int64_t, 4, Run, at_least(1),                                                  \
-    "--link-budget auto: the longest exchange interval chosen (in steps)")                         \
-  X(link_probe_every, int64_t, 100, Run, at_least(1),                                              \
-    "--link-budget auto: steps between two measurements of the link (and choices)")                \
+  X(link_budget, LinkBudgetMode, LinkBudgetMode::Off, State,                                     \
+    optim::declared::link_budget.range, optim::declared::link_budget.help)                         \
+  X(link_min_topk, int64_t, 8, Run,                                                                \
+    optim::declared::link_min_topk.range, optim::declared::link_min_topk.help)                     \
+  X(link_max_topk, int64_t, 128, Run,                                                              \
+    optim::declared::link_max_topk.range, optim::declared::link_max_topk.help)                     \
+  X(link_values, std::string, "bf16,2bit", Run,                                                    \
+    optim::declared::link_values.range, optim::declared::link_values.help)                         \
+  X(link_max_every, int64_t, 4, Run,                                                               \
+    optim::declared::link_max_every.range, optim::declared::link_max_every.help)                   \
+  X(link_probe_every, int64_t, 100, Run,                                                           \
+    optim::declared::link_probe_every.range, optim::declared::link_probe_every.help)               \
   X(exchange_in_backward, bool, false, Run, anything(),                                            \
     "start each unit's exchange between nodes during the backward, as soon as its gradients are "  \
     "final (the same result as without; needs --clip 0 and --on-nonfinite stop)")                  \
@@ -319,12 +317,6 @@ struct NameTable<train::DeviceKind> {
       {train::DeviceKind::Auto, "auto"},
       {train::DeviceKind::Cpu, "cpu"},
       {train::DeviceKind::Cuda, "cuda"}};
-};
-template <>
-struct NameTable<train::LinkBudgetMode> {
-  static constexpr const char* what = "--link-budget";
-  static constexpr std::pair<train::LinkBudgetMode, const char*> entries[] = {
-      {train::LinkBudgetMode::Off, "off"}, {train::LinkBudgetMode::Auto, "auto"}};
 };
 template <>
 struct NameTable<train::BackendKind> {

@@ -9,12 +9,15 @@
 #include "flexdemo/comm.h"
 #include "flexdemo/compress.h"
 #include "flexdemo/dct.h"
+#include "flexdemo/elastic.h"
+#include "flexdemo/link_budget.h"
 #include "flexdemo/optim.h"
 
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <string>
@@ -165,7 +168,56 @@ class Engine final : public torch::CustomClassHolder {
   }
   void wait_in_flight() { optimizer_->wait_in_flight(); }
 
+  // The exchange's schedule, for a checkpoint (it changes under link_budget auto;
+  // optim::ScheduleState): [topk, values, every] set, [topk, values] of the exchange in flight,
+  // [exchanges, folded] (values as their index in the encodings' name table, NameTable order:
+  // part of the checkpoint format, so that table grows at its end only).
+  std::vector<int64_t> schedule_state() const {
+    const optim::ScheduleState s = optim::schedule_state(*optimizer_);
+    return {s.set.topk,       encoding_index(s.set.values),       s.set.every,
+            s.in_flight.topk, encoding_index(s.in_flight.values), s.counters.exchanges,
+            s.counters.folded};
+  }
+  // Before the state is copied in (DCP may have written it in place already).
+  void set_schedule_in_flight(const std::vector<int64_t>& state) {
+    optim::restore_schedule_before_state(*optimizer_, schedule_of(state));
+  }
+  // After: the steps taken, the counters and the schedule set.
+  void restore_schedule(const std::vector<int64_t>& state, int64_t steps) {
+    optim::restore_schedule_after_state(*optimizer_, schedule_of(state), steps);
+  }
+
+  // The most bytes the exchange in flight's payloads (overlap_step: state) take, whatever
+  // schedule the link budget chooses: all replicas' payloads of the largest schedule, the
+  // options' own among them (the same all run long).
+  int64_t in_flight_capacity() const {
+    const optim::OptimizerOptions& o = optimizer_->options();
+    uint64_t most = optimizer_->wire_bytes({o.topk, o.values, 1});
+    if (o.link_budget == optim::LinkBudgetMode::Auto) {
+      for (const optim::ExchangeSchedule& s : optim::link_ladder(optim::link_bounds(o))) {
+        most = std::max(most, optimizer_->wire_bytes(s));
+      }
+    }
+    return int64_t(most) * (group_ ? group_->size() : 1);
+  }
+
+  optim::Optimizer& optimizer() { return *optimizer_; }
+  const std::shared_ptr<comm::Communicator>& replicas() const { return group_; }
+
  private:
+  static int64_t encoding_index(compress::ValueEncoding v) {
+    const auto all = values_of<compress::ValueEncoding>();
+    return int64_t(std::find(all.begin(), all.end(), v) - all.begin());
+  }
+  static compress::ValueEncoding encoding_at(int64_t i) {
+    return values_of<compress::ValueEncoding>().at(size_t(i));
+  }
+  static optim::ScheduleState schedule_of(const std::vector<int64_t>& s) {
+    TORCH_CHECK_VALUE(s.size() == 7, "flexdemo: a schedule state of ", s.size(),
+                      " numbers; 7 expected");
+    return {{s[0], encoding_at(s[1]), s[2]}, {s[3], encoding_at(s[4]), s[2]}, {s[5], s[6]}};
+  }
+
   std::vector<at::Tensor> list_of(const Grads& grads) const {
     TORCH_CHECK_VALUE(grads.size() == tensors_, "flexdemo: ", grads.size(), " gradients for ",
                       tensors_, " tensors");
@@ -184,6 +236,43 @@ class Engine final : public torch::CustomClassHolder {
   std::shared_ptr<comm::Communicator> group_;
   std::unique_ptr<optim::Optimizer> optimizer_;
   size_t tensors_ = 0;
+};
+
+// The link budget (flexdemo/link_budget.h) over a FlexDeMo's engines (one per parameter group):
+// one schedule for all, chosen from the slowest rank's measures, agreed over `groups` in turn
+// (torch.distributed's group names: the shard group and the replicate group, which tile the
+// ranks that step; their collectives' buffers on `devices`), probing the first engine's
+// replica group.
+class LinkBudget final : public torch::CustomClassHolder {
+ public:
+  LinkBudget(std::vector<c10::intrusive_ptr<Engine>> engines, std::vector<std::string> groups,
+             std::vector<std::string> devices, int64_t start_step)
+      : engines_(std::move(engines)) {
+    TORCH_CHECK_VALUE(!engines_.empty(), "flexdemo: a link budget over no engine");
+    TORCH_CHECK_VALUE(groups.size() == devices.size(), "flexdemo: one device per group");
+    std::vector<optim::Optimizer*> optimizers;
+    for (const auto& e : engines_) optimizers.push_back(&e->optimizer());
+    std::vector<std::shared_ptr<comm::Communicator>> agreement;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      agreement.push_back(process_group_communicator(groups[g], at::Device(devices[g])));
+    }
+    budget_ = std::make_unique<optim::LinkBudget>(std::move(optimizers), std::move(agreement),
+                                                  engines_.front()->replicas(), start_step);
+  }
+  bool active() const { return budget_->active(); }
+  void add_compute(double seconds) { budget_->add_compute(seconds); }
+  // Collective over the world when a choice is due before step `step` (0-based): () when none
+  // is, else (the line that says it, topk, values, every).
+  std::vector<std::string> before_step(int64_t step) {
+    const std::optional<optim::LinkChoice> c = budget_->before_step(step);
+    if (!c) return {};
+    return {c->describe(), std::to_string(c->schedule.topk), name_of(c->schedule.values),
+            std::to_string(c->schedule.every)};
+  }
+
+ private:
+  std::vector<c10::intrusive_ptr<Engine>> engines_;  // kept alive: the budget holds their optimizers
+  std::unique_ptr<optim::LinkBudget> budget_;
 };
 
 // ====== The options' declaration, as Python reads it ======
@@ -255,11 +344,22 @@ TORCH_LIBRARY(flexdemo, m) {
       .def("traffic", &Engine::traffic)
       .def("take_peer_faults", &Engine::take_peer_faults)
       .def("tamper_next_exchange", &Engine::tamper_next_exchange)
-      .def("wait_in_flight", &Engine::wait_in_flight);
+      .def("wait_in_flight", &Engine::wait_in_flight)
+      .def("schedule_state", &Engine::schedule_state)
+      .def("set_schedule_in_flight", &Engine::set_schedule_in_flight)
+      .def("restore_schedule", &Engine::restore_schedule)
+      .def("in_flight_capacity", &Engine::in_flight_capacity);
+  m.class_<LinkBudget>("LinkBudget")
+      .def(torch::init<std::vector<c10::intrusive_ptr<Engine>>, std::vector<std::string>,
+                       std::vector<std::string>, int64_t>())
+      .def("active", &LinkBudget::active)
+      .def("add_compute", &LinkBudget::add_compute)
+      .def("before_step", &LinkBudget::before_step);
   m.def("option_table", &option_table);
   m.def("resolved_options", &resolved_options);
   m.def("payload_bytes", &payload_bytes);
   m.def("cuda_built", &cuda_built);
+  m.def("resumed_from_replica", &optim::resumed_from_replica);
 }
 
 }  // namespace flexdemo::ops

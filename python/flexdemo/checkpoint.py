@@ -5,10 +5,11 @@ an exchange in flight), saved under per-replica keys (``residual.replica1.shard0
 every replica shares (AdamW's moments, the step count) is saved once, as DTensors where the
 parameters are. A run with as many replicas loads as it is; one with another number R' loads
 with ``ElasticLoadPlanner``: replica r takes the state of the checkpoint's replica r mod R, the
-rule ``flexdemo train --resume`` follows (src/train/elastic_state.cpp). The shard group keeps
-its size (the trainer also re-cuts shards; Python does not yet: a different size is refused in
-one line), and so does the number of nodes of a checkpoint taken with ``overlap_step`` (its
-exchange in flight is the old nodes' payloads; the trainer settles it, Python refuses).
+rule ``flexdemo train --resume`` follows (one function of the engine's:
+include/flexdemo/elastic.h). The shard group keeps its size (the trainer also re-cuts shards;
+Python does not yet: a different size is refused in one line), and so does the number of nodes
+of a checkpoint taken with ``overlap_step`` (its exchange in flight is the old nodes' payloads;
+the trainer settles it, Python refuses).
 
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     dcp.load(state, checkpoint_id=path, planner=flexdemo.ElasticLoadPlanner())
@@ -21,6 +22,7 @@ from __future__ import annotations
 import re
 from typing import Dict, Set
 
+import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 _PER_REPLICA = re.compile(r"^(?P<what>.*)\.replica(?P<replica>\d+)\.shard(?P<shard>\d+)$")
@@ -49,8 +51,8 @@ class ElasticLoadPlanner(DefaultLoadPlanner):
                     "flexdemo: the checkpoint has no {} for shard {}: it was written with "
                     "shard groups of another size; resume with shard groups of the same size "
                     "(each node's ranks)".format(m["what"], shard))
-            source = "{}.replica{}.shard{}".format(m["what"], int(m["replica"]) % (max(found) + 1),
-                                                 shard)
+            replica = torch.ops.flexdemo.resumed_from_replica(int(m["replica"]), max(found) + 1)
+            source = "{}.replica{}.shard{}".format(m["what"], replica, shard)
             here = tuple(self.state_dict[key].shape)
             there = tuple(self.metadata.state_dict_metadata[source].size)
             if here != there and m["what"].endswith("pending_payloads"):

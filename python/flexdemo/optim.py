@@ -19,6 +19,7 @@ defaults and their checks are the engine's (``flexdemo.options``).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Dict, List, Optional
 
 import torch
@@ -85,6 +86,9 @@ class FlexDeMo(torch.optim.Optimizer):
             (replicate_every), exchange ("all-gather" or "owners": demo_exchange), overlap
             (overlap_step), on_bad_peer (peer_policy), betas (beta1, beta2). Unset: the
             engine's default for the step, the same ``flexdemo train`` and the C++ library use.
+            link_budget="auto" (and the link_* bounds) chooses top-k, values and the interval
+            from the measured link and the time between two steps, as ``--link-budget auto``
+            does; each choice is logged and kept in ``link_choices``.
         mesh: a DeviceMesh with dimensions ("replicate", "shard") (``flexdemo.hybrid_mesh``), or
             one dimension (replicas only). Or give the groups:
         replicate_group: the ranks that hold the same shard on other nodes (default: the world
@@ -132,6 +136,9 @@ class FlexDeMo(torch.optim.Optimizer):
         self.bucket_bytes = sum(e.wire_bytes() for e in self._engines if e is not None)
         self._pending: Optional[_Exchange] = None
         self._steps = 0
+        self.link_choices: List[Dict] = []  # link_budget auto: each choice (step, topk, ...)
+        self._link = self._link_budget(0)
+        self._computing_since: Optional[float] = None
         self.nonfinite_steps = 0    # steps skipped for a non-finite gradient (on_nonfinite skip)
         self.peers_left_out = 0     # (node, step) pairs left out of a step's mean (on_bad_peer)
 
@@ -168,6 +175,22 @@ class FlexDeMo(torch.optim.Optimizer):
         return torch.classes.flexdemo.Engine(local, self.preset, _options.words(given),
                                              self._spelling, name, bucket)
 
+    def _link_budget(self, start_step: int):
+        """link_budget auto: the engine's link budget over every engine (one schedule for all),
+        agreeing over the shard group and then the replicate group (together the ranks that
+        step, as the non-finite check agrees)."""
+        engines = [e for e in self._engines if e is not None]
+        self._link_steps = start_step  # step() calls, skipped ones too: the trainer's count
+        if self.link_budget != "auto" or not engines:
+            return None
+        device = str(_local(next(ps[0] for ps in self._trained_params if ps)).device)
+        groups, devices = [], []
+        for group in (self.shard_group, self.replicate_group):
+            if group is not None and dist.get_world_size(group) > 1:
+                groups.append(group.group_name)
+                devices.append(device if "nccl" in str(dist.get_backend(group)) else "cpu")
+        return torch.classes.flexdemo.LinkBudget(engines, groups, devices, start_step)
+
     def _bind_state(self) -> None:
         """Every engine's state tensors in ``self.state`` (handles: loading copies into them),
         keyed by what they are: per parameter, and per rank where replicas differ."""
@@ -200,27 +223,77 @@ class FlexDeMo(torch.optim.Optimizer):
                 self._handles.append((p, key, t))
 
     def state_dict(self):
-        """torch's, each parameter's "step" the steps taken (kept as one count while stepping)."""
+        """torch's, each parameter's "step" the steps taken (kept as one count while stepping);
+        under link_budget auto also each engine's schedule ("link_schedule", with its first
+        parameter: the same on every rank)."""
+        # Bound again: the engine's tensors now (a schedule the link budget changed resizes the
+        # exchange in flight's; the engine lets that exchange arrive first: it is state).
+        self._bind_state()
         for g in self.param_groups:
             for p in g["params"]:
                 if p.requires_grad:
                     self.state[p]["step"].fill_(self._steps)
-        return super().state_dict()
+        if self._link is not None:
+            for params, engine in zip(self._trained_params, self._engines):
+                if engine is not None:
+                    self.state[params[0]]["link_schedule"] = torch.tensor(
+                        engine.schedule_state(), dtype=torch.int64)
+        state_dict = super().state_dict()
+        # Under overlap, "previewed" is the parameters themselves (each replica's own: the
+        # committed ones plus its preview): given as a copy, so that a load that also writes the
+        # model (DCP: one replica's weights for all) does not overwrite it through the alias.
+        # The exchange in flight's payloads are sized by its schedule: under link_budget auto
+        # given at the most any schedule takes, so that a fresh optimizer's state (DCP's
+        # template) has the shape of any checkpoint's.
+        capacity = max((e.in_flight_capacity() for e in self._engines if e is not None),
+                       default=0) if self._link is not None else 0
+
+        def exported(key, value):
+            if key.startswith("previewed."):
+                return value.clone()
+            if capacity and key.startswith("pending_payloads."):
+                padded = value.new_zeros(capacity)
+                padded[:value.numel()] = value
+                return padded
+            return value
+
+        for index, state in state_dict["state"].items():
+            if any(key.startswith(("previewed.", "pending_payloads.")) for key in state):
+                state_dict["state"][index] = {key: exported(key, value)
+                                              for key, value in state.items()}
+        return state_dict
 
     def load_state_dict(self, state_dict) -> None:
-        """torch's, then every engine tensor loaded from it and bound again."""
+        """torch's, then every engine tensor loaded from it and bound again (under link_budget
+        auto after the schedule that sized the exchange in flight)."""
         super().load_state_dict(state_dict)
-        for p, key, t in self._handles:
-            t.copy_(_local(self.state[p][key]).reshape(t.shape))
-        self._bind_state_after_load()
-
-    def _bind_state_after_load(self) -> None:
         steps = [self.state[p]["step"] for g in self.param_groups for p in g["params"]
                  if p.requires_grad]
         self._steps = int(steps[0].item()) if steps else 0
-        for engine in self._engines:
-            if engine is not None:
+        # (torch's load casts state to the parameter's dtype: float32 holds these counts exactly
+        # up to 2^24)
+        schedules = [self.state[params[0]].get("link_schedule") if engine is not None else None
+                     for params, engine in zip(self._trained_params, self._engines)]
+        schedules = [None if s is None else [int(round(v)) for v in s.tolist()] for s in schedules]
+        loaded = [self.state[p][key] for p, key, _ in self._handles]
+        if any(s is not None for s in schedules):
+            for engine, schedule in zip(self._engines, schedules):
+                if schedule is not None:
+                    engine.set_schedule_in_flight(schedule)
+            self._bind_state()  # the exchange in flight's payloads sized by its schedule
+        for (p, key, t), value in zip(self._handles, loaded):
+            value = _local(value)
+            if key.startswith("pending_payloads.") and value.numel() > t.numel():
+                value = value[:t.numel()]  # given at the most any schedule takes (state_dict)
+            t.copy_(value.reshape(t.shape))
+        for engine, schedule in zip(self._engines, schedules):
+            if engine is None:
+                continue
+            if schedule is not None:
+                engine.restore_schedule(schedule, self._steps)
+            else:
                 engine.restore_steps(self._steps)
+        self._link = self._link_budget(self._steps)
         self._bind_state()
         for g in self.param_groups:
             for p in g["params"]:
@@ -292,6 +365,8 @@ class FlexDeMo(torch.optim.Optimizer):
         if self._pending is not None:
             raise RuntimeError("flexdemo: FlexDeMo.step_async: the previous exchange was not "
                                "waited for")
+        if self._link is not None:
+            self._follow_link()
         grads = [self._grads(params) for params in self._trained_params]
         step = self._steps + 1
         if not self._finite([g for gs in grads for g in gs]):
@@ -299,6 +374,7 @@ class FlexDeMo(torch.optim.Optimizer):
                 raise FloatingPointError(
                     "flexdemo: non-finite gradient at step {} (on_nonfinite='stop')".format(step))
             self.nonfinite_steps += 1
+            self._computing_since = time.perf_counter()
             log.warning("flexdemo: step %d: non-finite gradient on some rank; the step is "
                         "skipped on every rank (on_nonfinite='skip')", step)
             return None
@@ -308,6 +384,24 @@ class FlexDeMo(torch.optim.Optimizer):
         self._pending = _Exchange(self, grads)
         return self._pending
 
+    def _follow_link(self) -> None:
+        """link_budget auto: a choice when one is due before this step (collective), then this
+        step's compute (since the last step ended, the choice's own measuring left out)
+        counted. Steps count as the trainer's do, skipped ones too."""
+        now = time.perf_counter()
+        step = self._link_steps
+        self._link_steps += 1
+        choice = self._link.before_step(step)
+        if choice:
+            line, topk, values, every = choice
+            self.link_choices.append(dict(step=step + 1, topk=int(topk), values=values,
+                                          every=int(every)))
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                log.info("flexdemo: %s", line)
+        # The first step of a run is not counted (it allocates): the budget drops the first.
+        since = self._computing_since
+        self._link.add_compute(0.0 if since is None else now - since)
+
     def _finish(self, grads) -> None:
         self._pending = None
         self._steps += 1
@@ -315,6 +409,7 @@ class FlexDeMo(torch.optim.Optimizer):
             if engine is not None:
                 engine.step(gs, group["lr"])
         self._report_peers()
+        self._computing_since = time.perf_counter()
 
     def _report_peers(self) -> None:
         """One line per node whose payloads were left out of this step's mean."""

@@ -29,8 +29,8 @@ STEPS = ("flexdemo", "flexdemo-adamw", "demo")
 
 
 def table() -> List[Tuple[str, str, str, str]]:
-    """Every option as (name, type, accepts, help): type "float", "int", "bool" or the accepted
-    words ("sgd|adamw|nesterov"); accepts a number's range (">= 1", "[0, 1)"; "" for any); help
+    """Every option as (name, type, accepts, help): type "float", "int", "bool", "str" or the
+    accepted words ("sgd|adamw|nesterov"); accepts a number's range (">= 1", "[0, 1)"; "" for any); help
     names other options as {name}."""
     return [tuple(row) for row in _ops.option_table()]
 

@@ -149,8 +149,8 @@ class DemoReplicator final : public optim::Replicator {
     launch(all_);
     tamper_.reset();
     pending_.fill_(1);
-    // The preview decodes this replica's own payloads unscreened: a test aid's corrupt ones
-    // (tamper_next_exchange) only if they are whole, as a receiver would check them.
+    // The preview decodes this replica's own payloads unscreened: a test aid's tampered ones
+    // (tamper_next_exchange) only if they pass a receiver's checks of one payload.
     if (previews() && (!tampered || whole(all_.send, all_))) preview(inner.hyper().lr, inner);
   }
 
@@ -223,20 +223,14 @@ class DemoReplicator final : public optim::Replicator {
     decode_passing(*backend_, b, b.recv, replicas(), kept, updates);
   }
 
-  // Whether every payload of bucket b in `bytes` (one replica's, on the host) passes the wire
-  // format's validation.
+  // Whether this replica's payloads of bucket b in `bytes` (on the host) pass the checks a
+  // receiver makes of each payload alone (the wire format, finite values): the screening's.
   bool whole(const at::Tensor& bytes, const Bucket& b) const {
-    for (size_t k = 0; k < b.tensors.size(); ++k) {
-      const dct::ChunkPlan& plan = plans_[b.tensors[k]];
-      try {
-        compress::validate_payload(bytes.data_ptr<uint8_t>() + b.offsets[k],
-                                   compress::wire_payload_bytes(plan, b.topk, b.values), plan,
-                                   b.topk, b.values);
-      } catch (const compress::WireFormatError&) {
-        return false;
-      }
-    }
-    return true;
+    std::vector<dct::ChunkPlan> bucket_plans;
+    for (size_t i : b.tensors) bucket_plans.push_back(plans_[i]);
+    return demo::screen_payloads(bytes.data_ptr<uint8_t>(), 1, b.bytes, bucket_plans, b.offsets,
+                                 b.topk, b.values, 0.0)
+        .empty();
   }
 
   // The test aid: this replica's payloads in the bucket, tampered before they are sent.

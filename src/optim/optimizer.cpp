@@ -4,6 +4,7 @@
 // Never talks to MPI.
 #include "flexdemo/optim.h"
 
+#include "flexdemo/link_budget.h"
 #include "stepping.h"
 
 #include <ATen/ATen.h>
@@ -87,6 +88,20 @@ void OptimizerOptions::validate() const {
   if (inner_steps > 1 && overlap_step) fail("{inner_steps} and {overlap_step} exclude each other");
   if (peer_scale_bound > 0.0 && !(peer_scale_bound > 1.0)) {
     fail("{peer_scale_bound} must be 0 (off) or > 1, got " + str(peer_scale_bound));
+  }
+  link_encodings(link_values);  // names a bad word
+  if (link_budget == LinkBudgetMode::Auto) {
+    if (replicator != ReplicatorKind::Demo) fail("{link_budget} auto needs {replicator} demo");
+    if (inner_steps > 1) fail("{link_budget} auto and {inner_steps} exclude each other");
+    if (link_min_topk > link_max_topk) {
+      fail("{link_min_topk} " + std::to_string(link_min_topk) + " exceeds {link_max_topk} " +
+           std::to_string(link_max_topk));
+    }
+    if (link_max_topk > chunk * chunk) {
+      fail("{link_max_topk} " + std::to_string(link_max_topk) + " exceeds the " +
+           std::to_string(chunk * chunk) + " coefficients of a {chunk} " + std::to_string(chunk) +
+           " chunk");
+    }
   }
 }
 

@@ -18,6 +18,8 @@ template <class T>
 std::string type_of() {
   if constexpr (std::is_same_v<T, bool>) {
     return "bool";
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    return "str";
   } else if constexpr (std::is_floating_point_v<T>) {
     return "float";
   } else if constexpr (std::is_integral_v<T>) {
@@ -33,6 +35,8 @@ template <class T>
 std::string word_of(const T& value) {
   if constexpr (std::is_same_v<T, bool>) {
     return value ? "true" : "false";
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    return value;
   } else if constexpr (std::is_floating_point_v<T>) {
     std::ostringstream s;
     s.precision(17);
@@ -54,6 +58,8 @@ T parse_word(const std::string& name, const std::string& word) {
     if (word == "true" || word == "1") return true;
     if (word == "false" || word == "0") return false;
     bad("accepted: true, false");
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    return word;
   } else if constexpr (std::is_floating_point_v<T>) {
     char* end = nullptr;
     const double v = std::strtod(word.c_str(), &end);

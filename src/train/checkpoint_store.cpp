@@ -5,6 +5,7 @@
 #include "options.h"
 
 #include "flexdemo/comm.h"
+#include "flexdemo/link_budget.h"
 #include "flexdemo/safetensors.h"
 #include "flexdemo/shard.h"
 
@@ -205,16 +206,14 @@ fs::path save_checkpoint(Session& s, int64_t step) {
     }
     manifest["config"] = to_json(s.cfg);
     if (s.cfg.link_budget == LinkBudgetMode::Auto) {  // a schedule that changes while training
-      const optim::ExchangeSchedule set = s.optimizer->schedule();
-      const optim::ExchangeSchedule in_flight = s.optimizer->schedule_in_flight();
-      const optim::ExchangeCounters counters = s.optimizer->counters();
+      const optim::ScheduleState e = optim::schedule_state(*s.optimizer);
       manifest["exchange"] = {
-          {"topk", set.topk},
-          {"values", name_of(set.values)},
-          {"every", set.every},
-          {"in_flight", {{"topk", in_flight.topk}, {"values", name_of(in_flight.values)}}},
-          {"exchanges", counters.exchanges},
-          {"folded", counters.folded}};
+          {"topk", e.set.topk},
+          {"values", name_of(e.set.values)},
+          {"every", e.set.every},
+          {"in_flight", {{"topk", e.in_flight.topk}, {"values", name_of(e.in_flight.values)}}},
+          {"exchanges", e.counters.exchanges},
+          {"folded", e.counters.folded}};
     }
     std::ofstream(tmp / "manifest.json") << manifest.dump(2) << "\n";
     sync_file(tmp / "manifest.json");
@@ -249,18 +248,19 @@ int64_t load_checkpoint(Session& s, const fs::path& dir, bool with_optimizer) {
   if (!with_optimizer) return step;
   // --link-budget auto: the schedule of the exchange in flight sizes its payloads in the state;
   // the schedule set takes over after them.
-  std::optional<optim::ExchangeSchedule> schedule;
-  std::optional<optim::ExchangeCounters> counters;
+  std::optional<optim::ScheduleState> schedule;
   if (manifest.contains("exchange")) {
     const nlohmann::json& e = manifest.at("exchange");
-    const auto read = [](const nlohmann::json& j, int64_t every) {
+    const int64_t every = e.at("every").get<int64_t>();
+    const auto read = [every](const nlohmann::json& j) {
       return optim::ExchangeSchedule{
           j.at("topk").get<int64_t>(),
           parse_name<compress::ValueEncoding>(j.at("values").get<std::string>()), every};
     };
-    schedule = read(e, e.at("every").get<int64_t>());
-    s.optimizer->set_schedule(read(e.at("in_flight"), schedule->every));
-    counters = {e.at("exchanges").get<int64_t>(), e.at("folded").get<int64_t>()};
+    schedule = optim::ScheduleState{
+        read(e), read(e.at("in_flight")),
+        {e.at("exchanges").get<int64_t>(), e.at("folded").get<int64_t>()}};
+    optim::restore_schedule_before_state(*s.optimizer, *schedule);
   }
   if (manifest.at("world_size").get<int>() == world->size() &&
       manifest.at("topology").get<std::string>() == s.topo.describe()) {
@@ -268,9 +268,8 @@ int64_t load_checkpoint(Session& s, const fs::path& dir, bool with_optimizer) {
   } else {
     load_state_elastic(s, dir, manifest, step);
   }
-  if (counters) {
-    s.optimizer->restore_steps(step, *counters);
-    s.optimizer->set_schedule(*schedule);
+  if (schedule) {
+    optim::restore_schedule_after_state(*s.optimizer, *schedule, step);
   } else {
     s.optimizer->restore_steps(step);
   }

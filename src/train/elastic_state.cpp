@@ -5,6 +5,7 @@
 #include "checkpoint_store.h"
 
 #include "flexdemo/comm.h"
+#include "flexdemo/elastic.h"
 #include "flexdemo/safetensors.h"
 #include "flexdemo/shard.h"
 
@@ -83,7 +84,7 @@ void load_state_elastic(Session& s, const fs::path& dir, const nlohmann::json& m
   const std::vector<std::pair<int64_t, int64_t>> places = rank_places(manifest, dir);
   int64_t replicas = 0;
   for (const auto& place : places) replicas = std::max(replicas, place.first + 1);
-  const int64_t source = s.topo.replica_rank % replicas;
+  const int64_t source = optim::resumed_from_replica(s.topo.replica_rank, replicas);
   std::vector<std::map<std::string, at::Tensor>> shards;  // the source replica's, by shard
   for (size_t w = 0; w < places.size(); ++w) {
     if (places[w].first != source) continue;

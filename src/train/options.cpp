@@ -189,20 +189,6 @@ void check_exchange(const TrainConfig& c) {
   if (c.inner_steps <= 1 && c.outer_sign) {
     fail("--outer-sign needs --inner-steps above 1 (it signs the outer step)");
   }
-  if (c.link_budget == LinkBudgetMode::Auto) {
-    if (!demo_replicator) {
-      fail("--link-budget auto needs the demo replicator (--optimizer flexdemo or flexdemo-adamw)");
-    }
-    if (c.inner_steps > 1) fail("--link-budget auto and --inner-steps exclude each other");
-    if (c.link_min_topk > c.link_max_topk) {
-      fail(fmt::format("--link-min-topk {} exceeds --link-max-topk {}", c.link_min_topk,
-                       c.link_max_topk));
-    }
-    if (c.link_max_topk > c.chunk * c.chunk) {
-      fail(fmt::format("--link-max-topk {} exceeds the {} coefficients of a --chunk {} chunk",
-                       c.link_max_topk, c.chunk * c.chunk, c.chunk));
-    }
-  }
 }
 
 // The rules that tie the model to its data and to the options of one family.
@@ -277,7 +263,6 @@ void TrainConfig::validate() const {
   }
   check_optimizer(*this);
   check_exchange(*this);
-  link_encodings(link_values);  // throws naming a bad word
   check_model(*this);
   if (out.empty()) fail("--out must not be empty");
 }
@@ -316,20 +301,6 @@ void TrainConfig::resolve() {
   if (!rms_cap) rms_cap = o.rms_cap;
   if (!topk) topk = o.topk;
   if (!values) values = o.values;
-}
-
-std::vector<compress::ValueEncoding> link_encodings(const std::string& list) {
-  std::vector<compress::ValueEncoding> encodings;
-  for (size_t begin = 0;;) {
-    const size_t end = std::min(list.find(',', begin), list.size());
-    try {
-      encodings.push_back(parse_name<compress::ValueEncoding>(list.substr(begin, end - begin)));
-    } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument("--link-values " + list + ": " + e.what());
-    }
-    if (end == list.size()) return encodings;
-    begin = end + 1;
-  }
 }
 
 // ====== config.json ======
@@ -401,6 +372,12 @@ optim::OptimizerOptions optimizer_options(const TrainConfig& c) {
   o.seed = c.seed;
   o.peer_policy = c.on_bad_peer;
   o.peer_scale_bound = c.peer_scale_bound;
+  o.link_budget = c.link_budget;
+  o.link_min_topk = c.link_min_topk;
+  o.link_max_topk = c.link_max_topk;
+  o.link_values = c.link_values;
+  o.link_max_every = c.link_max_every;
+  o.link_probe_every = c.link_probe_every;
   o.validate();
   return o;
 }

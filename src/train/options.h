@@ -47,9 +47,6 @@ model::GptConfig gpt_config(const TrainConfig& config, int64_t vocab);
 model::T5Config t5_config(const TrainConfig& config, int64_t vocab);
 model::LlamaConfig llama_config(const TrainConfig& config, int64_t vocab);
 
-// --link-values' encodings, in the order given; throws std::invalid_argument naming a bad word.
-std::vector<compress::ValueEncoding> link_encodings(const std::string& list);
-
 // Linear warmup to --lr, then a cosine to --lr x --min-lr-ratio at the last step.
 double scheduled_lr(const TrainConfig& config, int64_t step);
 

@@ -156,7 +156,22 @@ void RunLog::record(const StepMetrics& m) {
     j["values"] = name_of(m.schedule->values);
     j["every"] = m.schedule->every;
   }
-  if (m.link_choice) j["link_budget"] = *m.link_choice;
+  if (const std::optional<optim::LinkChoice>& c = m.link_choice) {
+    nlohmann::ordered_json l;
+    l["step"] = c->step;
+    l["topk"] = c->schedule.topk;
+    l["values"] = name_of(c->schedule.values);
+    l["every"] = c->schedule.every;
+    l["latency_ms"] = 1e3 * c->measure.latency_s;
+    l["probe_ms"] = 1e3 * c->measure.probe_s;
+    l["rank_mbit_s"] = c->rank_bytes_per_s() * 8e-6;
+    l["compute_ms"] = 1e3 * c->measure.compute_s;
+    l["wire_bytes"] = int64_t(c->wire_bytes);
+    l["exchange_ms"] = 1e3 * c->exchange_s;
+    l["budget_ms"] = 1e3 * c->budget_s;
+    l["hidden"] = c->hidden();
+    j["link_budget"] = l;
+  }
   metrics_ << j.dump() << "\n" << std::flush;
 
   const double done = double(m.step - start_step_);

@@ -5,6 +5,7 @@
 
 #include "session.h"
 
+#include "flexdemo/link_budget.h"
 #include "flexdemo/optim.h"
 #include "flexdemo/topology.h"
 
@@ -30,7 +31,7 @@ struct StepMetrics {
   double peers_left_out = 0;  // this step's payloads left out (--on-bad-peer drop): per replica
                               // group, each peer's once
   std::optional<double> val_loss;                     // when evaluated at this step
-  std::optional<nlohmann::ordered_json> link_choice;  // --link-budget auto chose before this step
+  std::optional<optim::LinkChoice> link_choice;       // --link-budget auto chose before this step
   std::optional<optim::ExchangeSchedule> schedule;    // --link-budget auto: what its exchange sent
 };
 

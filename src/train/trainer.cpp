@@ -7,13 +7,13 @@
 
 #include "checkpoint_store.h"
 #include "hf_format.h"
-#include "link_budget.h"
 #include "options.h"
 #include "run_log.h"
 #include "session.h"
 #include "stop_signals.h"
 
 #include "flexdemo/comm.h"
+#include "flexdemo/link_budget.h"
 #include "flexdemo/shard.h"
 #include "runtime/autocast.h"
 
@@ -327,7 +327,7 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
   const PayloadInjection inject_payload = PayloadInjection::from_env();
   const PeerNames peer_names(s);
   RunLog log(s, step);
-  LinkBudget link(s, step);
+  optim::LinkBudget link({s.optimizer.get()}, {s.topo.world}, s.topo.replica_group, step);
   comm::TrafficMeter meter(s.topo);
   int64_t skipped_steps = 0;
   const Clock::time_point started = Clock::now();
@@ -337,7 +337,11 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
   while (step < cfg.steps && !vote.stop()) {
     const Clock::time_point t0 = Clock::now();
     int64_t peers_left_out = 0;
-    std::optional<nlohmann::ordered_json> link_choice = link.before_step(step);
+    std::optional<optim::LinkChoice> link_choice = link.before_step(step);
+    if (link_choice && world->rank() == 0) {
+      fmt::print("{}\n", link_choice->describe());
+      std::fflush(stdout);
+    }
     const Clock::time_point computing = Clock::now();
     s.optimizer->set_lr(scheduled_lr(cfg, step));
     s.optimizer->zero_grad();
