@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <vector>
 
 using flexdemo::dct::ChunkMode;
@@ -335,4 +336,45 @@ TEST(Kernels, SparseInverseMatchesFloat64Reference) {
       }
     }
   }
+}
+
+TEST(Kernels, AllFiniteFindsANonFiniteValueAnywhere) {
+  // kernels::all_finite against std::isfinite, element by element: one infinity, NaN or none at
+  // every position of lengths around the kernels' blocks (128) and vectors (8), among finite
+  // extremes (the largest float, subnormals, -0), every instruction set; and a strided view, a
+  // double tensor (ATen's path).
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> specials = {inf, -inf, std::numeric_limits<float>::quiet_NaN(),
+                                       -std::numeric_limits<float>::quiet_NaN()};
+  const std::vector<float> finite = {std::numeric_limits<float>::max(),
+                                     -std::numeric_limits<float>::max(),
+                                     std::numeric_limits<float>::denorm_min(), -0.0f, 1.0f};
+  for (int64_t n : {0, 1, 7, 8, 9, 127, 128, 129, 263, 1000}) {
+    at::Tensor x = at::empty({n});
+    float* p = x.data_ptr<float>();
+    for (int64_t j = 0; j < n; ++j) p[j] = finite[size_t(j) % finite.size()];
+    auto reference = [&] {
+      for (int64_t j = 0; j < n; ++j) {
+        if (!std::isfinite(p[j])) return false;
+      }
+      return true;
+    };
+    for (flexdemo::kernels::Isa isa : flexdemo::isa_testing::supported_isas()) {
+      flexdemo::isa_testing::ScopedIsa scoped(isa);
+      ASSERT_TRUE(reference());
+      EXPECT_TRUE(flexdemo::kernels::all_finite(x)) << n << " " << to_string(isa);
+      for (int64_t j = 0; j < n; ++j) {
+        const float kept = p[j];
+        p[j] = specials[size_t(j) % specials.size()];
+        EXPECT_EQ(flexdemo::kernels::all_finite(x), reference())
+            << n << " " << j << " " << to_string(isa);
+        p[j] = kept;
+      }
+    }
+  }
+  at::Tensor wide = at::ones({4, 6});
+  wide[3][5] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_TRUE(flexdemo::kernels::all_finite(wide.narrow(1, 0, 5)));  // the NaN is not in view
+  EXPECT_FALSE(flexdemo::kernels::all_finite(wide.t()));
+  EXPECT_FALSE(flexdemo::kernels::all_finite(wide.to(at::kDouble)));
 }

@@ -435,8 +435,11 @@ class Optimizer {
 };
 
 // ====== Gradient utilities ======
-// Whether every defined gradient of `params` is finite.
+// Whether every defined gradient of `params` is finite; whether every defined tensor is (a pass
+// of the CPU kernels over float32 ones: what the trainer and Python's FlexDeMo check before a
+// step).
 bool all_finite(const std::vector<OptimParam>& params);
+bool all_finite(const std::vector<at::Tensor>& tensors);
 // Scales the gradients so that their norm is at most max_norm, the norm taken over the
 // gradients of `params` on every rank of `group` (e.g. the shard group: together one replica's
 // whole gradient); sums in float64. Collective over group. Returns the norm before scaling.

@@ -359,6 +359,7 @@ TORCH_LIBRARY(flexdemo, m) {
   m.def("resolved_options", &resolved_options);
   m.def("payload_bytes", &payload_bytes);
   m.def("cuda_built", &cuda_built);
+  m.def("all_finite", static_cast<bool (*)(const std::vector<at::Tensor>&)>(&optim::all_finite));
   m.def("resumed_from_replica", &optim::resumed_from_replica);
 }
 

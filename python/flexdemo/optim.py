@@ -330,10 +330,7 @@ class FlexDeMo(torch.optim.Optimizer):
         """Whether every rank's gradients are finite (agreed over the shard and replicate
         groups: together the world)."""
         present = [g for g in grads if g is not None]
-        finite = torch.ones((), dtype=torch.int32)
-        if present:
-            norms = torch._foreach_norm(present)
-            finite = torch.isfinite(torch.stack(norms)).all().to(torch.int32).cpu()
+        finite = torch.tensor(int(torch.ops.flexdemo.all_finite(present)), dtype=torch.int32)
         for group in (self.shard_group, self.replicate_group):
             if group is not None and dist.get_world_size(group) > 1:
                 on = present[0].device if present and "nccl" in str(

@@ -94,6 +94,10 @@ void idct_sparse_adamw_step(const compress::SparseChunks& coeffs, const dct::Chu
 void precondition(const at::Tensor& grad, const at::Tensor& grad_sq, const at::Tensor& out,
                   double beta2, double eps, int64_t step);
 
+// Whether x holds no infinity or NaN: a float32 CPU tensor in one pass of the kernels, stopping at
+// the first block with one; any other through ATen.
+bool all_finite(const at::Tensor& x);
+
 // The sum of x's squares in float64: what the RMS cap and --update-rms measure a direction by.
 // A float32 CPU tensor whose rows are contiguous (a narrowed view included) takes one pass and
 // no temporaries, summed in fixed blocks in a fixed order (the same bits on every replica, for

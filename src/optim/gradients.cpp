@@ -3,17 +3,31 @@
 #include "flexdemo/comm.h"
 #include "flexdemo/optim.h"
 
+#include "demo/kernels.h"
+
 #include <ATen/ATen.h>
 
 #include <cmath>
 
 namespace flexdemo::optim {
 
-bool all_finite(const std::vector<OptimParam>& params) {
-  for (const auto& p : params) {
-    if (p.leaf.grad().defined() && !at::isfinite(p.leaf.grad()).all().item<bool>()) return false;
+bool all_finite(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> elsewhere;  // one flag each, read back together: one sync on a GPU
+  for (const at::Tensor& t : tensors) {
+    if (!t.defined()) continue;
+    if (t.is_cpu()) {
+      if (!kernels::all_finite(t)) return false;
+    } else {
+      elsewhere.push_back(at::isfinite(t).all());
+    }
   }
-  return true;
+  return elsewhere.empty() || at::stack(elsewhere).all().item<bool>();
+}
+
+bool all_finite(const std::vector<OptimParam>& params) {
+  std::vector<at::Tensor> grads;
+  for (const auto& p : params) grads.push_back(p.leaf.grad());
+  return all_finite(grads);
 }
 
 double clip_grad_norm(const std::vector<OptimParam>& params, double max_norm,

@@ -897,6 +897,22 @@ void precondition(const float* __restrict g, float* __restrict v, float* __restr
   }
 }
 
+// Whether no x[j] is infinite or NaN (an exponent of all ones): blocks of 128 read before each
+// test, so that the scan runs at the speed of memory.
+bool all_finite(const float* x, int64_t n) {
+  const v8i exponent = splat_i(0x7f800000);
+  int64_t j = 0;
+  for (; j + 128 <= n; j += 128) {
+    v8i special = {};
+    for (int i = 0; i < 128; i += 8) special |= ((v8i)load(x + j + i) & exponent) == exponent;
+    if (lane_mask(special) != 0) return false;
+  }
+  for (; j < n; ++j) {
+    if ((magnitude(x[j]) & 0x7f800000u) == 0x7f800000u) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 extern const KernelTable table;
@@ -904,6 +920,7 @@ const KernelTable table = {
 #define FLEXDEMO_STR2(x) #x
 #define FLEXDEMO_STR(x) FLEXDEMO_STR2(x)
     FLEXDEMO_STR(FLEXDEMO_KERNEL_ISA), dct_accumulate, select_topk, idct_sparse, precondition,
+    all_finite,
 };
 
 }  // namespace flexdemo::kernels::FLEXDEMO_KERNEL_ISA

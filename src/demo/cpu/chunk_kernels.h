@@ -109,6 +109,8 @@ struct KernelTable {
   // out = g / (sqrt(v) / bias + eps) (kernels::precondition).
   void (*precondition)(const float* g, float* v, float* out, int64_t n, float beta2,
                        float one_minus_beta2, float bias, float eps);
+  // Whether none of x[0, n) is infinite or NaN.
+  bool (*all_finite)(const float* x, int64_t n);
 };
 
 namespace baseline {

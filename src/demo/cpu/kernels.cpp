@@ -466,6 +466,13 @@ void precondition(const at::Tensor& grad, const at::Tensor& grad_sq, const at::T
   bump_version(out);
 }
 
+bool all_finite(const at::Tensor& x) {
+  if (!x.is_cpu() || x.scalar_type() != at::kFloat || !x.is_contiguous()) {
+    return at::isfinite(x).all().item<bool>();
+  }
+  return table().all_finite(x.data_ptr<float>(), x.numel());
+}
+
 double sum_squares(const at::Tensor& x) {
   const bool rows_contiguous = x.dim() == 1   ? x.is_contiguous()
                                : x.dim() == 2 ? x.stride(1) == 1 || x.size(1) <= 1

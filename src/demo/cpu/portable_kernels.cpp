@@ -86,9 +86,17 @@ void precondition(const float* g, float* v, float* out, int64_t n, float beta2,
   }
 }
 
+bool all_finite(const float* x, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    if ((cm::float_bits(x[j]) & 0x7f800000u) == 0x7f800000u) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 extern const KernelTable table;
-const KernelTable table = {"portable", dct_accumulate, select_topk, idct_sparse, precondition};
+const KernelTable table = {"portable",  dct_accumulate, select_topk, idct_sparse,
+                           precondition, all_finite};
 
 }  // namespace flexdemo::kernels::portable
