@@ -5,14 +5,15 @@ computes it, and a tighter rewrite of it), on GPT-2 small's parameter shapes sca
 (0.25: 3.8M parameters).
 
     python -m flexdemo.bench [--scale 0.25] [--threads 1] [--device cpu|cuda] [--replicas 2]
-                             [--json FILE]
+                             [--rounds 3] [--json FILE]
 
 Both flexdemo steps run on one replica (no process group: nothing crosses a network, the
 payloads are still encoded, screened and decoded): ``DeMo.step`` at --topk and --values, the
 reference DeMo's step, which the ratios compare; ``FlexDeMo.step`` with its defaults (each
 gradient preconditioned, top-k 112 at fp8, the RMS-capped step). The plain-torch baselines decode
 --replicas copies of their payload. Times are medians of --repeats steps after --warmup; the
-ratios are of this run.
+ratios are of this run. Every line is timed in each of --rounds rounds, one line after another,
+and reports the median of its rounds.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ def main(argv=None):
     p.add_argument("--values", default="bf16", choices=ops.VALUE_ENCODINGS)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", help="also write the times (ms) and ratios to this file")
     args = p.parse_args(argv)
     steady_allocator()
@@ -107,28 +109,35 @@ def main(argv=None):
     if device.type == "cuda" and not ops.cuda_built():
         raise SystemExit("bench: this flexdemo build has no CUDA kernels")
 
-    rows = []
+    # Every line's step is made first, then timed in --rounds rounds, the lines one after another
+    # in each: a line's time is the median of its rounds, so that a slower minute of a shared
+    # machine falls on every line alike rather than on whichever ran then.
+    steppers = []
     demo = DeMo(params_of(shapes, device), lr=1e-3, compression_topk=args.topk,
                 compression_chunk=args.chunk, values=args.values)
-    rows.append(("DeMo.step (reference step)", timed(demo.step, device, args.warmup, args.repeats)))
+    steppers.append(("DeMo.step (reference step)", demo.step, 1))
     flexdemo_default = FlexDeMo(params_of(shapes, device), lr=1e-3, compression_chunk=args.chunk)
-    rows.append(("FlexDeMo.step (its defaults)",
-                 timed(flexdemo_default.step, device, args.warmup, args.repeats)))
+    steppers.append(("FlexDeMo.step (its defaults)", flexdemo_default.step, 1))
     # torch's default picks the per-tensor loop for CPU tensors and foreach for CUDA ones.
     adamw_kinds = [("default", {}), ("foreach", dict(foreach=True)), ("fused", dict(fused=True))]
     for name, kwargs in adamw_kinds:
         params = params_of(shapes, device)
         try:
             opt = torch.optim.AdamW(params, lr=1e-3, **kwargs)
-            rows.append(("torch AdamW ({})".format(name),
-                         timed(opt.step, device, args.warmup, args.repeats)))
+            opt.step()  # an unsupported kind says so here
+            steppers.append(("torch AdamW ({})".format(name), opt.step, 1))
         except (RuntimeError, ValueError) as e:
             print("torch AdamW ({}): not available here ({})".format(name, e))
     for name, kind in (("plain-torch DeMo (reference)", ReferenceTorchDeMo),
                        ("plain-torch DeMo (compact)", CompactTorchDeMo)):
         plain = kind(params_of(shapes, device), args.chunk, args.topk, replicas=args.replicas)
-        rows.append((name, timed(lambda: plain.step(1e-3), device, max(1, args.warmup // 3),
-                                 max(3, args.repeats // 4))))
+        steppers.append((name, lambda plain=plain: plain.step(1e-3), 4))  # slow: fewer steps
+    times = {name: [] for name, _, _ in steppers}
+    for _ in range(args.rounds):
+        for name, step, fewer in steppers:
+            times[name].append(timed(step, device, max(1, args.warmup // fewer),
+                                     max(3, args.repeats // fewer)))
+    rows = [(name, statistics.median(times[name])) for name, _, _ in steppers]
 
     ours = rows[0][1]
     print("\n{:<30} {:>10} {:>16}".format("step", "ms", "vs flexdemo"))
