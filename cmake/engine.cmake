@@ -66,7 +66,9 @@ function(flexdemo_add_engine)
     set_target_properties(${objects} PROPERTIES CUDA_STANDARD 17 POSITION_INDEPENDENT_CODE ON
                           CUDA_ARCHITECTURES "${ARG_CUDA_ARCHITECTURES}")
     # No contraction nvcc would choose and the CPU's portable kernels would not (chunk_math.h).
-    target_compile_options(${objects} PRIVATE --fmad=false)
+    # --resource-usage: ptxas prints each kernel's registers, shared memory and spills (none) in the
+    # build log.
+    target_compile_options(${objects} PRIVATE --fmad=false --resource-usage)
     target_include_directories(${objects} PRIVATE ${src} ${root}/include)
     target_sources(${ARG_TARGET} PRIVATE $<TARGET_OBJECTS:${objects}>)
     target_compile_definitions(${ARG_TARGET} PRIVATE FLEXDEMO_CUDA)

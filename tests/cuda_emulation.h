@@ -13,6 +13,8 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -106,7 +108,16 @@ inline ThreadRecord*& my_record() {
   thread_local ThreadRecord* record = nullptr;
   return record;
 }
+// Every traced access, recorded where a block is being counted. A 16-byte access (a tile's float4
+// load) must be 16-byte aligned, as a GPU needs it: the dynamic shared memory is (its base here,
+// and __align__(16) on the device), so a misaligned offset inside it is the kernel's fault, caught
+// here rather than as a misaligned-address fault on the first GPU.
 inline void trace(int site, Space space, const void* p, int bytes) {
+  if (bytes == 16 && uintptr_t(p) % 16 != 0) {
+    std::fprintf(stderr, "cuda_emulation: a 16-byte load at cuda_kernels.cuh:%d from %p, not "
+                 "16-byte aligned\n", site, p);
+    std::abort();
+  }
   if (ThreadRecord* r = my_record()) r->accesses.push_back({site, space, uintptr_t(p), bytes});
 }
 inline void trace_fma(int count) {
@@ -168,6 +179,7 @@ template <typename Kernel, typename... Args>
 void launch_blocks(Kernel kernel, const std::vector<unsigned>& blocks, unsigned threads,
                    size_t shared_bytes, Counts* counts, Args... args) {
   dynamic_shared_memory().assign(shared_bytes + 16, 0);
+  if (uintptr_t(dynamic_shared_memory().data()) % 16 != 0) std::abort();  // as on the device
   block_dim().x = threads;
   for (unsigned b : blocks) {
     block_index().x = b;

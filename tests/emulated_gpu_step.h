@@ -55,7 +55,7 @@ class EmulatedGpuStep {
     }
     std::memset(send.data_ptr(), 0, bytes());
     launch_blocks(kernels::cuda::encode_kernel, blocks != nullptr ? *blocks : all_blocks(),
-                  threads_, shared_bytes(), counts, table(descs), float(beta), float(alpha),
+                  threads_, encode_shared_bytes(), counts, table(descs), float(beta), float(alpha),
                   send.data_ptr<uint8_t>());
   }
 
@@ -141,7 +141,7 @@ class EmulatedGpuStep {
       }
     }
     launch_blocks(kernels::cuda::decode_step_kernel, blocks != nullptr ? *blocks : all_blocks(),
-                  threads_, shared_bytes(), counts, table(descs),
+                  threads_, decode_shared_bytes(), counts, table(descs),
                   static_cast<const uint8_t*>(gathered.data_ptr<uint8_t>()), int64_t(bytes()),
                   replicas, kernels::sgd_constants(hyper), kernels::adamw_constants(hyper), adamw);
   }
@@ -162,13 +162,19 @@ class EmulatedGpuStep {
     for (size_t b = 0; b < blocks.size(); ++b) blocks[b] = unsigned(b);
     return blocks;
   }
-  size_t shared_bytes() const { return size_t(layout_.shared_floats) * sizeof(float); }
+  size_t encode_shared_bytes() const {
+    return size_t(layout_.encode_shared_floats) * sizeof(float);
+  }
+  size_t decode_shared_bytes() const {
+    return size_t(layout_.decode_shared_floats) * sizeof(float);
+  }
   kernels::cuda::TensorTable table(const std::vector<kernels::cuda::TensorDesc>& descs) const {
     kernels::cuda::TensorTable b;
     b.tensors = descs.data();
     b.chunk_tensor = layout_.chunk_tensor.data();
     b.num_chunks = int64_t(layout_.chunk_tensor.size());
-    b.shared_floats = layout_.shared_floats;
+    b.encode_shared_floats = layout_.encode_shared_floats;
+    b.decode_shared_floats = layout_.decode_shared_floats;
     b.encoding = encoding_;
     b.num_tensors = int64_t(descs.size());
     b.segment_tensor = layout_.segment_tensor.data();

@@ -48,7 +48,7 @@ TEST(EmulatedKernels, Chunks128NeedingTheSharedMemoryOptIn) {
       dct::make_chunk_plan({256, 128}, 128, dct::ChunkMode::Divisor),
       dct::make_chunk_plan({300}, 128, dct::ChunkMode::Padded)};
   const EmulatedGpuStep step(plans, 32, ValueEncoding::Bf16, 256);
-  EXPECT_GT(step.layout().shared_floats * int64_t(sizeof(float)), 48 * 1024);
+  EXPECT_GT(step.layout().decode_shared_floats * int64_t(sizeof(float)), 48 * 1024);
   gpu_step_check::expect_gpu_step_equals_cpu(step, plans, 32, ValueEncoding::Bf16, at::kCPU, true);
 }
 

@@ -32,27 +32,26 @@ void launched(const char* what, cudaStream_t stream) {
   if (sync_every_launch()) check(cudaStreamSynchronize(stream), what);
 }
 
-size_t shared_bytes(const TensorTable& table) {
-  return size_t(table.shared_floats) * sizeof(float);
-}
-
-template <typename Kernel>
-void allow_shared(Kernel kernel, size_t bytes) {
-  if (bytes > 48 * 1024) {
-    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
-          "shared memory for the largest chunk");
-  }
-}
-
-// Hopper's (and Ampere's) most dynamic shared memory a block may opt in to.
+// Hopper's (and Ampere's) most shared memory a block may opt in to, static and dynamic together.
 constexpr size_t kMaxSharedBytes = 227 * 1024;
 
-void check_table(const TensorTable& table) {
-  if (shared_bytes(table) > kMaxSharedBytes) {
-    throw std::invalid_argument("GPU DeMo kernels: a chunk needs " +
-                                std::to_string(shared_bytes(table)) +
-                                " bytes of shared memory; at most " +
-                                std::to_string(kMaxSharedBytes) + " (a smaller --chunk)");
+// Lets `kernel` launch with `dynamic` bytes of dynamic shared memory: past 48 KB of shared
+// memory in all (its static arrays count), a block must opt in. Throws, naming the chunk size,
+// where even the opt-in's most is too little.
+template <typename Kernel>
+void allow_shared(Kernel kernel, size_t dynamic, const char* what) {
+  cudaFuncAttributes attributes{};
+  check(cudaFuncGetAttributes(&attributes, kernel), what);
+  const size_t total = attributes.sharedSizeBytes + dynamic;
+  if (total > kMaxSharedBytes) {
+    throw std::invalid_argument(std::string("GPU DeMo kernels: the ") + what + " needs " +
+                                std::to_string(total) + " bytes of shared memory for a chunk; " +
+                                "at most " + std::to_string(kMaxSharedBytes) +
+                                " (a smaller --chunk)");
+  }
+  if (total > 48 * 1024) {
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dynamic)),
+          what);
   }
 }
 
@@ -60,11 +59,10 @@ void check_table(const TensorTable& table) {
 
 void encode(const TensorTable& table, float beta, float alpha, uint8_t* payloads,
             int64_t bucket_bytes, cudaStream_t stream) {
-  check_table(table);
+  const size_t bytes = size_t(table.encode_shared_floats) * sizeof(float);
+  allow_shared(encode_kernel, bytes, "encode kernel");
   check(cudaMemsetAsync(payloads, 0, size_t(bucket_bytes), stream), "zeroing the payloads");
   if (table.num_chunks == 0) return;
-  const size_t bytes = shared_bytes(table);
-  allow_shared(encode_kernel, bytes);
   encode_kernel<<<unsigned(table.num_chunks), kThreads, bytes, stream>>>(table, beta, alpha,
                                                                          payloads);
   launched("encode kernel launch", stream);
@@ -98,7 +96,7 @@ void validate(const TensorTable& table, const uint8_t* gathered, int64_t bucket_
       table, buckets, bucket_bytes, scratch, errors);
   launched("validation kernel launch", stream);
   const size_t bytes = sizeof(int64_t) * size_t(table.max_k);
-  allow_shared(validate_positions_kernel, bytes);
+  allow_shared(validate_positions_kernel, bytes, "positions validation kernel");
   validate_positions_kernel<<<unsigned(replicas * table.num_chunks), kThreads, bytes, stream>>>(
       table, gathered, bucket_bytes, errors);
   launched("positions validation kernel launch", stream);
@@ -107,10 +105,9 @@ void validate(const TensorTable& table, const uint8_t* gathered, int64_t bucket_
 void decode_step(const TensorTable& table, const uint8_t* gathered, int64_t bucket_bytes,
                  int replicas, const chunk_math::SgdConstants& sgd,
                  const chunk_math::AdamWConstants* adamw, cudaStream_t stream) {
-  check_table(table);
+  const size_t bytes = size_t(table.decode_shared_floats) * sizeof(float);
+  allow_shared(decode_step_kernel, bytes, "decode kernel");
   if (table.num_chunks == 0) return;
-  const size_t bytes = shared_bytes(table);
-  allow_shared(decode_step_kernel, bytes);
   decode_step_kernel<<<unsigned(table.num_chunks), kThreads, bytes, stream>>>(
       table, gathered, bucket_bytes, replicas, sgd,
       adamw != nullptr ? *adamw : chunk_math::AdamWConstants{}, adamw != nullptr);

@@ -22,7 +22,7 @@
 
 // A kernel's dynamic shared memory, as an array of T named `name`.
 #ifndef FLEXDEMO_DYNAMIC_SHARED
-#define FLEXDEMO_DYNAMIC_SHARED(T, name) extern __shared__ T name[]
+#define FLEXDEMO_DYNAMIC_SHARED(T, name) extern __shared__ __align__(16) T name[]
 #endif
 
 namespace flexdemo::kernels::cuda {

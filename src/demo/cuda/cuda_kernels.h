@@ -47,7 +47,11 @@ struct TensorTable {
   const TensorDesc* tensors = nullptr;
   const int32_t* chunk_tensor = nullptr;
   int64_t num_chunks = 0;
-  int64_t shared_floats = 1;  // the kernels' dynamic shared memory: chunk_shared_floats' maximum
+  // The dynamic shared memory of the encode and of the decode: encode_shared_floats' and
+  // decode_shared_floats' maxima over the tensors (each kernel launched with its own, so that the
+  // encode leaves more of the SM's memory to L1, where its DCT bases are read from).
+  int64_t encode_shared_floats = 1;
+  int64_t decode_shared_floats = 1;
   int64_t num_tensors = 0;
   const int32_t* segment_tensor = nullptr;  // per checksum segment: its tensor
   int64_t num_segments = 0;
@@ -83,15 +87,15 @@ void decode_step(const TensorTable& table, const uint8_t* gathered, int64_t buck
 // The largest chunk (coefficients) the kernels take: the decode's shared memory holds three.
 constexpr int kMaxChunkNumel = 16384;
 
-// Floats of dynamic shared memory the kernels need for a chunk of h x w: the encode's chunk
-// (rows padded to 8, then odd for the coefficients) and its transform; the decode's sums, counts
-// (then the nonzeros' positions), the inverse along the rows of the rows holding coefficients,
-// and those rows' numbers and starts.
-inline int64_t chunk_shared_floats(int h, int w) {
-  const int64_t n = int64_t(h) * w;
-  const int64_t encode = int64_t(h) * ((w + 7) / 8 * 8 + 1) + n;
-  const int64_t decode = 3 * n + 2 * (int64_t(h) + 1);
-  return encode > decode ? encode : decode;
+// Floats of dynamic shared memory the encode needs for a chunk of h x w: the chunk (rows padded
+// to 8, then odd for the coefficients) and its transform.
+inline int64_t encode_shared_floats(int h, int w) {
+  return int64_t(h) * ((w + 7) / 8 * 8 + 1) + int64_t(h) * w;
+}
+// The decode's: the sums, the counts (then the nonzeros' positions), the inverse along the rows
+// of the rows holding coefficients, and those rows' numbers and starts.
+inline int64_t decode_shared_floats(int h, int w) {
+  return 3 * int64_t(h) * w + 2 * (int64_t(h) + 1);
 }
 
 }  // namespace flexdemo::kernels::cuda

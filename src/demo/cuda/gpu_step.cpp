@@ -57,8 +57,9 @@ cuda::HostTable cuda::host_table(const std::vector<dct::ChunkPlan>& plans, int64
     layout.chunk_tensor.insert(layout.chunk_tensor.end(), size_t(plan.num_chunks()), int32_t(i));
     layout.payload_bytes.push_back(compress::wire_payload_bytes(plan, k, encoding));
     layout.bytes += layout.payload_bytes.back();
-    layout.shared_floats = std::max(
-        layout.shared_floats, chunk_shared_floats(int(plan.chunk_rows), int(plan.chunk_cols)));
+    const int h = int(plan.chunk_rows), w = int(plan.chunk_cols);
+    layout.encode_shared_floats = std::max(layout.encode_shared_floats, encode_shared_floats(h, w));
+    layout.decode_shared_floats = std::max(layout.decode_shared_floats, decode_shared_floats(h, w));
   }
   return layout;
 }
@@ -221,7 +222,8 @@ GpuStep::GpuStep(const std::vector<dct::ChunkPlan>& plans, int64_t k,
   m.descs = std::move(layout.tensors);
   m.sizes = std::move(layout.payload_bytes);
   m.bytes = layout.bytes;
-  m.table.shared_floats = layout.shared_floats;
+  m.table.encode_shared_floats = layout.encode_shared_floats;
+  m.table.decode_shared_floats = layout.decode_shared_floats;
   m.chunk_tensor =
       at::from_blob(layout.chunk_tensor.data(), {int64_t(layout.chunk_tensor.size())}, at::kInt)
           .to(device);

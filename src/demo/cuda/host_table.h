@@ -19,7 +19,8 @@ struct HostTable {
   std::vector<int32_t> chunk_tensor;    // per bucket chunk: its tensor
   std::vector<size_t> payload_bytes;    // per tensor
   size_t bytes = 0;                     // one replica's payloads, back to back
-  int64_t shared_floats = 1;            // chunk_shared_floats' maximum over the tensors
+  int64_t encode_shared_floats = 1;     // encode_shared_floats' maximum over the tensors
+  int64_t decode_shared_floats = 1;     // decode_shared_floats'
   std::vector<int32_t> segment_tensor;  // per checksum segment: its tensor
   int max_k = 1;
 };
