@@ -1,83 +1,102 @@
 #!/usr/bin/env bash
-# The GPU check: the one command to run on a machine with an NVIDIA GPU (made for the H200 one:
-# CUDA, PyPI's torch in python3, CMake and ninja, OpenMPI's mpirun, no -dev packages, no network).
-# Every step runs under a timeout; OUT_DIR/gpu-check.json is rewritten after each one, and a
-# failing step's last lines are kept as OUT_DIR/failed-STEP.txt, so a lease that ends early
-# still leaves everything measured so far. The steps, most informative and least fragile first:
+# The GPU check: the one command to run on a machine with an NVIDIA GPU (made for the lent H100 or
+# H200: CUDA, PyPI's torch in python3, CMake and ninja, OpenMPI's mpirun, no -dev packages, no
+# network). It has one deadline (--deadline, default 480 s: a lease's command may run 600 s),
+# and every step's limit is clamped to what is left of it; a step with under 15 s left is
+# skipped. OUT_DIR/gpu-check.json (every step's exit, seconds and limit, a failure's last lines,
+# and what was measured) is rewritten after each step, so a lease that ends early still leaves
+# everything measured so far. OUT_DIR holds at most four files: gpu-check.json, gpu-check.log
+# (every step's output), encode.ncu-rep (one profile) and mismatch.tar.gz (test_gpu's dumps of
+# a bucket that differs). The steps, by what they tell (what needs no GPU runs before the lease:
+# the model's prediction is docs/results/data/gpu-model.json, the CPU's training is CI's):
 #   probe            GPU, driver, compute mode, torch, CUDA, NCCL, nvcc, OpenMPI, CMake versions
-#   python_build     the Python package (python/) against python3's torch: needs only torch, a
-#                    compiler, CMake and nvcc
-#   python_ops       its engine on the GPU equals the CPU's portable kernels bit for bit, every
-#                    encoding, and FlexDeMo trains there (tests/python/test_gpu_ops.py)
-#   python_bench     python -m flexdemo.bench --scale 1: DeMo.step and FlexDeMo.step against torch AdamW
-#                    (foreach, fused) and the plain-torch DeMo step
-#   configure, build the C++ library, CLI and GPU tests against that torch, with what the machine
-#                    lacks taken from .gpu-deps/ (scripts/fetch-gpu-deps.sh, unpacked into a
-#                    prefix of its own); the nvcc command line of the kernels goes to the log
-#   model            the DeMo step's H200 time predicted per kernel by the CPU emulation
-#                    (flexdemo-gpu-model, GPT-2 small), printed beside the measured one
+#   builds, at once: python_build, the Python package (python/) against python3's torch (needs
+#                    only torch, a compiler, CMake and nvcc); unpack, configure, build: the C++
+#                    library, CLI and GPU tests against that torch, with what the machine lacks
+#                    taken from .gpu-deps/ (scripts/fetch-gpu-deps.sh, unpacked into a prefix of
+#                    its own); the nvcc command line of the kernels goes to the log
 #   test_gpu         the CUDA kernels' payloads, residuals and updates equal the CPU's portable
-#                    kernels' bit for bit (every value encoding)
-#   memcheck, racecheck   compute-sanitizer over one encoding's kernel test
-#   ncu_encode       one Nsight Compute profile of the encode kernel (OUT_DIR/encode.ncu-rep)
+#                    kernels' bit for bit (every value encoding), every launch checked at once
+#                    (FLEXDEMO_CUDA_SYNC=1)
 #   bench            flexdemo bench optimizer --device cuda, GPT-2 small shapes, top-k 32, chunk
-#                    64, bf16: demo_step_ms next to torch's fused AdamW in the same run
-#   train_gpu, train_cpu   2 nodes x 2 ranks sharing the GPU (MPI), 50 steps, replicas checked;
-#                    the same run on the CPU
-#   nccl_smoke       one rank, NCCL inside and between nodes
-#   speed, pytorch   gpt2-small training tokens/s against PyTorch eager on the same shapes
+#                    64, bf16: demo_step_ms and each kernel's time beside the model's prediction,
+#                    and torch's fused AdamW in the same run
+#   train_gpu        2 nodes x 1 rank sharing the GPU (MPI), 20 steps, the replicas checked
+#   python_ops       the package's engine on the GPU equals the CPU's portable kernels bit for
+#                    bit, every encoding, and FlexDeMo trains there (tests/python/test_gpu_ops.py)
+#   python_bench     python -m flexdemo.bench --scale 1: DeMo.step and FlexDeMo.step against torch
+#                    AdamW (foreach, fused) and the plain-torch DeMo step
+#   nccl_smoke       one rank, NCCL inside and between nodes: the communicator's life
+#   then, while time is left: memcheck, racecheck (compute-sanitizer over one encoding's kernel
+#   test), ncu_encode (one Nsight Compute profile of the encode kernel, --clock-control none),
+#   speed and pytorch (gpt2-small training tokens/s against PyTorch eager on the same shapes)
 #
-#   scripts/gpu-check.sh OUT_DIR
-#   scripts/gpu-check.sh --rehearse OUT_DIR   the same steps on the CPU (small speed model, no
-#       sanitizer or profiler): checks the script itself without a GPU; scripts/gpu-rehearsal.sh
-#       runs it in an environment shaped like the GPU machine's
-# Limits per step come from FLEXDEMO_GPU_CHECK_SCALE (default 1; 2 doubles every timeout).
+#   scripts/gpu-check.sh [--deadline SECONDS] OUT_DIR
+#   scripts/gpu-check.sh --rehearse [--deadline SECONDS] OUT_DIR   the same steps on the CPU
+#       (small speed model, no sanitizer or profiler): checks the script itself without a GPU;
+#       scripts/gpu-rehearsal.sh runs it in an environment shaped like the GPU machine's
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
-device=cuda speed_model=gpt2-small bench_scale=1
-if [ "${1:-}" = "--rehearse" ]; then
-  shift
-  device=cpu speed_model=gpt-nano bench_scale=0.25
-fi
-out=${1:?usage: scripts/gpu-check.sh [--rehearse] OUT_DIR}
+usage="usage: scripts/gpu-check.sh [--rehearse] [--deadline SECONDS] OUT_DIR"
+device=cuda speed_model=gpt2-small bench_scale=1 deadline=480
+while [ $# -gt 1 ]; do
+  case "$1" in
+    --rehearse) device=cpu speed_model=gpt-nano bench_scale=0.25; shift ;;
+    --deadline)
+      [[ "${2:-}" =~ ^[0-9]+$ ]] && [ "$2" -gt 0 ] ||
+        { echo "gpu-check: --deadline '${2:-}': expected a whole number of seconds > 0" >&2; exit 2; }
+      deadline=$2; shift 2 ;;
+    *) echo "gpu-check: unknown option '$1'; $usage" >&2; exit 2 ;;
+  esac
+done
+out=${1:?$usage}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-rm -f "$out"/failed-*.txt "$out/steps.tsv"
+rm -f "$out/gpu-check.json" "$out/encode.ncu-rep" "$out/mismatch.tar.gz"
 log="$out/gpu-check.log"
 : > "$log"
 started=$SECONDS
 python=${PYTHON:-python3}
-scale=${FLEXDEMO_GPU_CHECK_SCALE:-1}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 say() { echo "gpu-check: $* ($((SECONDS - started)) s)" | tee -a "$log"; }
+say "deadline $deadline s"
 
 # ====== Steps and the report ======
 # step NAME SECONDS COMMAND...: runs COMMAND under a timeout with its output in the log, records
 # its exit status (124: timed out), keeps a failure's last lines, rewrites the report.
+# step NAME SECONDS COMMAND...: runs COMMAND under a timeout of SECONDS or what is left before
+# the deadline (5 s kept for the report), whichever is less, with its output in the log; records
+# its exit status (124: timed out) and time, and rewrites the report. Under 15 s left: skipped.
 step() {
-  local name=$1 limit=$(($2 * scale)) begin=$SECONDS rc
+  local name=$1 limit=$2 begin=$SECONDS rc
   shift 2
+  local left=$((deadline - (SECONDS - started) - 5))
+  if [ "$left" -lt 15 ]; then
+    skip "$name" "no time left before the $deadline s deadline"
+    return 125
+  fi
+  [ "$left" -lt "$limit" ] && limit=$left
   say "$name: started (limit $limit s)"
-  timeout --kill-after=15 "$limit" "$@" > "$work/$name.txt" 2>&1
+  timeout --kill-after=5 "$limit" "$@" > "$work/$name.txt" 2>&1
   rc=$?
   { echo "== $name (exit $rc)"; cat "$work/$name.txt"; } >> "$log"
-  [ $rc -ne 0 ] && tail -n 80 "$work/$name.txt" > "$out/failed-$name.txt"
-  printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - begin))" >> "$out/steps.tsv"
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - begin))" "$limit" >> "$work/steps.tsv"
   say "$name: exit $rc$([ $rc -eq 124 ] && echo ' (timed out)')"
   report
   return $rc
 }
 skip() {  # NAME WHY
-  printf '%s\tskipped\t0\n' "$1" >> "$out/steps.tsv"
+  printf '%s\tskipped\t0\t0\n' "$1" >> "$work/steps.tsv"
   say "$1: skipped ($2)"
+  report
 }
 report() {
   $python scripts/gpu_check_report.py "$work" "$out" "$device" "$((SECONDS - started))" \
-    > /dev/null 2>> "$log" || say "report: failed (see $log)"
+    "$deadline" > /dev/null 2>> "$log" || say "report: failed (see $log)"
 }
 passed() {  # NAME: whether the step ran and exited 0
-  grep -q "^$1	0	" "$out/steps.tsv" 2> /dev/null
+  grep -q "^$1	0	" "$work/steps.tsv" 2> /dev/null
 }
 
 # ====== 1. What the machine is ======
@@ -98,7 +117,8 @@ export python work device
 export -f probe
 step probe 60 bash -c probe
 
-# ====== 2. The Python package: torch, a compiler, CMake and nvcc are all it needs ======
+# ====== 2. The builds, at once: the Python package (torch, a compiler, CMake and nvcc are all it
+# needs) beside the C++ one ======
 # --target: installed into the scratch folder only, never into the machine's Python.
 python_build() {
   CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) $python -m pip install -v --no-build-isolation --no-deps \
@@ -108,13 +128,10 @@ print("flexdemo ops: CUDA kernels built:", o.cuda_built())
 sys.exit(0 if o.cuda_built() else 1)'
 }
 export -f python_build
-if step python_build 900 bash -c python_build; then
-  step python_ops 300 env PYTHONPATH="$work/python" $python tests/python/test_gpu_ops.py
-  step python_bench 300 env PYTHONPATH="$work/python" OMP_NUM_THREADS=1 $python -m flexdemo.bench \
-    --device "$device" --scale $bench_scale --json "$work/python_bench.json"
-fi
+step python_build 900 bash -c python_build &
+python_builder=$!
 
-# ====== 3. The C++ build: the machine's own libraries first, the carried packages for the rest ==
+# The C++ build: the machine's own libraries first, the carried packages for the rest.
 torch_root=$($python -c 'import os, torch; print(os.path.dirname(torch.__file__))')
 prefix=/tmp/flexdemo-gpu-deps
 unpack() {
@@ -161,28 +178,56 @@ fi
 build="build-gpu"
 step configure 300 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLEXDEMO_CUDA=ON \
   -DTorch_DIR="$torch_root/share/cmake/Torch" -DCMAKE_PREFIX_PATH="$torch_root;$prefix/usr" &&
-  step build 1200 cmake --build "$build" -j "$(nproc)" --target flexdemo_cli flexdemo_tokenize test_gpu \
-    flexdemo_gpu_model
+  step build 1200 cmake --build "$build" -j "$(nproc)" --target flexdemo_cli flexdemo_tokenize test_gpu
 {
   echo "== nvcc command line of the kernels"
   ninja -C "$build" -t commands flexdemo 2> /dev/null | grep -m 1 'nvcc.*\.cu'
 } >> "$log" 2>&1
 built=false
 passed build && built=true
+wait "$python_builder"
 
-# ====== 4. Kernels, then the training runs ======
+# ====== 3. On the GPU, by what each step tells ======
 mpirun=(mpirun --allow-run-as-root --oversubscribe -x OMP_NUM_THREADS=1 -x LD_LIBRARY_PATH
         -x PATH)
 [ -n "${OPAL_PREFIX:-}" ] && mpirun+=(-x OPAL_PREFIX)
 corpus=$work/corpus.txt  # real English text that every checkout has
 cat README.md docs/*.md ../shared/DESIGN.md 2> /dev/null > "$corpus"
 export FLEXDEMO_TOKENIZE=$PWD/$build/flexdemo-tokenize
+one_encoding=(--gtest_filter='*Bf16*:*bf16*')
 
 if $built; then
-  # The kernels' predicted H200 time (the CPU emulation's model), next to what is measured below.
-  step model 300 "$build/flexdemo-gpu-model" --scale 1 --json "$work/model.json"
-  step test_gpu 300 env FLEXDEMO_MISMATCH_DIR="$out" "$build/tests/test_gpu"
-  one_encoding=(--gtest_filter='*Bf16*:*bf16*')
+  mkdir -p "$work/mismatch"
+  step test_gpu 300 env FLEXDEMO_CUDA_SYNC=1 FLEXDEMO_MISMATCH_DIR="$work/mismatch" \
+    "$build/tests/test_gpu"
+  if compgen -G "$work/mismatch/*" > /dev/null; then
+    tar -czf "$out/mismatch.tar.gz" -C "$work" mismatch
+  fi
+  step bench 300 sh -c "'$build/flexdemo' bench optimizer --device $device --scale $bench_scale --step demo --topk 32 \
+    --chunk 64 --values bf16 --steps 20 --json > '$work/bench.json'"
+  # Two nodes of one rank sharing the GPU (MPI: NCCL cannot put two ranks of one communicator on
+  # one GPU), DeMo's exchange between them; --check-replicas stops the run if they differ.
+  step train_gpu 180 "${mpirun[@]}" -np 2 "$build/flexdemo" train --model gpt-nano \
+    --tokenizer bytes --data "$corpus" --seq 64 --batch 16 --steps 20 --eval-seqs 16 \
+    --check-replicas 10 --progress lines --ranks-per-node 1 --comm-timeout 120 \
+    --device "$device" --intra-backend mpi --inter-backend mpi --out "$work/$device"
+fi
+if passed python_build; then
+  step python_ops 300 env PYTHONPATH="$work/python" $python tests/python/test_gpu_ops.py
+  step python_bench 300 env PYTHONPATH="$work/python" OMP_NUM_THREADS=1 $python -m flexdemo.bench \
+    --device "$device" --scale $bench_scale --rounds 1 --json "$work/python_bench.json"
+fi
+if $built; then
+  if [ "$device" = cuda ]; then
+    step nccl_smoke 120 "${mpirun[@]}" -np 1 "$build/flexdemo" train --model gpt-nano \
+      --tokenizer bytes --data "$corpus" --seq 64 --batch 8 --steps 5 --eval-seqs 8 \
+      --progress lines --device "$device" --intra-backend nccl --inter-backend nccl \
+      --comm-timeout 120 --out "$work/nccl"
+  else
+    skip nccl_smoke "no GPU"
+  fi
+
+  # What is left time for.
   if [ "$device" = cuda ] && command -v compute-sanitizer > /dev/null; then
     step memcheck 300 compute-sanitizer --tool memcheck --error-exitcode 1 "$build/tests/test_gpu" \
       "${one_encoding[@]}"
@@ -193,28 +238,11 @@ if $built; then
     skip racecheck "no GPU or no compute-sanitizer"
   fi
   if [ "$device" = cuda ] && command -v ncu > /dev/null; then
-    step ncu_encode 300 ncu --kernel-name regex:encode --launch-count 1 --set full -f \
-      -o "$out/encode" "$build/tests/test_gpu" "${one_encoding[@]}"
+    step ncu_encode 300 ncu --clock-control none --kernel-name regex:encode --launch-count 1 \
+      --set full -f -o "$out/encode" "$build/tests/test_gpu" "${one_encoding[@]}"
   else
     skip ncu_encode "no GPU or no ncu"
   fi
-  step bench 300 sh -c "'$build/flexdemo' bench optimizer --device $device --scale $bench_scale --step demo --topk 32 \
-    --chunk 64 --values bf16 --steps 20 --json > '$work/bench.json'"
-
-  # A small GPT on the corpus, 2 nodes x 2 ranks sharing the GPU (MPI: NCCL cannot put two ranks
-  # of one communicator on one GPU); --check-replicas stops the run if any replica differs.
-  small=(train --model gpt-nano --tokenizer bytes --data "$corpus" --seq 64 --batch 16 --steps 50
-         --eval-seqs 16 --check-replicas 10 --progress lines --ranks-per-node 2 --comm-timeout 120)
-  step train_gpu 300 "${mpirun[@]}" -np 4 "$build/flexdemo" "${small[@]}" --device "$device" \
-    --intra-backend mpi --inter-backend mpi --out "$work/$device"
-  [ "$device" = cuda ] && step train_cpu 300 "${mpirun[@]}" -np 4 "$build/flexdemo" "${small[@]}" \
-    --device cpu --intra-backend mpi --inter-backend mpi --out "$work/cpu"
-  [ "$device" = cuda ] || skip nccl_smoke "no GPU"
-  [ "$device" = cuda ] && step nccl_smoke 180 "${mpirun[@]}" -np 1 "$build/flexdemo" train --model gpt-nano \
-    --tokenizer bytes --data "$corpus" --seq 64 --batch 8 --steps 5 --eval-seqs 8 \
-    --progress lines --device "$device" --intra-backend nccl --inter-backend nccl \
-    --comm-timeout 120 --out "$work/nccl"
-
   big=(--seq 256 --batch 16)
   shape=(--width 768 --layers 12 --heads 12 --context 1024)
   if [ "$speed_model" = gpt-nano ]; then

@@ -7,9 +7,10 @@
 #   2.11 in a venv at /opt/torch/.venv (this checkout's .venv-cuda, from install-deps.sh --cuda),
 #   CUDA's toolkit at /usr/local/cuda (nvcc; no GPU), no Debian -dev package, no network
 # and a copy of this checkout as the device tool sends it (tracked and unignored files, plus
-# .gpu-deps/ from scripts/fetch-gpu-deps.sh). It runs gpu-check.sh --rehearse there and prints
-# the report, and the CPU seconds the whole rehearsal took (the build's share / 16 cores estimates
-# the real check's build time).
+# .gpu-deps/ from scripts/fetch-gpu-deps.sh). It runs gpu-check.sh --rehearse there (its deadline
+# FLEXDEMO_REHEARSAL_DEADLINE, default 3000 s: two cores build what a lease's sixteen do in its
+# 480) and prints the report, the CPU seconds the whole rehearsal took (the build's share / 16
+# cores estimates the real check's build time), and the files the check left (at most four).
 #   scripts/gpu-rehearsal.sh OUT_DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -61,7 +62,7 @@ bwrap --bind "$root" / --dev /dev --proc /proc --tmpfs /tmp \
   --bind "$out" /work/out --chdir /work/flexdemo --unshare-net --die-with-parent \
   --setenv PATH /opt/torch/.venv/bin:/usr/local/cuda/bin:/usr/local/bin:/usr/bin:/bin \
   --setenv HOME /tmp --unsetenv PYTHONPATH --unsetenv LD_LIBRARY_PATH \
-  bash scripts/gpu-check.sh --rehearse /work/out
+  bash scripts/gpu-check.sh --rehearse --deadline "${FLEXDEMO_REHEARSAL_DEADLINE:-3000}" /work/out
 rc=$?
 set -e
 ticks=$(getconf CLK_TCK)
@@ -69,4 +70,8 @@ after=$(awk '{print $14 + $15 + $16 + $17}' /proc/$$/stat)
 echo "gpu-rehearsal: exit $rc; CPU seconds of the whole rehearsal: $(((after - before) / ticks))"
 python3 -c "import json; r = json.load(open('$out/gpu-check.json')); \
 print('\n'.join('  {:<14} {:>8} {:>6} s'.format(n, str(s['exit']), s['seconds']) for n, s in r['steps'].items()))"
+# What the device tool would bring back: the check's files in OUT (at most four).
+files=$(find "$out" -type f ! -name debootstrap.log | wc -l)
+echo "gpu-rehearsal: the check left $files file(s) in OUT: $(cd "$out" && find . -type f ! -name debootstrap.log | sort | tr '\n' ' ')"
+[ "$files" -le 4 ] || { echo "gpu-rehearsal: more than 4 files in OUT" >&2; rc=1; }
 exit $rc

@@ -1,7 +1,9 @@
 """gpu-check.sh's report: OUT_DIR/gpu-check.json from what the steps have left so far (rewritten
-after every step, so a check cut short still reports what it measured).
+after every step, so a check cut short still reports what it measured): every step's exit,
+seconds and limit, a failed step's last lines, the measurements, and the model's prediction
+(docs/results/data/gpu-model.json, made before the lease: `flexdemo-gpu-model --scale 1 --json`).
 
-    python3 scripts/gpu_check_report.py WORK_DIR OUT_DIR DEVICE SECONDS
+    python3 scripts/gpu_check_report.py WORK_DIR OUT_DIR DEVICE SECONDS DEADLINE
 """
 
 import json
@@ -10,7 +12,8 @@ import sys
 
 
 def main():
-    work, out, device, seconds = sys.argv[1:5]
+    work, out, device, seconds, deadline = sys.argv[1:6]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def load(*parts):
         try:
@@ -28,10 +31,13 @@ def main():
 
     steps = {}
     try:
-        with open(os.path.join(out, "steps.tsv")) as f:
+        with open(os.path.join(work, "steps.tsv")) as f:
             for line in f:
-                name, rc, took = line.rstrip("\n").split("\t")
-                steps[name] = {"exit": rc if rc == "skipped" else int(rc), "seconds": int(took)}
+                name, rc, took, limit = line.rstrip("\n").split("\t")
+                steps[name] = {"exit": rc if rc == "skipped" else int(rc), "seconds": int(took),
+                               "limit": int(limit)}
+                if rc not in ("0", "skipped"):  # what it said last, as the log has it
+                    steps[name]["tail"] = text(name).splitlines()[-40:]
     except OSError:
         pass
 
@@ -42,10 +48,15 @@ def main():
         return ok(name) and "SKIPPED" not in text(name)
 
     bench = load("bench.json")
-    model = load("model.json")
+    try:
+        with open(os.path.join(root, "docs", "results", "data", "gpu-model.json")) as f:
+            model = json.load(f)
+    except (OSError, ValueError):
+        model = {}
     report = {
         "device": device,  # cpu: a rehearsal (--rehearse), nothing measured on a GPU
         "seconds": int(seconds),
+        "deadline": int(deadline),
         "steps": steps,
         "failed_steps": [n for n, s in steps.items() if s["exit"] not in (0, "skipped")],
         "python_gpu_ops_identical": ran_on_gpu("python_ops"),
@@ -59,15 +70,13 @@ def main():
         "adamw_step_ms": bench.get("adamw_ms"),
         "demo_over_fused": bench.get("ratio_fused"),
         "params": bench.get("params"),
-        "gpu_2x2": {"replicas_identical": ok("train_gpu"),
-                    "final_val_loss": load(device, "summary.json").get("final_val_loss")},
-        "cpu_2x2": {"replicas_identical": ok("train_cpu"),
-                    "final_val_loss": load("cpu", "summary.json").get("final_val_loss")},
+        "gpu_2_nodes": {"replicas_identical": ok("train_gpu"),
+                        "final_val_loss": load(device, "summary.json").get("final_val_loss")},
         "nccl_smoke": ok("nccl_smoke"),
         "tokens_per_s": load("speed", "summary.json").get("tokens_per_s"),
         "pytorch_tokens_per_s": load("pytorch.json").get("tokens_per_s"),
     }
-    report["replicas_identical"] = report["gpu_2x2"]["replicas_identical"]
+    report["replicas_identical"] = report["gpu_2_nodes"]["replicas_identical"]
     # Per kernel: the model's prediction beside the CUDA events' measurement (bench's phases).
     report["kernels_predicted_vs_measured_ms"] = {
         name: {"predicted": model.get(name, {}).get("predicted_ms"),
@@ -80,10 +89,13 @@ def main():
                                 (report["demo_step_ms"] or 1e9) <= 2.0)
     else:  # a rehearsal passes when every step ran and none failed
         needed = ["probe", "python_build", "python_ops", "python_bench", "unpack", "configure",
-                  "build", "model", "test_gpu", "bench", "train_gpu", "speed", "pytorch"]
+                  "build", "test_gpu", "bench", "train_gpu", "speed", "pytorch"]
         report["passed"] = all(ok(n) for n in needed) and not report["failed_steps"]
-    with open(os.path.join(out, "gpu-check.json"), "w") as f:
+    # Written aside, then renamed: the two builds' steps report at once.
+    path = os.path.join(out, "gpu-check.json")
+    with open(path + ".{}".format(os.getpid()), "w") as f:
         json.dump(report, f, indent=2)
+    os.replace(path + ".{}".format(os.getpid()), path)
     print(json.dumps(report, indent=2))
 
 
