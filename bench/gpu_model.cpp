@@ -1,26 +1,35 @@
-// `flexdemo-gpu-model`: the DeMo step's time on an H200, predicted before a GPU is lent. The CUDA
+// `flexdemo-gpu-model`: the DeMo step's time on an H100 or H200, predicted before a GPU is lent. The CUDA
 // kernels (cuda_kernels.cuh, unchanged) run under the CPU emulation on GPT-2 small's chunk grid
 // (one sampled chunk or two per distinct tensor shape, weighted by its chunks), which records
 // every traced access and multiply-add (tests/cuda_emulation.h): per kernel the warp FMA
 // instructions, the shared-memory wavefronts (bank conflicts included), the global sectors per
-// warp request, and the DRAM bytes each kernel must move. Each becomes a time at the H200's
+// warp request, and the DRAM bytes each kernel must move. Each becomes a time at the GPU's
 // rates; a kernel takes the longest of them (a roofline), plus its launch. The payloads' checksums
-// and validation are kernels too (seal, validate); the host only waits for the verdict.
-//   flexdemo-gpu-model [--scale 1] [--topk 32] [--chunk 64] [--values bf16] [--replicas 1]
-//                      [--json FILE]
+// and validation are kernels too (seal, validate). The host's part is measured here: the CUDA
+// path copies the gathered bucket to the host and screens it there (the optimizer's
+// passing_replicas: every payload validated, its values scanned), timed on this CPU, one thread,
+// on the whole bucket; the copy is estimated at kCopy.
+//   flexdemo-gpu-model [--gpu h100|h200] [--scale 1] [--topk 32] [--chunk 64] [--values bf16]
+//                      [--replicas 1] [--json FILE]
 #include "emulated_gpu_step.h"  // first: the CUDA words the kernels use
 
+#include "demo/kernels.h"
+#include "demo/screen.h"
 #include "flexdemo/names.h"
+
+#include <ATen/Parallel.h>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -29,10 +38,16 @@ using cuda_emulation::Counts;
 
 namespace {
 
-// The H200 (SXM): 132 SMs at 1.98 GHz; per SM and clock 4 warp FMA instructions (128 lanes) and
-// 128 bytes through the shared-memory/L1 pipe (one wavefront, or four 32-byte sectors); DRAM at
-// the 4.3 TB/s a copy reached on the lent machine (4.8 TB/s peak); a launch about 4 us.
-constexpr double kSms = 132, kClock = 1.98e9, kDram = 4.3e12, kLaunch = 4e-6;
+// The H100 and H200 (SXM): 132 SMs at 1.98 GHz; per SM and clock 4 warp FMA instructions (128
+// lanes) and 128 bytes through the shared-memory/L1 pipe (one wavefront, or four 32-byte sectors);
+// a launch about 4 us. DRAM: the H200 at the 4.3 TB/s a copy reached on a lent machine (4.8 TB/s
+// peak), the H100 at 3.0 TB/s (3.35 peak; not measured here). Host <-> device copies at 25 GB/s
+// (PCIe 5 x16 carries 64 GB/s each way at most; not measured here).
+constexpr double kSms = 132, kClock = 1.98e9, kLaunch = 4e-6, kCopy = 25e9;
+double dram_rate(const std::string& gpu) {
+  return gpu == "h200" ? 4.3e12 : 3.0e12;
+}
+double kDram = 3.0e12;  // the chosen GPU's (main sets it)
 
 struct Shape {
   std::vector<int64_t> dims;
@@ -100,7 +115,9 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"The DeMo step's H200 time predicted from the CUDA kernels under the CPU emulation"};
+  CLI::App app{"The DeMo step's H100 or H200 time predicted from the CUDA kernels under the CPU "
+               "emulation, and the host's part measured here"};
+  std::string gpu = "h100";
   double scale = 1.0;
   int64_t topk = 32, chunk = 64;
   int replicas = 1;
@@ -114,7 +131,10 @@ int main(int argc, char** argv) {
   app.add_option("--replicas", replicas, "replicas whose payloads are decoded")
       ->check(CLI::Range(1, 1024));
   app.add_option("--json", json_path, "also write the model to this file");
+  app.add_option("--gpu", gpu, "the GPU whose rates the model takes")
+      ->check(CLI::IsMember({"h100", "h200"}));
   CLI11_PARSE(app, argc, argv);
+  kDram = dram_rate(gpu);
   const auto encoding = parse_name<compress::ValueEncoding>(values);
 
   const std::vector<Shape> shapes = gpt2_shapes(scale);
@@ -190,9 +210,43 @@ int main(int argc, char** argv) {
     }
   }
   const double emulated_s = seconds_since(start);
-  // The host's part: the validation's verdict (a few bytes) copied back and waited for, about a
-  // launch's latency; with NCCL the buckets stay on the GPU (an MPI replica group adds copies).
-  const double host_s = 10e-6;
+  // The host's part, measured: the whole gathered bucket (every tensor's whole payload, encoded
+  // by the CPU's kernels, `replicas` copies) screened as the CUDA path screens it after copying
+  // it to the host, median of 5 on this CPU's one thread; plus the copy at kCopy and the
+  // validation's verdict waited for (about a launch).
+  double screen_s = 0, gathered_bytes = 0;
+  {
+    at::set_num_threads(1);
+    std::vector<dct::ChunkPlan> bucket_plans;
+    std::vector<size_t> offsets;
+    std::vector<uint8_t> one;  // one replica's bucket
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      std::vector<uint8_t> payload(compress::wire_payload_bytes(plans[i], topk, encoding));
+      at::Tensor residual = at::zeros({plans[i].padded_rows, plans[i].padded_cols});
+      kernels::dct_accumulate_encode(grads[i], plans[i], 0.0, 1.0, residual, topk, encoding,
+                                     payload.data());
+      for (int t = 0; t < shapes[i].tensors; ++t) {
+        bucket_plans.push_back(plans[i]);
+        offsets.push_back(one.size());
+        one.insert(one.end(), payload.begin(), payload.end());
+      }
+    }
+    std::vector<uint8_t> gathered;
+    for (int r = 0; r < replicas; ++r) gathered.insert(gathered.end(), one.begin(), one.end());
+    gathered_bytes = double(gathered.size());
+    std::vector<double> times;
+    for (int rep = 0; rep < 5; ++rep) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const std::vector<optim::PeerFault> faults = demo::screen_payloads(
+          gathered.data(), replicas, one.size(), bucket_plans, offsets, topk, encoding, 4.0);
+      times.push_back(seconds_since(t0));
+      if (!faults.empty()) throw std::logic_error("gpu-model: the host's screening failed a payload");
+    }
+    std::sort(times.begin(), times.end());
+    screen_s = times[times.size() / 2];
+  }
+  const double copy_s = gathered_bytes / kCopy;
+  const double host_s = screen_s + copy_s + kLaunch;
 
   double kernels_s = 0;
   for (const Kernel* k : {&encode, &seal, &validate, &decode}) kernels_s += k->predicted();
@@ -209,8 +263,11 @@ int main(int argc, char** argv) {
                 k->counts.global_sectors / 1e6, k->dram_bytes / 1e6, k->t_fma() * 1e3,
                 k->t_lsu() * 1e3, k->t_dram() * 1e3, k->predicted() * 1e3);
   }
-  std::printf("kernels: %.3f ms predicted on an H200; host: %.3f ms (the validation's verdict)\n",
-              kernels_s * 1e3, host_s * 1e3);
+  std::printf("kernels: %.3f ms predicted on an %s; host: %.3f ms (screening the gathered bucket "
+              "%.3f ms, measured here on one thread; its copy %.3f ms at %.0f GB/s, assumed; the "
+              "verdict %.3f ms)\n",
+              kernels_s * 1e3, gpu == "h200" ? "H200" : "H100", host_s * 1e3, screen_s * 1e3,
+              copy_s * 1e3, kCopy / 1e9, kLaunch * 1e3);
   std::printf("demo step: %.3f ms predicted (kernels + host), emulated in %.0f s\n",
               (kernels_s + host_s) * 1e3, emulated_s);
   if (!json_path.empty()) {
@@ -226,7 +283,11 @@ int main(int argc, char** argv) {
                              {"validate", validate.json()},
                              {"decode_step", decode.json()},
                              {"kernels_ms", kernels_s * 1e3},
+                             {"gpu", gpu},
+                             {"dram_tb_s", kDram / 1e12},
                              {"host_ms", host_s * 1e3},
+                             {"host_screen_ms", screen_s * 1e3},
+                             {"host_copy_ms", copy_s * 1e3},
                              {"demo_step_ms", (kernels_s + host_s) * 1e3}};
     std::ofstream(json_path) << report.dump(2) << "\n";
   }

@@ -8,7 +8,8 @@
 # everything measured so far. OUT_DIR holds at most four files: gpu-check.json, gpu-check.log
 # (every step's output), encode.ncu-rep (one profile) and mismatch.tar.gz (test_gpu's dumps of
 # a bucket that differs). The steps, by what they tell (what needs no GPU runs before the lease:
-# the model's prediction is docs/results/data/gpu-model.json, the CPU's training is CI's):
+# the model's prediction is docs/results/data/gpu-model-h100.json or -h200.json, the CPU's
+# training is CI's):
 #   probe            GPU, driver, compute mode, torch, CUDA, NCCL, nvcc, OpenMPI, CMake versions
 #   builds, at once: python_build, the Python package (python/) against python3's torch (needs
 #                    only torch, a compiler, CMake and nvcc); unpack, configure, build: the C++

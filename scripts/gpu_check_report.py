@@ -1,7 +1,8 @@
 """gpu-check.sh's report: OUT_DIR/gpu-check.json from what the steps have left so far (rewritten
 after every step, so a check cut short still reports what it measured): every step's exit,
 seconds and limit, a failed step's last lines, the measurements, and the model's prediction
-(docs/results/data/gpu-model.json, made before the lease: `flexdemo-gpu-model --scale 1 --json`).
+(docs/results/data/gpu-model-h100.json or -h200.json, by the GPU the probe found, made before the
+lease: `flexdemo-gpu-model --gpu h100 --scale 1 --json FILE`).
 
     python3 scripts/gpu_check_report.py WORK_DIR OUT_DIR DEVICE SECONDS DEADLINE
 """
@@ -48,8 +49,10 @@ def main():
         return ok(name) and "SKIPPED" not in text(name)
 
     bench = load("bench.json")
+    # The model of the GPU the probe found (the H200's where it says H200, else the H100's).
+    gpu = "h200" if "H200" in text("probe") else "h100"
     try:
-        with open(os.path.join(root, "docs", "results", "data", "gpu-model.json")) as f:
+        with open(os.path.join(root, "docs", "results", "data", "gpu-model-{}.json".format(gpu))) as f:
             model = json.load(f)
     except (OSError, ValueError):
         model = {}
