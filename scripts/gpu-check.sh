@@ -53,7 +53,7 @@ done
 out=${1:?$usage}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-rm -f "$out/gpu-check.json" "$out/encode.ncu-rep" "$out/mismatch.tar.gz"
+rm -f "$out/gpu-check.json" "$out"/.gpu-check.json.* "$out/encode.ncu-rep" "$out/mismatch.tar.gz"
 log="$out/gpu-check.log"
 : > "$log"
 started=$SECONDS
@@ -64,15 +64,14 @@ say() { echo "gpu-check: $* ($((SECONDS - started)) s)" | tee -a "$log"; }
 say "deadline $deadline s"
 
 # ====== Steps and the report ======
-# step NAME SECONDS COMMAND...: runs COMMAND under a timeout with its output in the log, records
-# its exit status (124: timed out), keeps a failure's last lines, rewrites the report.
 # step NAME SECONDS COMMAND...: runs COMMAND under a timeout of SECONDS or what is left before
-# the deadline (5 s kept for the report), whichever is less, with its output in the log; records
+# the deadline (10 s kept: 5 for a timed-out step's kill, 5 for the report), whichever is less,
+# with its output in the log; records
 # its exit status (124: timed out) and time, and rewrites the report. Under 15 s left: skipped.
 step() {
   local name=$1 limit=$2 begin=$SECONDS rc
   shift 2
-  local left=$((deadline - (SECONDS - started) - 5))
+  local left=$((deadline - (SECONDS - started) - 10))
   if [ "$left" -lt 15 ]; then
     skip "$name" "no time left before the $deadline s deadline"
     return 125
@@ -187,6 +186,7 @@ step configure 300 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -D
 built=false
 passed build && built=true
 wait "$python_builder"
+report  # both builds' steps in it (the background one may have reported before the foreground's)
 
 # ====== 3. On the GPU, by what each step tells ======
 mpirun=(mpirun --allow-run-as-root --oversubscribe -x OMP_NUM_THREADS=1 -x LD_LIBRARY_PATH

@@ -49,15 +49,21 @@ def main():
         return ok(name) and "SKIPPED" not in text(name)
 
     bench = load("bench.json")
-    # The model of the GPU the probe found (the H200's where it says H200, else the H100's).
-    gpu = "h200" if "H200" in text("probe") else "h100"
-    try:
-        with open(os.path.join(root, "docs", "results", "data", "gpu-model-{}.json".format(gpu))) as f:
-            model = json.load(f)
-    except (OSError, ValueError):
-        model = {}
+    # The model of the GPU the probe found (H100 or H200; a rehearsal takes the H100's); none for
+    # another GPU.
+    probe = text("probe")
+    gpu = "h200" if "H200" in probe else "h100" if "H100" in probe or device == "cpu" else None
+    model = {}
+    if gpu is not None:
+        try:
+            with open(os.path.join(root, "docs", "results", "data",
+                                   "gpu-model-{}.json".format(gpu))) as f:
+                model = json.load(f)
+        except (OSError, ValueError):
+            pass
     report = {
         "device": device,  # cpu: a rehearsal (--rehearse), nothing measured on a GPU
+        "model_of": gpu,  # the GPU whose model the predictions are
         "seconds": int(seconds),
         "deadline": int(deadline),
         "steps": steps,
@@ -85,20 +91,24 @@ def main():
         name: {"predicted": model.get(name, {}).get("predicted_ms"),
                "measured": bench.get("phases", {}).get(name, {}).get("ms")}
         for name in ("encode", "seal", "validate", "decode_step")}
+    # The 2 ms mark is a measurement to report, not a condition of the check: passed says the
+    # GPU computes what the CPU does.
+    report["meets_2ms"] = report["demo_step_ms"] is not None and report["demo_step_ms"] <= 2.0
     if device == "cuda":
         report["passed"] = bool(report["payload_identical_cpu_gpu"] and
                                 report["python_gpu_ops_identical"] and
-                                report["replicas_identical"] and report["nccl_smoke"] and
-                                (report["demo_step_ms"] or 1e9) <= 2.0)
+                                report["replicas_identical"] and report["nccl_smoke"])
     else:  # a rehearsal passes when every step ran and none failed
         needed = ["probe", "python_build", "python_ops", "python_bench", "unpack", "configure",
                   "build", "test_gpu", "bench", "train_gpu", "speed", "pytorch"]
         report["passed"] = all(ok(n) for n in needed) and not report["failed_steps"]
-    # Written aside, then renamed: the two builds' steps report at once.
+    # Written aside (a dot file, removed at the check's start), then renamed: the two builds'
+    # steps report at once.
     path = os.path.join(out, "gpu-check.json")
-    with open(path + ".{}".format(os.getpid()), "w") as f:
+    aside = os.path.join(out, ".gpu-check.json.{}".format(os.getpid()))
+    with open(aside, "w") as f:
         json.dump(report, f, indent=2)
-    os.replace(path + ".{}".format(os.getpid()), path)
+    os.replace(aside, path)
     print(json.dumps(report, indent=2))
 
 

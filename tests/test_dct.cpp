@@ -1,6 +1,7 @@
 // Chunk plans and the chunked DCT against the direct float64 formula.
 #include "flexdemo/compress.h"
 #include "flexdemo/dct.h"
+#include "flexdemo/optim.h"
 #include "demo/kernels.h"
 #include "isa.h"
 
@@ -375,6 +376,10 @@ TEST(Kernels, AllFiniteFindsANonFiniteValueAnywhere) {
   at::Tensor wide = at::ones({4, 6});
   wide[3][5] = std::numeric_limits<float>::quiet_NaN();
   EXPECT_TRUE(flexdemo::kernels::all_finite(wide.narrow(1, 0, 5)));  // the NaN is not in view
+  EXPECT_TRUE(flexdemo::kernels::all_finite(wide.narrow(0, 1, 2)));  // contiguous, offset: kernel
+  EXPECT_FALSE(flexdemo::kernels::all_finite(wide.narrow(0, 2, 2)));
+  EXPECT_TRUE(flexdemo::optim::all_finite(std::vector<at::Tensor>{at::Tensor(), wide[0]}));
+  EXPECT_FALSE(flexdemo::optim::all_finite(std::vector<at::Tensor>{wide[0], at::Tensor(), wide}));
   EXPECT_FALSE(flexdemo::kernels::all_finite(wide.t()));
   EXPECT_FALSE(flexdemo::kernels::all_finite(wide.to(at::kDouble)));
 }

@@ -97,6 +97,9 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", help="also write the times (ms) and ratios to this file")
     args = p.parse_args(argv)
+    if args.rounds < 1 or args.repeats < 1:
+        p.error("--rounds {} and --repeats {}: each must be at least 1".format(args.rounds,
+                                                                             args.repeats))
     steady_allocator()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -135,8 +138,10 @@ def main(argv=None):
     times = {name: [] for name, _, _ in steppers}
     for _ in range(args.rounds):
         for name, step, fewer in steppers:
-            times[name].append(timed(step, device, max(1, args.warmup // fewer),
-                                     max(3, args.repeats // fewer)))
+            warmup, repeats = args.warmup, args.repeats
+            if fewer > 1:
+                warmup, repeats = max(1, warmup // fewer), max(3, repeats // fewer)
+            times[name].append(timed(step, device, warmup, repeats))
     rows = [(name, statistics.median(times[name])) for name, _, _ in steppers]
 
     ours = rows[0][1]

@@ -7,21 +7,29 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace flexdemo::optim {
 
 bool all_finite(const std::vector<at::Tensor>& tensors) {
-  std::vector<at::Tensor> elsewhere;  // one flag each, read back together: one sync on a GPU
+  // Off the CPU: one flag a tensor, stacked per device and read back once (one sync a device).
+  std::vector<std::pair<at::Device, std::vector<at::Tensor>>> elsewhere;
   for (const at::Tensor& t : tensors) {
     if (!t.defined()) continue;
     if (t.is_cpu()) {
       if (!kernels::all_finite(t)) return false;
-    } else {
-      elsewhere.push_back(at::isfinite(t).all());
+      continue;
     }
+    auto on = std::find_if(elsewhere.begin(), elsewhere.end(),
+                           [&](const auto& d) { return d.first == t.device(); });
+    if (on == elsewhere.end()) on = elsewhere.insert(elsewhere.end(), {t.device(), {}});
+    on->second.push_back(at::isfinite(t).all());
   }
-  return elsewhere.empty() || at::stack(elsewhere).all().item<bool>();
+  for (const auto& [device, flags] : elsewhere) {
+    if (!at::stack(flags).all().item<bool>()) return false;
+  }
+  return true;
 }
 
 bool all_finite(const std::vector<OptimParam>& params) {

@@ -32,8 +32,15 @@ void launched(const char* what, cudaStream_t stream) {
   if (sync_every_launch()) check(cudaStreamSynchronize(stream), what);
 }
 
-// Hopper's (and Ampere's) most shared memory a block may opt in to, static and dynamic together.
-constexpr size_t kMaxSharedBytes = 227 * 1024;
+// The most shared memory a block of this device may opt in to, static and dynamic together
+// (227 KB on Hopper, 163 KB on an A100, 99 KB on other Ampere and Ada parts).
+size_t max_shared_bytes() {
+  int device = 0, bytes = 0;
+  check(cudaGetDevice(&device), "the current device");
+  check(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+        "the device's shared memory");
+  return size_t(bytes);
+}
 
 // Lets `kernel` launch with `dynamic` bytes of dynamic shared memory: past 48 KB of shared
 // memory in all (its static arrays count), a block must opt in. Throws, naming the chunk size,
@@ -42,11 +49,11 @@ template <typename Kernel>
 void allow_shared(Kernel kernel, size_t dynamic, const char* what) {
   cudaFuncAttributes attributes{};
   check(cudaFuncGetAttributes(&attributes, kernel), what);
-  const size_t total = attributes.sharedSizeBytes + dynamic;
-  if (total > kMaxSharedBytes) {
+  const size_t total = attributes.sharedSizeBytes + dynamic, most = max_shared_bytes();
+  if (total > most) {
     throw std::invalid_argument(std::string("GPU DeMo kernels: the ") + what + " needs " +
                                 std::to_string(total) + " bytes of shared memory for a chunk; " +
-                                "at most " + std::to_string(kMaxSharedBytes) +
+                                "this GPU gives a block at most " + std::to_string(most) +
                                 " (a smaller --chunk)");
   }
   if (total > 48 * 1024) {
@@ -61,6 +68,9 @@ void encode(const TensorTable& table, float beta, float alpha, uint8_t* payloads
             int64_t bucket_bytes, cudaStream_t stream) {
   const size_t bytes = size_t(table.encode_shared_floats) * sizeof(float);
   allow_shared(encode_kernel, bytes, "encode kernel");
+  // The decode's too, now: a chunk too large for it fails before the exchange, not after.
+  allow_shared(decode_step_kernel, size_t(table.decode_shared_floats) * sizeof(float),
+               "decode kernel");
   check(cudaMemsetAsync(payloads, 0, size_t(bucket_bytes), stream), "zeroing the payloads");
   if (table.num_chunks == 0) return;
   encode_kernel<<<unsigned(table.num_chunks), kThreads, bytes, stream>>>(table, beta, alpha,
