@@ -6,8 +6,11 @@
 #include <cuda_runtime.h>
 
 #include <cstdlib>
+#include <mutex>
+#include <set>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 
 namespace flexdemo::kernels::cuda {
 namespace {
@@ -32,11 +35,10 @@ void launched(const char* what, cudaStream_t stream) {
   if (sync_every_launch()) check(cudaStreamSynchronize(stream), what);
 }
 
-// The most shared memory a block of this device may opt in to, static and dynamic together
+// The most shared memory a block of `device` may opt in to, static and dynamic together
 // (227 KB on Hopper, 163 KB on an A100, 99 KB on other Ampere and Ada parts).
-size_t max_shared_bytes() {
-  int device = 0, bytes = 0;
-  check(cudaGetDevice(&device), "the current device");
+size_t max_shared_bytes(int device) {
+  int bytes = 0;
   check(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
         "the device's shared memory");
   return size_t(bytes);
@@ -44,12 +46,22 @@ size_t max_shared_bytes() {
 
 // Lets `kernel` launch with `dynamic` bytes of dynamic shared memory: past 48 KB of shared
 // memory in all (its static arrays count), a block must opt in. Throws, naming the chunk size,
-// where even the opt-in's most is too little.
+// where even the opt-in's most is too little. Done once per device, kernel and size (the opt-in
+// persists): every step's launches would otherwise make these host calls again.
 template <typename Kernel>
 void allow_shared(Kernel kernel, size_t dynamic, const char* what) {
+  int device = 0;
+  check(cudaGetDevice(&device), "the current device");
+  static std::mutex mutex;
+  static std::set<std::tuple<int, const void*, size_t>> allowed;
+  const auto key = std::make_tuple(device, reinterpret_cast<const void*>(kernel), dynamic);
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (allowed.count(key) > 0) return;
+  }
   cudaFuncAttributes attributes{};
   check(cudaFuncGetAttributes(&attributes, kernel), what);
-  const size_t total = attributes.sharedSizeBytes + dynamic, most = max_shared_bytes();
+  const size_t total = attributes.sharedSizeBytes + dynamic, most = max_shared_bytes(device);
   if (total > most) {
     throw std::invalid_argument(std::string("GPU DeMo kernels: the ") + what + " needs " +
                                 std::to_string(total) + " bytes of shared memory for a chunk; " +
@@ -60,6 +72,8 @@ void allow_shared(Kernel kernel, size_t dynamic, const char* what) {
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dynamic)),
           what);
   }
+  std::lock_guard<std::mutex> lock(mutex);
+  allowed.insert(key);
 }
 
 }  // namespace
