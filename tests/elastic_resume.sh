@@ -26,10 +26,9 @@
 #     first 5 steps the DeMo legs are held to what would change the training, not the rounding:
 #     the final loss within 1%.
 # The legs:
-#   1. FlexDeMo, 1 node x 2 ranks -> 1 x 4 -> 1 x 2 (one replica, the shards re-cut), its step
-#      bounded per element (--rms-cap 0 --step-bound 1: the default's RMS cap is taken per shard,
-#      so it changes with the shard size by design): DeMo's result does not depend on the shard
-#      size.
+#   1. FlexDeMo's default step, 1 node x 2 ranks -> 1 x 4 -> 1 x 2 (one replica, the shards
+#      re-cut): DeMo's result does not depend on the shard size (each tensor's RMS cap is the
+#      whole tensor's, its shards' sums of squares gathered over the shard group).
 #   2. The same with --replicate-every 2 --optimizer adamw --clip 0, stopped at odd steps 21 and 41:
 #      the gradient sums in between are re-cut too; every loss to 1e-6.
 #   3. AdamW-HSDP (--clip 0: a clipped local gradient is not the clipped global one),
@@ -123,7 +122,7 @@ final_within_1_percent() {  # NAME: the elastic run's final loss against the uni
     { echo "FAIL ($1): final loss $elastic, uninterrupted $whole: more than 1% apart"; fail=1; }
 }
 
-continued=1 compare recut "2 2" "4 4" "2 2" 20 40 --rms-cap 0 --step-bound 1
+continued=1 compare recut "2 2" "4 4" "2 2" 20 40
 within "$max1" 0 && within "$fresh" 1e-6 && within "$fresh2" 1e-6 ||
   { echo "FAIL (recut): the re-cut state does not continue the run"; fail=1; }
 final_within_1_percent recut

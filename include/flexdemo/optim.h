@@ -354,12 +354,18 @@ class Optimizer {
  public:
   // Whole parameters (chunk plans from their shapes). replica_group: the ranks holding the same
   // parameters; nullptr means one replica (nothing is sent, but DeMo's payload is still encoded
-  // and decoded, so the numbers match a multi-replica run).
+  // and decoded, so the numbers match a multi-replica run). shard_group: where the parameters
+  // are shards of larger tensors, the ranks holding the other shards (every rank of it gives the
+  // same number of tensors, an empty shard included), over which a tensor's RMS is taken for
+  // update_rms and rms_cap (one all-gather of two doubles a tensor each applied step), so the
+  // step does not depend on where the shards are cut; nullptr: each tensor is whole here.
   Optimizer(std::vector<at::Tensor> params, OptimizerOptions options,
-            std::shared_ptr<comm::Communicator> replica_group = nullptr);
+            std::shared_ptr<comm::Communicator> replica_group = nullptr,
+            std::shared_ptr<comm::Communicator> shard_group = nullptr);
   // Explicit plans, e.g. this rank's shards.
   Optimizer(std::vector<OptimParam> params, OptimizerOptions options,
-            std::shared_ptr<comm::Communicator> replica_group);
+            std::shared_ptr<comm::Communicator> replica_group,
+            std::shared_ptr<comm::Communicator> shard_group = nullptr);
   ~Optimizer();
   Optimizer(const Optimizer&) = delete;
   Optimizer& operator=(const Optimizer&) = delete;

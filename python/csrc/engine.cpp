@@ -88,9 +88,12 @@ class Engine final : public torch::CustomClassHolder {
   // params: this rank's tensors (contiguous float32, one device; a shard is its local tensor,
   // chunked by its own shape); preset ("": by the inner rule) and given options ("name=value")
   // as options_for takes them, spelled in errors as `spelling` says; group: the replica group's torch.distributed
-  // name ("" for one replica); device: where its collectives take their buffers.
+  // name ("" for one replica); device: where its collectives take their buffers; shard_group and
+  // shard_device the same for the ranks holding the other shards of these tensors ("": whole
+  // tensors), over which a tensor's RMS is taken (update_rms, rms_cap).
   Engine(std::vector<at::Tensor> params, std::string preset, std::vector<std::string> given,
-         std::vector<std::string> spelling, std::string group, std::string device) {
+         std::vector<std::string> spelling, std::string group, std::string device,
+         std::string shard_group, std::string shard_device) {
     const optim::OptimizerOptions options = resolve(preset, given, spelling);
     for (size_t i = 0; i < params.size(); ++i) {
       const at::Tensor& p = params[i];
@@ -104,7 +107,12 @@ class Engine final : public torch::CustomClassHolder {
     group_ = replicas;
     tensors_ = params.size();
     optimizer_ = options_checked([&] {
-      return std::make_unique<optim::Optimizer>(std::move(params), options, std::move(replicas));
+      std::shared_ptr<comm::Communicator> shards;
+      if (!shard_group.empty()) {
+        shards = process_group_communicator(shard_group, at::Device(shard_device));
+      }
+      return std::make_unique<optim::Optimizer>(std::move(params), options, std::move(replicas),
+                                                std::move(shards));
     });
   }
 
@@ -331,7 +339,8 @@ bool cuda_built() {
 TORCH_LIBRARY(flexdemo, m) {
   m.class_<Engine>("Engine")
       .def(torch::init<std::vector<at::Tensor>, std::string, std::vector<std::string>,
-                       std::vector<std::string>, std::string, std::string>())
+                       std::vector<std::string>, std::string, std::string, std::string,
+                       std::string>())
       .def("step", &Engine::step)
       .def("start", &Engine::start)
       .def("options", &Engine::options)

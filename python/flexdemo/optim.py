@@ -167,13 +167,15 @@ class FlexDeMo(torch.optim.Optimizer):
                      beta2=group["betas"][1], eps=group["eps"], lr=group["lr"])
         local = [_local(p).detach() for p in params]
         device = local[0].device
-        name, bucket = "", "cpu"
-        if self.replicate_group is not None and self.replicas > 1:
-            name = self.replicate_group.group_name
-            if "nccl" in str(dist.get_backend(self.replicate_group)):
-                bucket = str(device)
+        def named(group):  # the group's name and where its collectives want buffers
+            if group is None or dist.get_world_size(group) == 1:
+                return "", "cpu"
+            return group.group_name, (str(device) if "nccl" in str(dist.get_backend(group))
+                                      else "cpu")
+
         return torch.classes.flexdemo.Engine(local, self.preset, _options.words(given),
-                                             self._spelling, name, bucket)
+                                             self._spelling, *named(self.replicate_group),
+                                             *named(self.shard_group))
 
     def _link_budget(self, start_step: int):
         """link_budget auto: the engine's link budget over every engine (one schedule for all),

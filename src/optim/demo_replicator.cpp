@@ -140,6 +140,7 @@ class DemoReplicator final : public optim::Replicator {
     if (pending_.item<int64_t>() != 0) {
       if (previews()) restore_committed(inner);
       decode(all_, inner);
+      inner.settle();  // before the committed parameters are saved
       pending_.fill_(0);
     }
     use_next_layout();  // what arrived was decoded as it was sent; this step's in the new one
@@ -152,6 +153,7 @@ class DemoReplicator final : public optim::Replicator {
     // The preview decodes this replica's own payloads unscreened: a test aid's tampered ones
     // (tamper_next_exchange) only if they pass a receiver's checks of one payload.
     if (previews() && (!tampered || whole(all_.send, all_))) preview(inner.hyper().lr, inner);
+    inner.settle();  // on every shard, previewed or not
   }
 
   // The payloads' sizes for options_'s top-k and values, and the bucket of every tensor.
@@ -266,9 +268,7 @@ class DemoReplicator final : public optim::Replicator {
       }
       updates.fused.push_back(u);
     }
-    updates.apply = [&inner, lr](size_t i, const at::Tensor& d) {
-      inner.param(i).sub_(inner.shaped(i, d), lr);
-    };
+    updates.apply = [&inner, lr](size_t i, const at::Tensor& d) { inner.preview(i, d, lr); };
     backend_->decode(all_, all_.send, 1, updates);
   }
 

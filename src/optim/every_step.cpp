@@ -47,6 +47,7 @@ class ExchangeEveryStep final : public Stepping {
     ++counters_.exchanges;
     inner_.begin_step(lr);
     replicator_->exchange(grads, folded(lr), inner_);
+    inner_.settle();
   }
 
   void start(const std::vector<size_t>& tensors, const std::vector<at::Tensor>& grads,

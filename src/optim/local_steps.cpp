@@ -58,6 +58,7 @@ class LocalSteps final : public Stepping {
                           ? grads[i].view({plan.rows, plan.cols}).to(at::kFloat)
                           : at::zeros({plan.rows, plan.cols}, anchors_[i].options()));
     }
+    inner_.settle();
     if (steps % options_.inner_steps == 0) outer_step();
   }
 

@@ -156,11 +156,14 @@ std::vector<OptimParam> whole_parameters(std::vector<at::Tensor> params,
 }  // namespace
 
 Optimizer::Optimizer(std::vector<at::Tensor> params, OptimizerOptions options,
-                     std::shared_ptr<comm::Communicator> replica_group)
-    : Optimizer(whole_parameters(std::move(params), options), options, std::move(replica_group)) {}
+                     std::shared_ptr<comm::Communicator> replica_group,
+                     std::shared_ptr<comm::Communicator> shard_group)
+    : Optimizer(whole_parameters(std::move(params), options), options, std::move(replica_group),
+                std::move(shard_group)) {}
 
 Optimizer::Optimizer(std::vector<OptimParam> params, OptimizerOptions options,
-                     std::shared_ptr<comm::Communicator> replica_group)
+                     std::shared_ptr<comm::Communicator> replica_group,
+                     std::shared_ptr<comm::Communicator> shard_group)
     : impl_(std::make_unique<Impl>()) {
   options.validate();
   Impl& s = *impl_;
@@ -187,7 +190,8 @@ Optimizer::Optimizer(std::vector<OptimParam> params, OptimizerOptions options,
   }
   const at::Device device =
       s.params.empty() ? at::Device(at::kCPU) : s.params.front().leaf.device();
-  s.inner = std::make_unique<StepRule>(s.params, options);
+  s.inner = std::make_unique<StepRule>(
+      s.params, options, ShardSums{std::move(shard_group), s.given, int64_t(params.size())});
   s.stepping =
       options.inner_steps > 1
           ? make_local_steps(s.plans, options, std::move(replica_group), device, *s.inner)

@@ -3,17 +3,21 @@
 #include "step_rule.h"
 
 #include "demo/kernels.h"
+#include "flexdemo/comm.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <stdexcept>
 #include <tuple>
+#include <utility>
 
 namespace flexdemo::optim {
 
-StepRule::StepRule(const std::vector<OptimParam>& params, const OptimizerOptions& options)
-    : options_(options) {
+StepRule::StepRule(const std::vector<OptimParam>& params, const OptimizerOptions& options,
+                   ShardSums shards)
+    : options_(options), shards_(std::move(shards)) {
   for (const OptimParam& p : params) {
     params_.push_back(
         p.leaf.view(-1).narrow(0, 0, p.plan.numel()).view({p.plan.rows, p.plan.cols}));
@@ -25,6 +29,10 @@ StepRule::StepRule(const std::vector<OptimParam>& params, const OptimizerOptions
     } else if (options.inner == InnerKind::Nesterov) {
       momentum_.push_back(at::zeros({p.plan.rows, p.plan.cols}, floats));
     }
+  }
+  waits_ = measures_rms() && shards_.group && shards_.group->size() > 1;
+  if (waits_ && shards_.given.size() != params.size()) {
+    throw std::logic_error("StepRule: one given index per sharded tensor");
   }
 }
 
@@ -76,13 +84,6 @@ at::Tensor chunk_rms_normalized(const at::Tensor& d, const dct::ChunkPlan& plan)
   return scaled.narrow(0, 0, plan.rows).narrow(1, 0, plan.cols).contiguous();
 }
 
-// d scaled so that its RMS is `rms` (a tensor of zeros stays zero), or with only_down, where it
-// is above `rms` only; the sum is float64.
-at::Tensor rms_scaled(const at::Tensor& d, double rms, bool only_down = false) {
-  const double now = std::sqrt(kernels::sum_squares(d) / double(d.numel()));
-  return now > 0.0 && (!only_down || now > rms) ? d * (rms / now) : d;
-}
-
 }  // namespace
 
 std::pair<double, double> StepRule::bias_corrections() const {
@@ -90,37 +91,96 @@ std::pair<double, double> StepRule::bias_corrections() const {
           1.0 - std::pow(options_.beta2, double(step_))};
 }
 
-at::Tensor StepRule::rescaled(size_t i, const at::Tensor& direction) const {
-  const OptimizerOptions& o = options_;
-  at::Tensor d = o.normalize ? chunk_rms_normalized(direction, plans_.at(i)) : direction;
-  if (o.update_rms > 0.0) d = rms_scaled(d, o.update_rms);
-  if (o.rms_cap > 0.0) d = rms_scaled(d, o.rms_cap, /*only_down=*/true);
-  if (o.step_bound > 0.0) d = d.clamp(-o.step_bound, o.step_bound);
-  return d;
+at::Tensor StepRule::measured(size_t i, const at::Tensor& direction) const {
+  return options_.normalize ? chunk_rms_normalized(direction, plans_.at(i)) : direction;
 }
 
-at::Tensor StepRule::shaped(size_t i, const at::Tensor& direction) const {
-  return options_.sign ? direction.sign() : rescaled(i, direction);
+at::Tensor StepRule::rescaled(const at::Tensor& d, double squares, double count) const {
+  const OptimizerOptions& o = options_;
+  const double now = count > 0.0 ? std::sqrt(squares / count) : 0.0;
+  at::Tensor out = d;  // a tensor of zeros stays zero
+  if (o.update_rms > 0.0 && now > 0.0) out = d * (o.update_rms / now);
+  if (o.rms_cap > 0.0 && now > o.rms_cap) out = d * (o.rms_cap / now);
+  if (o.step_bound > 0.0) out = out.clamp(-o.step_bound, o.step_bound);
+  return out;
 }
 
-void StepRule::apply(size_t i, const at::Tensor& direction) {
-  at::Tensor& p = params_.at(i);
+void StepRule::apply(size_t i, const at::Tensor& direction) { take(i, direction, -1.0); }
+
+void StepRule::preview(size_t i, const at::Tensor& direction, double lr) {
+  take(i, direction, lr);
+}
+
+void StepRule::take(size_t i, const at::Tensor& direction, double lr) {
+  if (options_.sign) {
+    update({i, direction, 0.0, lr}, 0.0, 0.0);
+    return;
+  }
+  const at::Tensor d = measured(i, direction);
+  const double squares = measures_rms() ? kernels::sum_squares(d) : 0.0;
+  if (!waits_) {
+    update({i, d, squares, lr}, squares, double(d.numel()));
+    return;
+  }
+  // The direction is the caller's only during the call; a normalized one is already a copy.
+  pending_.push_back({i, options_.normalize ? d : direction.clone(), squares, lr});
+}
+
+void StepRule::settle() {
+  if (!waits_) return;
+  const std::vector<Pending> pending = std::exchange(pending_, {});
+  // Per given tensor this shard's (sum of squares, elements); a shard's own count whether or
+  // not it has an update waiting, so that the whole tensor's count is always its size.
+  const int64_t n = shards_.tensors;
+  const at::Tensor mine = at::zeros({n, 2}, at::kDouble);
+  double* m = mine.data_ptr<double>();
+  for (size_t i = 0; i < plans_.size(); ++i) m[2 * shards_.given[i] + 1] = double(plans_[i].numel());
+  std::vector<char> seen(plans_.size(), 0);
+  for (const Pending& u : pending) {
+    if (std::exchange(seen[u.tensor], 1)) {
+      throw std::logic_error("StepRule: two updates of one tensor to settle");
+    }
+    m[2 * shards_.given[u.tensor]] = u.squares;
+  }
+  comm::Communicator& group = *shards_.group;
+  const int shards = group.size();
+  const at::Tensor all = at::empty({shards * n * 2}, mine.options().device(group.device()));
+  group.all_gather(mine.view(-1).to(group.device()), all);
+  const at::Tensor host = all.to(at::kCPU);
+  const double* a = host.data_ptr<double>();
+  for (const Pending& u : pending) {
+    const int64_t g = shards_.given[u.tensor];
+    double squares = 0.0, count = 0.0;  // in shard order: the same bits on every shard
+    for (int r = 0; r < shards; ++r) {
+      squares += a[2 * (r * n + g)];
+      count += a[2 * (r * n + g) + 1];
+    }
+    update(u, squares, count);
+  }
+}
+
+void StepRule::update(const Pending& u, double squares, double count) {
+  at::Tensor& p = params_.at(u.tensor);
   const OptimizerOptions& o = options_;
+  const at::Tensor d = o.sign ? u.direction : rescaled(u.direction, squares, count);
+  if (u.lr >= 0.0) {  // a preview: SGD's step without weight decay
+    p.sub_(o.sign ? d.sign() : d, u.lr);
+    return;
+  }
   if (o.weight_decay != 0.0) p.mul_(1.0 - lr_ * o.weight_decay);
-  const at::Tensor d = rescaled(i, direction);
   if (o.inner == InnerKind::Sgd) {
     sgd_update(p, d, float(lr_), o.sign);
     return;
   }
   const at::Tensor grad = o.sign ? d.sign() : d;
   if (o.inner == InnerKind::Nesterov) {  // buf = mu * buf + g; p -= lr * (g + mu * buf)
-    at::Tensor& buf = momentum_[i];
+    at::Tensor& buf = momentum_[u.tensor];
     buf.mul_(o.momentum).add_(grad);
     p.sub_(grad.add(buf, o.momentum), lr_);
     return;
   }
-  at::Tensor& m = exp_avg_[i];
-  at::Tensor& v = exp_avg_sq_[i];
+  at::Tensor& m = exp_avg_[u.tensor];
+  at::Tensor& v = exp_avg_sq_[u.tensor];
   const auto [bias_correction1, bias_correction2] = bias_corrections();
   m.mul_(o.beta1).add_(grad, 1.0 - o.beta1);
   v.mul_(o.beta2).addcmul_(grad, grad, 1.0 - o.beta2);
@@ -132,9 +192,10 @@ std::optional<demo::Update> StepRule::fused_update(size_t i) const {
   const OptimizerOptions& o = options_;
   // The kernels bound the SGD rule's direction themselves, and cap its RMS over unpadded chunks;
   // AdamW's bounded or capped input and the other rescalings go through apply().
+  // A sharded tensor's RMS waits for settle(), so its update is not fused.
   const bool sgd = o.inner == InnerKind::Sgd && (o.rms_cap == 0.0 || !plans_.at(i).is_padded());
   const bool adamw = o.inner == InnerKind::AdamW && o.step_bound == 0.0 && o.rms_cap == 0.0;
-  const bool fusable = (sgd || adamw) && !o.normalize && o.update_rms == 0.0;
+  const bool fusable = (sgd || adamw) && !o.normalize && o.update_rms == 0.0 && !waits_;
   if (!fusable || params_.at(i).scalar_type() != at::kFloat) return std::nullopt;
   demo::Update u;
   u.param = params_[i];

@@ -3,7 +3,9 @@
 // Nesterov momentum (the same as torch.optim.SGD(nesterov=True)), with decoupled weight decay.
 // With sign off, the direction may first be rescaled: each chunk to unit RMS (`normalize`), the
 // whole tensor to `update_rms` (or down to `rms_cap` where above it), and each element clamped
-// to `step_bound`, in that order.
+// to `step_bound`, in that order. A tensor's RMS is the whole tensor's: where it is sharded
+// (a shard group), each shard's sum of squares is gathered over the group, so the step does not
+// depend on where the shards are cut; then the updates wait for settle() (one collective a step).
 // The Optimizer's inner step is one (--inner); with --inner-steps the outer step is another.
 #pragma once
 
@@ -13,22 +15,44 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+namespace flexdemo::comm {
+class Communicator;
+}
+
 namespace flexdemo::optim {
+
+// Where a rule's tensors are shards of larger ones: the group holding the other shards, and per
+// tensor its index among the Optimizer's given tensors (of which there are `tensors`, the same
+// on every rank of the group: a rank's empty shards take part with nothing).
+struct ShardSums {
+  std::shared_ptr<comm::Communicator> group;  // null or of size 1: the tensors are whole
+  std::vector<int64_t> given;
+  int64_t tensors = 0;
+};
 
 class StepRule {
  public:
-  StepRule(const std::vector<OptimParam>& params, const OptimizerOptions& options);
+  StepRule(const std::vector<OptimParam>& params, const OptimizerOptions& options,
+           ShardSums shards = {});
   void begin_step(double lr);  // once per applied step, before the apply() calls
-  // Tensor i: p *= 1 - lr*wd, then the update from direction ([rows, cols] float32).
+  // Tensor i: p *= 1 - lr*wd, then the update from direction ([rows, cols] float32); where the
+  // RMS is gathered over shards (waits()), at the next settle().
   void apply(size_t i, const at::Tensor& direction);
-  // SGD's step for tensor i before the rate: sign(direction), or the direction rescaled and
-  // bounded as the options say (what apply() subtracts, times the rate, with the SGD rule).
-  at::Tensor shaped(size_t i, const at::Tensor& direction) const;
+  // --overlap-step's preview, SGD's step without weight decay: p -= lr * sign(direction), or
+  // with sign off the direction rescaled and bounded as the options say; likewise at settle().
+  void preview(size_t i, const at::Tensor& direction, double lr);
+  // The updates waiting for the whole tensors' RMS, applied: one all-gather over the shard group,
+  // made by every rank of the group at the same points (after each exchange's applies and
+  // previews), whether or not it holds any; nothing where the rule does not wait.
+  void settle();
+  // Whether updates wait for settle(): an RMS rule (update_rms, rms_cap; sign off) on shards.
+  bool waits() const { return waits_; }
   // Tensor i's update as a DeMo backend applies it fused into the decode (the same update as
   // apply()): sign-SGD with sign, or AdamW, on a float32 tensor; none otherwise (then apply()).
   std::optional<demo::Update> fused_update(size_t i) const;
@@ -41,9 +65,25 @@ class StepRule {
 
  private:
   std::pair<double, double> bias_corrections() const;  // AdamW's 1 - beta1^t, 1 - beta2^t
-  // The direction rescaled and bounded as the options say (normalize, update_rms, rms_cap,
-  // step_bound).
-  at::Tensor rescaled(size_t i, const at::Tensor& direction) const;
+  // An update of tensor i by direction d, its RMS measured over `count` elements summing
+  // `squares` (this tensor's alone, or the whole tensor's): the step (lr < 0) or a preview at lr.
+  struct Pending {
+    size_t tensor;
+    at::Tensor direction;  // normalized per chunk where asked, owned
+    double squares;
+    double lr;  // < 0: the step
+  };
+  void take(size_t i, const at::Tensor& direction, double lr);  // apply's and preview's
+  void update(const Pending& u, double squares, double count);
+  // Whether the step measures a direction's RMS (update_rms or rms_cap, sign off).
+  bool measures_rms() const {
+    return !options_.sign && (options_.update_rms > 0.0 || options_.rms_cap > 0.0);
+  }
+  // Direction d as the RMS rules measure it: each chunk at unit RMS with `normalize`.
+  at::Tensor measured(size_t i, const at::Tensor& direction) const;
+  // The SGD step's input from a measured direction: scaled to update_rms (or down to rms_cap)
+  // by the RMS sqrt(squares / count), then clamped to step_bound.
+  at::Tensor rescaled(const at::Tensor& d, double squares, double count) const;
 
   std::vector<at::Tensor> params_;  // views [rows, cols] of the leaves
   std::vector<dct::ChunkPlan> plans_;
@@ -52,6 +92,9 @@ class StepRule {
   std::vector<at::Tensor> momentum_;              // Nesterov's (float32)
   int64_t step_ = 0;
   double lr_ = 0.0;  // this step's
+  ShardSums shards_;
+  bool waits_ = false;
+  std::vector<Pending> pending_;  // until settle()
 };
 
 }  // namespace flexdemo::optim

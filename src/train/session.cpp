@@ -175,7 +175,8 @@ std::unique_ptr<Session> open_session(const TrainConfig& config,
   }
   load_init_from(*s);
   s->params = shard::optim_params(s->lm->units());
-  s->optimizer = std::make_unique<optim::Optimizer>(s->params, options, s->topo.replica_group);
+  s->optimizer = std::make_unique<optim::Optimizer>(s->params, options, s->topo.replica_group,
+                                                    s->topo.shard_group);
   return s;
 }
 
