@@ -81,6 +81,7 @@ int main(int argc, char** argv) {
     const int shards = argc == 4 ? std::stoi(argv[3]) : 2, rank = world->rank();
     const int replica = rank / shards, shard = rank % shards, replica_count = world->size() / shards;
     const auto replicas = world->split(shard, replica);  // the ranks holding this shard
+    const auto shard_group = world->split(replica, shard);  // this replica's ranks
     const auto shapes = read_shapes(in + "/shapes.txt");
     const at::Tensor start = read_floats(in + "/params.f32");
     const at::Tensor grads = read_floats(in + "/grads.f32");
@@ -100,7 +101,7 @@ int main(int argc, char** argv) {
           optim::options_for(parse_name<optim::Preset>(step), given);
       std::vector<at::Tensor> params = shards_of(start, shapes, shard, shards);
       replicas->reset_stats();
-      optim::Optimizer opt(params, options, replicas);
+      optim::Optimizer opt(params, options, replicas, shard_group);
       for (int64_t s = 0; s < steps; ++s) {
         const at::Tensor mine =
             grads.narrow(0, (s * replica_count + replica) * start.numel(), start.numel());

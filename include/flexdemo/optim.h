@@ -127,13 +127,15 @@ constexpr Range open_closed(double low, double high) {  // (low, high]
     "{sign} off: each chunk of the direction scaled to unit RMS (sign's step size, the "         \
     "direction's shape within the chunk)")                                                       \
   X(update_rms, double, 0.0, optim::at_least(0, " (0: off)"),                                    \
-    "{sign} off: each tensor's update (this rank's share) scaled to this RMS before the rate")   \
+    "{sign} off: each tensor's update scaled to this RMS (the whole tensor's, over its "         \
+    "shards) before the rate")                                                                   \
   X(step_bound, double, 0.0, optim::at_least(0, " (0: off)"),                                    \
     "{sign} off: each element of the update clamped to [-B, B] before the rate")                 \
   X(rms_cap, double, 1.0, optim::at_least(0, " (0: off)"),                                       \
-    "{sign} off, the SGD rule (not AdamW's): each tensor's update (this rank's share) whose "    \
-    "RMS is above C scaled down to C before the rate, as Adafactor clips its update (the "       \
-    "flexdemo step's default: 1 without {update_rms} or {normalize}, else 0)")                   \
+    "{sign} off, the SGD rule (not AdamW's): each tensor's update whose RMS (the whole "         \
+    "tensor's, over its shards) is above C scaled down to C before the rate, as Adafactor "      \
+    "clips its update (the flexdemo step's default: 1 without {update_rms} or {normalize}, "     \
+    "else 0)")                                                                                   \
   X(beta1, double, 0.9, optim::half_open(0, 1),                                                  \
     "AdamW's first-moment decay (0 for flexdemo-adamw: DeMo's residual is its momentum)")        \
   X(beta2, double, 0.999, optim::half_open(0, 1),                                                \
