@@ -227,31 +227,37 @@ TEST(FlexDemo, ResultDoesNotDependOnShardSize) {
 
 // The adaptive step with its RMS capped (the default step, the cap low enough to act on every
 // tensor every step) on shards: each tensor's RMS is the whole tensor's, so the step is that of
-// the unsharded run. The same gradients as above; the plain backend on both sides, so that both
-// measure the decoded direction itself (the fused kernels of an unsharded tensor measure its
-// coefficients). What may differ is the order of the float64 sum of squares (one pass, or two
-// shards' sums added), about 1e-16 relative; the float32 factor the direction is scaled by
-// changes only where that moves it across a float32 rounding boundary (2^-23 apart), a chance of
-// about 2^-52 / 2^-23 = 2e-9 per tensor and step, 2e-7 over these 10 steps of 8 tensors. So the
-// runs are held equal; with each shard's own RMS (no shard group) they are not.
+// the unsharded run. The same gradients as above; both the fused kernels (which measure a
+// direction by its coefficients, and wait with them for the other shards' sums) and the plain
+// backend (the decoded direction itself). What may differ is the order of the float64 sum of
+// squares (one pass, or two shards' sums added), about 1e-16 relative; the float32 factor the
+// direction is scaled by changes only where that moves it across a float32 rounding boundary
+// (2^-23 apart), a chance of about 2^-52 / 2^-23 = 2e-9 per tensor and step, 2e-7 over these 10
+// steps of 8 tensors. So the runs are held equal; with each shard's own RMS (no shard group)
+// they are not.
 TEST(FlexDemo, RmsCappedStepDoesNotDependOnShardSize) {
-  optim::OptimizerOptions o = optim::options_for(optim::Preset::FlexDemo, {});
-  o.lr = 0.01;
-  o.topk = 4;
-  o.chunk = 8;
-  o.rms_cap = 1e-3;
-  o.fast_path = false;
-  const auto sharded = train(two_nodes_of_two(), o, 10)->full_params();
-  const auto whole = train(two_nodes_of_one(), o, 10, nullptr, /*micro_batches=*/2)->full_params();
-  const auto per_shard =
-      train(two_nodes_of_two(), o, 10, nullptr, 1, /*shard_group=*/false)->full_params();
-  const double difference = max_relative_difference(sharded, whole);
-  const double per_shard_difference = max_relative_difference(per_shard, whole);
-  report("capped step, S=2 against S=1 after 10 steps: max relative difference", difference);
-  report("... each shard's own RMS instead", per_shard_difference);
-  EXPECT_EQ(difference, 0.0);
-  EXPECT_GT(per_shard_difference, 1e-6);
-  EXPECT_GT(max_relative_difference({sharded[0]}, {initial_params()[0][0]}), 1e-4);  // it trained
+  for (const bool fast_path : {true, false}) {
+    optim::OptimizerOptions o = optim::options_for(optim::Preset::FlexDemo, {});
+    o.lr = 0.01;
+    o.topk = 4;
+    o.chunk = 8;
+    o.rms_cap = 1e-3;
+    o.fast_path = fast_path;
+    const auto sharded = train(two_nodes_of_two(), o, 10)->full_params();
+    const auto whole =
+        train(two_nodes_of_one(), o, 10, nullptr, /*micro_batches=*/2)->full_params();
+    const auto per_shard =
+        train(two_nodes_of_two(), o, 10, nullptr, 1, /*shard_group=*/false)->full_params();
+    const double difference = max_relative_difference(sharded, whole);
+    const double per_shard_difference = max_relative_difference(per_shard, whole);
+    report(fast_path ? "capped step (fused), S=2 against S=1 after 10 steps"
+                     : "capped step (plain), S=2 against S=1 after 10 steps",
+           difference);
+    report("... each shard's own RMS instead", per_shard_difference);
+    EXPECT_EQ(difference, 0.0) << "fast_path " << fast_path;
+    EXPECT_GT(per_shard_difference, 1e-6) << "fast_path " << fast_path;
+    EXPECT_GT(max_relative_difference({sharded[0]}, {initial_params()[0][0]}), 1e-4);  // trained
+  }
 }
 
 TEST(FlexDemo, FullWithAdamWEqualsSingleProcessAdamW) {

@@ -97,7 +97,8 @@ struct RunResult {
 RunResult run(const std::vector<NamedShape>& shapes, const comm::Topology& topo,
               const optim::OptimizerOptions& o, int steps, bool progress) {
   ShardedParams model(shapes, topo, o);
-  optim::Optimizer optimizer(shard::optim_params(model.units), o, topo.replica_group);
+  optim::Optimizer optimizer(shard::optim_params(model.units), o, topo.replica_group,
+                             topo.shard_group);
   comm::TrafficMeter meter(topo);
   at::Generator gen = at::detail::createCPUGenerator(1000 + topo.world->rank());  // own grads
   RunResult result;

@@ -359,8 +359,9 @@ class Optimizer {
   // and decoded, so the numbers match a multi-replica run). shard_group: where the parameters
   // are shards of larger tensors, the ranks holding the other shards (every rank of it gives the
   // same number of tensors, an empty shard included), over which a tensor's RMS is taken for
-  // update_rms and rms_cap (one all-gather of two doubles a tensor each applied step), so the
-  // step does not depend on where the shards are cut; nullptr: each tensor is whole here.
+  // update_rms and rms_cap (an all-gather of two doubles a tensor each applied step, two with
+  // overlap_step), so the step does not depend on where the shards are cut; nullptr or a group
+  // of one: each tensor is whole here.
   Optimizer(std::vector<at::Tensor> params, OptimizerOptions options,
             std::shared_ptr<comm::Communicator> replica_group = nullptr,
             std::shared_ptr<comm::Communicator> shard_group = nullptr);

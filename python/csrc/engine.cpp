@@ -86,7 +86,8 @@ optim::OptimizerOptions resolve(const std::string& preset, const std::vector<std
 class Engine final : public torch::CustomClassHolder {
  public:
   // params: this rank's tensors (contiguous float32, one device; a shard is its local tensor,
-  // chunked by its own shape); preset ("": by the inner rule) and given options ("name=value")
+  // chunked by its own shape; with a shard group an empty one too, so that every rank of the
+  // group gives the same tensors); preset ("": by the inner rule) and given options ("name=value")
   // as options_for takes them, spelled in errors as `spelling` says; group: the replica group's torch.distributed
   // name ("" for one replica); device: where its collectives take their buffers; shard_group and
   // shard_device the same for the ranks holding the other shards of these tensors ("": whole
@@ -95,12 +96,18 @@ class Engine final : public torch::CustomClassHolder {
          std::vector<std::string> spelling, std::string group, std::string device,
          std::string shard_group, std::string shard_device) {
     const optim::OptimizerOptions options = resolve(preset, given, spelling);
+    std::vector<optim::OptimParam> tensors;
     for (size_t i = 0; i < params.size(); ++i) {
       const at::Tensor& p = params[i];
-      TORCH_CHECK_VALUE(p.scalar_type() == at::kFloat && p.is_contiguous() && p.numel() > 0,
+      TORCH_CHECK_VALUE(p.scalar_type() == at::kFloat && p.is_contiguous() &&
+                            (p.numel() > 0 || !shard_group.empty()),
                         "flexdemo: tensor ", i, " is ", p.scalar_type(), " ", p.sizes(),
                         "; the step updates non-empty contiguous float32 tensors (keep the "
                         "weights float32, autocast the forward)");
+      dct::ChunkPlan plan;  // an empty shard's: no elements (the optimizer skips it)
+      plan.rows = 0;
+      if (p.numel() > 0) plan = dct::make_chunk_plan(p.sizes(), options.chunk, options.chunk_mode);
+      tensors.push_back({p, plan});
     }
     std::shared_ptr<comm::Communicator> replicas;
     if (!group.empty()) replicas = process_group_communicator(group, at::Device(device));
@@ -111,7 +118,7 @@ class Engine final : public torch::CustomClassHolder {
       if (!shard_group.empty()) {
         shards = process_group_communicator(shard_group, at::Device(shard_device));
       }
-      return std::make_unique<optim::Optimizer>(std::move(params), options, std::move(replicas),
+      return std::make_unique<optim::Optimizer>(std::move(tensors), options, std::move(replicas),
                                                 std::move(shards));
     });
   }

@@ -144,7 +144,12 @@ class FlexDeMo(torch.optim.Optimizer):
 
     # ====== Parameters, engines and state ======
     def _trained(self, group) -> List[torch.Tensor]:
-        return [p for p in group["params"] if p.requires_grad and _local(p).numel() > 0]
+        """The group's tensors a step updates. With a shard group every rank of it keeps the
+        same ones, an empty local shard too (FSDP2 leaves one where dim 0 is shorter than the
+        group): the engine gathers each tensor's sum of squares over the group by position."""
+        sharded = self.shard_group is not None and dist.get_world_size(self.shard_group) > 1
+        return [p for p in group["params"]
+                if p.requires_grad and (sharded or _local(p).numel() > 0)]
 
     def _check_params(self) -> None:
         """What the binding adds to the engine's checks: a DTensor's sharding matches the

@@ -46,10 +46,13 @@ struct Update {
   enum class Rule { Sgd, AdamW } rule = Rule::Sgd;
   at::Tensor param;  // float32 [rows, cols], rows contiguous
   kernels::AdamWHyper hyper;
-  // SGD with hyper.sign off: the direction first scaled down to RMS rms_cap where its RMS over
-  // the tensor is above it (0: not). The CPU kernels fuse it for unpadded chunks (the RMS from
-  // the coefficients: the transform is orthonormal); the GPU's leave it to `apply`.
-  double rms_cap = 0.0;
+  // SGD with hyper.sign off, the direction scaled by a factor s decided above the backend from
+  // its sum of squares over this tensor's elements (the RMS cap). Where set, the backend calls
+  // measured(squares, step) with that sum, and step(s) applies the direction times s, at once or
+  // later (the factor may wait for other shards' sums; step keeps what it needs). The CPU
+  // kernels fuse it for unpadded chunks (the sum from the coefficients: the transform is
+  // orthonormal); the GPU's leave it to `apply`.
+  std::function<void(double squares, std::function<void(double s)> step)> measured;
   at::Tensor exp_avg, exp_avg_sq;  // AdamW
 };
 // Per tensor (the replicator's index) its fused update, or none: then `apply` (the inner

@@ -82,7 +82,7 @@ class CudaBackend final : public Backend {
     if (plans_.empty()) return;
     const bool fused = std::all_of(
         updates.fused.begin(), updates.fused.end(),
-        [](const std::optional<Update>& u) { return u.has_value() && u->rms_cap == 0.0; });
+        [](const std::optional<Update>& u) { return u.has_value() && !u->measured; });
     if (!fused) {  // a rule the kernels do not fuse: each tensor's direction, then apply()
       std::vector<at::Tensor> directions;
       for (const dct::ChunkPlan& plan : plans_) {

@@ -124,11 +124,10 @@ class PlainBackend final : public HostBackend {
 };
 
 // ====== cpu: the fused kernels ======
-// The factor that scales a direction down to RMS cap where its RMS over the tensor is above it
-// (1 elsewhere), from its coefficients: the chunked DCT is orthonormal, so the sum of the
-// direction's squares is that of its coefficients (float64). Unpadded chunks only: a padded
+// A direction's sum of squares over the tensor, from its coefficients: the chunked DCT is
+// orthonormal, so it is that of its coefficients (float64). Unpadded chunks only: a padded
 // chunk's inverse has values outside the tensor.
-double cap_scale(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan, double cap) {
+double coefficient_squares(const compress::SparseChunks& coeffs, const dct::ChunkPlan& plan) {
   if (plan.is_padded()) throw std::logic_error("the RMS cap is fused for unpadded chunks only");
   const int64_t capacity = coeffs.positions.size(1);
   const float* values = coeffs.values.data_ptr<float>();
@@ -139,8 +138,7 @@ double cap_scale(const compress::SparseChunks& coeffs, const dct::ChunkPlan& pla
       sum += double(values[e]) * double(values[e]);
     }
   }
-  const double rms = std::sqrt(sum / double(plan.numel()));
-  return rms > cap ? cap / rms : 1.0;
+  return sum;
 }
 
 class CpuBackend final : public HostBackend {
@@ -173,13 +171,18 @@ class CpuBackend final : public HostBackend {
     }
     const kernels::AdamWHyper& h = update->hyper;
     if (update->rule == Update::Rule::Sgd) {
-      // The capped direction s * d steps as d does with the rate times s and the bound over s.
-      const double s =
-          update->rms_cap > 0.0 && !h.sign ? cap_scale(coeffs, plan, update->rms_cap) : 1.0;
-      kernels::idct_sparse_sgd_step(
-          coeffs, plan,
-          {update->param, float(h.lr * s), float(1.0 - h.lr * h.weight_decay), h.sign,
-           float(h.step_bound / s)});
+      // The direction times s steps as the direction does with the rate times s and the bound
+      // over s.
+      auto step = [coeffs, plan, param = update->param, h](double s) {
+        kernels::idct_sparse_sgd_step(coeffs, plan,
+                                      {param, float(h.lr * s), float(1.0 - h.lr * h.weight_decay),
+                                       h.sign, float(h.step_bound / s)});
+      };
+      if (update->measured) {
+        update->measured(coefficient_squares(coeffs, plan), step);
+      } else {
+        step(1.0);
+      }
     } else {
       kernels::AdamWStep step;
       static_cast<kernels::AdamWHyper&>(step) = h;

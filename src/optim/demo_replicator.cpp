@@ -152,8 +152,8 @@ class DemoReplicator final : public optim::Replicator {
     pending_.fill_(1);
     // The preview decodes this replica's own payloads unscreened: a test aid's tampered ones
     // (tamper_next_exchange) only if they pass a receiver's checks of one payload.
+    // (A preview waiting for its tensors' whole RMS lands at the step's settle(), next.)
     if (previews() && (!tampered || whole(all_.send, all_))) preview(inner.hyper().lr, inner);
-    inner.settle();  // on every shard, previewed or not
   }
 
   // The payloads' sizes for options_'s top-k and values, and the bucket of every tensor.

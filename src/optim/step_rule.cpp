@@ -39,6 +39,7 @@ StepRule::StepRule(const std::vector<OptimParam>& params, const OptimizerOptions
 void StepRule::begin_step(double lr) {
   ++step_;
   lr_ = lr;
+  pending_.clear();  // a step that threw before its settle() leaves nothing behind
 }
 
 namespace {
@@ -113,34 +114,50 @@ void StepRule::preview(size_t i, const at::Tensor& direction, double lr) {
 
 void StepRule::take(size_t i, const at::Tensor& direction, double lr) {
   if (options_.sign) {
-    update({i, direction, 0.0, lr}, 0.0, 0.0);
+    update(i, direction, lr, 0.0, 0.0);
     return;
   }
   const at::Tensor d = measured(i, direction);
   const double squares = measures_rms() ? kernels::sum_squares(d) : 0.0;
   if (!waits_) {
-    update({i, d, squares, lr}, squares, double(d.numel()));
+    update(i, d, lr, squares, double(d.numel()));
     return;
   }
   // The direction is the caller's only during the call; a normalized one is already a copy.
-  pending_.push_back({i, options_.normalize ? d : direction.clone(), squares, lr});
+  const at::Tensor kept = options_.normalize ? d : direction.clone();
+  pending_.push_back({i, squares, [this, i, kept, lr](double whole, double count) {
+                        update(i, kept, lr, whole, count);
+                      }});
+}
+
+void StepRule::measure(size_t i, double squares, std::function<void(double s)> step) {
+  auto run = [cap = options_.rms_cap, step = std::move(step)](double whole, double count) {
+    const double rms = std::sqrt(whole / count);
+    step(rms > cap ? cap / rms : 1.0);
+  };
+  if (!waits_) {
+    run(squares, double(plans_.at(i).numel()));
+    return;
+  }
+  pending_.push_back({i, squares, std::move(run)});
 }
 
 void StepRule::settle() {
   if (!waits_) return;
   const std::vector<Pending> pending = std::exchange(pending_, {});
-  // Per given tensor this shard's (sum of squares, elements); a shard's own count whether or
-  // not it has an update waiting, so that the whole tensor's count is always its size.
+  // Per given tensor this shard's (sum of squares, elements) where it has an update waiting
+  // (0, 0 elsewhere: a shard that skips its update, e.g. a preview of a tampered payload, does
+  // not dilute the others' RMS).
   const int64_t n = shards_.tensors;
   const at::Tensor mine = at::zeros({n, 2}, at::kDouble);
   double* m = mine.data_ptr<double>();
-  for (size_t i = 0; i < plans_.size(); ++i) m[2 * shards_.given[i] + 1] = double(plans_[i].numel());
   std::vector<char> seen(plans_.size(), 0);
   for (const Pending& u : pending) {
     if (std::exchange(seen[u.tensor], 1)) {
       throw std::logic_error("StepRule: two updates of one tensor to settle");
     }
     m[2 * shards_.given[u.tensor]] = u.squares;
+    m[2 * shards_.given[u.tensor] + 1] = double(plans_[u.tensor].numel());
   }
   comm::Communicator& group = *shards_.group;
   const int shards = group.size();
@@ -155,16 +172,17 @@ void StepRule::settle() {
       squares += a[2 * (r * n + g)];
       count += a[2 * (r * n + g) + 1];
     }
-    update(u, squares, count);
+    u.run(squares, count);
   }
 }
 
-void StepRule::update(const Pending& u, double squares, double count) {
-  at::Tensor& p = params_.at(u.tensor);
+void StepRule::update(size_t i, const at::Tensor& direction, double lr, double squares,
+                      double count) {
+  at::Tensor& p = params_.at(i);
   const OptimizerOptions& o = options_;
-  const at::Tensor d = o.sign ? u.direction : rescaled(u.direction, squares, count);
-  if (u.lr >= 0.0) {  // a preview: SGD's step without weight decay
-    p.sub_(o.sign ? d.sign() : d, u.lr);
+  const at::Tensor d = o.sign ? direction : rescaled(direction, squares, count);
+  if (lr >= 0.0) {  // a preview: SGD's step without weight decay
+    p.sub_(o.sign ? d.sign() : d, lr);
     return;
   }
   if (o.weight_decay != 0.0) p.mul_(1.0 - lr_ * o.weight_decay);
@@ -174,13 +192,13 @@ void StepRule::update(const Pending& u, double squares, double count) {
   }
   const at::Tensor grad = o.sign ? d.sign() : d;
   if (o.inner == InnerKind::Nesterov) {  // buf = mu * buf + g; p -= lr * (g + mu * buf)
-    at::Tensor& buf = momentum_[u.tensor];
+    at::Tensor& buf = momentum_[i];
     buf.mul_(o.momentum).add_(grad);
     p.sub_(grad.add(buf, o.momentum), lr_);
     return;
   }
-  at::Tensor& m = exp_avg_[u.tensor];
-  at::Tensor& v = exp_avg_sq_[u.tensor];
+  at::Tensor& m = exp_avg_[i];
+  at::Tensor& v = exp_avg_sq_[i];
   const auto [bias_correction1, bias_correction2] = bias_corrections();
   m.mul_(o.beta1).add_(grad, 1.0 - o.beta1);
   v.mul_(o.beta2).addcmul_(grad, grad, 1.0 - o.beta2);
@@ -188,19 +206,23 @@ void StepRule::update(const Pending& u, double squares, double count) {
   p.addcdiv_(m, denom, -lr_ / bias_correction1);
 }
 
-std::optional<demo::Update> StepRule::fused_update(size_t i) const {
+std::optional<demo::Update> StepRule::fused_update(size_t i) {
   const OptimizerOptions& o = options_;
   // The kernels bound the SGD rule's direction themselves, and cap its RMS over unpadded chunks;
   // AdamW's bounded or capped input and the other rescalings go through apply().
-  // A sharded tensor's RMS waits for settle(), so its update is not fused.
   const bool sgd = o.inner == InnerKind::Sgd && (o.rms_cap == 0.0 || !plans_.at(i).is_padded());
   const bool adamw = o.inner == InnerKind::AdamW && o.step_bound == 0.0 && o.rms_cap == 0.0;
-  const bool fusable = (sgd || adamw) && !o.normalize && o.update_rms == 0.0 && !waits_;
+  const bool fusable = (sgd || adamw) && !o.normalize && o.update_rms == 0.0;
   if (!fusable || params_.at(i).scalar_type() != at::kFloat) return std::nullopt;
   demo::Update u;
   u.param = params_[i];
   u.hyper = hyper();
-  u.rms_cap = sgd ? o.rms_cap : 0.0;
+  if (sgd && o.rms_cap > 0.0 && !o.sign) {
+    // The cap's factor from the decode's sum of squares, now or, for a shard, at settle().
+    u.measured = [this, i](double squares, std::function<void(double)> step) {
+      measure(i, squares, std::move(step));
+    };
+  }
   if (o.inner == InnerKind::AdamW) {
     u.rule = demo::Update::Rule::AdamW;
     u.exp_avg = exp_avg_[i];

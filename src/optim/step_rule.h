@@ -5,7 +5,8 @@
 // whole tensor to `update_rms` (or down to `rms_cap` where above it), and each element clamped
 // to `step_bound`, in that order. A tensor's RMS is the whole tensor's: where it is sharded
 // (a shard group), each shard's sum of squares is gathered over the group, so the step does not
-// depend on where the shards are cut; then the updates wait for settle() (one collective a step).
+// depend on where the shards are cut; then the updates wait for settle() (one all-gather a
+// step; two with --overlap-step, whose committed update is settled before the preview).
 // The Optimizer's inner step is one (--inner); with --inner-steps the outer step is another.
 #pragma once
 
@@ -15,6 +16,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -48,14 +50,15 @@ class StepRule {
   // with sign off the direction rescaled and bounded as the options say; likewise at settle().
   void preview(size_t i, const at::Tensor& direction, double lr);
   // The updates waiting for the whole tensors' RMS, applied: one all-gather over the shard group,
-  // made by every rank of the group at the same points (after each exchange's applies and
-  // previews), whether or not it holds any; nothing where the rule does not wait.
+  // made by every rank of the group at the same points (after each step's applies and previews;
+  // under --overlap-step also after the committed update), whether or not it holds any; nothing
+  // where the rule does not wait.
   void settle();
   // Whether updates wait for settle(): an RMS rule (update_rms, rms_cap; sign off) on shards.
   bool waits() const { return waits_; }
   // Tensor i's update as a DeMo backend applies it fused into the decode (the same update as
   // apply()): sign-SGD with sign, or AdamW, on a float32 tensor; none otherwise (then apply()).
-  std::optional<demo::Update> fused_update(size_t i) const;
+  std::optional<demo::Update> fused_update(size_t i);
   // This step's numbers (AdamW's; sign-SGD reads lr and weight_decay).
   kernels::AdamWHyper hyper() const;
   at::Tensor param(size_t i) const { return params_.at(i); }  // [rows, cols] view of tensor i
@@ -65,16 +68,20 @@ class StepRule {
 
  private:
   std::pair<double, double> bias_corrections() const;  // AdamW's 1 - beta1^t, 1 - beta2^t
-  // An update of tensor i by direction d, its RMS measured over `count` elements summing
-  // `squares` (this tensor's alone, or the whole tensor's): the step (lr < 0) or a preview at lr.
+  // An update waiting for its tensor's whole RMS: this shard's sum of squares, and the update,
+  // given the whole tensor's sum and element count.
   struct Pending {
     size_t tensor;
-    at::Tensor direction;  // normalized per chunk where asked, owned
     double squares;
-    double lr;  // < 0: the step
+    std::function<void(double squares, double count)> run;
   };
   void take(size_t i, const at::Tensor& direction, double lr);  // apply's and preview's
-  void update(const Pending& u, double squares, double count);
+  // A fused update's sum of squares (demo::Update::measured): its step at the cap's factor, now
+  // or at settle().
+  void measure(size_t i, double squares, std::function<void(double s)> step);
+  // Tensor i's update by a direction (measured(), owned or valid during the call) whose RMS is
+  // sqrt(squares / count): the step (lr < 0) or a preview at lr.
+  void update(size_t i, const at::Tensor& direction, double lr, double squares, double count);
   // Whether the step measures a direction's RMS (update_rms or rms_cap, sign off).
   bool measures_rms() const {
     return !options_.sign && (options_.update_rms > 0.0 || options_.rms_cap > 0.0);

@@ -15,3 +15,10 @@ def test_fsdp2_flexdemo_2_nodes_x_2_ranks(tmp_path):
     assert result["hsdp_replicate_collectives"]  # the counter sees HSDP's all-reduces
     assert result["worst_relative"] < 1e-5
     assert "the parameters are sharded over ranks [0, 1]" in result["swapped_groups"]
+
+
+def test_fsdp2_empty_local_shard_with_whole_tensor_rms(tmp_path):
+    """dist_empty_shard.py: a parameter FSDP2 leaves empty on one rank, the RMS cap gathered."""
+    run = torchrun(2, "dist_empty_shard.py", timeout=300)
+    print(run.stdout)
+    assert succeeded(run)
