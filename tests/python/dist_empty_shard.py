@@ -1,6 +1,7 @@
 """Run by test_distributed.py under ``torchrun --nproc-per-node 2`` (gloo, CPU): one node of two
 ranks sharding a model with FSDP2, one of whose parameters is shorter along dim 0 than the group
-(FSDP2 leaves rank 1's local shard of it empty), stepped by FlexDeMo with each tensor's RMS capped
+(FSDP2 leaves rank 1's local shard of it empty; it is a parameter group of its own, so that
+group holds nothing on rank 1), stepped by FlexDeMo with each tensor's RMS capped
 (its whole tensor's, the shards' sums of squares gathered over the shard group by position: every
 rank must give the engine the same tensors, the empty one too).
 
@@ -51,11 +52,14 @@ def main():
     alone = [dist.new_group([r]) for r in range(2)]  # every group made on every rank
     mesh = init_device_mesh("cpu", (2,))
 
+    def groups(model):  # the offset alone in a group: wholly empty on rank 1
+        return [{"params": list(model.linear.parameters())}, {"params": [model.offset]}]
+
     whole = Model()
-    whole_opt = flexdemo.FlexDeMo(whole.parameters(), replicate_group=alone[rank], **OPTIONS)
+    whole_opt = flexdemo.FlexDeMo(groups(whole), replicate_group=alone[rank], **OPTIONS)
     sharded = Model()
     fully_shard(sharded, mesh=mesh)
-    opt = flexdemo.FlexDeMo(sharded.parameters(), shard_group=mesh.get_group(), **OPTIONS)
+    opt = flexdemo.FlexDeMo(groups(sharded), shard_group=mesh.get_group(), **OPTIONS)
     shapes = [tuple(p.to_local().shape) for p in sharded.parameters()]
     assert (1, 16) in shapes if rank == 0 else (0, 16) in shapes, (rank, shapes)
 
