@@ -5,10 +5,9 @@
 // instructions, the shared-memory wavefronts (bank conflicts included), the global sectors per
 // warp request, and the DRAM bytes each kernel must move. Each becomes a time at the GPU's
 // rates; a kernel takes the longest of them (a roofline), plus its launch. The payloads' checksums
-// and validation are kernels too (seal, validate). The host's part is measured here: the CUDA
-// path copies the gathered bucket to the host and screens it there (the optimizer's
-// passing_replicas: every payload validated, its values scanned), timed on this CPU, one thread,
-// on the whole bucket; the copy is estimated at kCopy.
+// and the screening of the received payloads are kernels too (seal, validate: checksums,
+// positions, finite values and each payload's sum of squares). The host's part is measured here:
+// the screening's verdict copied back and its scale check, and the tensor table's uploads.
 //   flexdemo-gpu-model [--gpu h100|h200] [--scale 1] [--topk 32] [--chunk 64] [--values bf16]
 //                      [--replicas 1] [--json FILE]
 #include "emulated_gpu_step.h"  // first: the CUDA words the kernels use
@@ -88,12 +87,13 @@ struct Kernel {
   std::string name;
   Counts counts;
   double dram_bytes = 0;
+  int launches = 1;  // the kernels of this phase, one after another on the stream
   double t_fma() const { return counts.fma_instructions / (4 * kSms * kClock); }
   double t_lsu() const {
     return (counts.shared_wavefronts + counts.global_sectors / 4) / (kSms * kClock);
   }
   double t_dram() const { return dram_bytes / kDram; }
-  double predicted() const { return std::max({t_fma(), t_lsu(), t_dram()}) + kLaunch; }
+  double predicted() const { return std::max({t_fma(), t_lsu(), t_dram()}) + launches * kLaunch; }
   nlohmann::json json() const {
     return {{"fma_instructions", counts.fma_instructions},
             {"shared_requests", counts.shared_requests},
@@ -104,6 +104,7 @@ struct Kernel {
             {"fma_ms", t_fma() * 1e3},
             {"lsu_ms", t_lsu() * 1e3},
             {"dram_ms", t_dram() * 1e3},
+            {"launches", launches},
             {"predicted_ms", predicted() * 1e3}};
   }
 };
@@ -159,7 +160,9 @@ int main(int argc, char** argv) {
   Kernel encode, seal, validate, decode;
   encode.name = "encode";
   seal.name = "seal";
-  validate.name = "validate";
+  validate.name = "validate";  // the screening: checksums (2 kernels), chunks, sums
+  validate.launches = 4;
+  seal.launches = 2;
   decode.name = "decode_step";
   const auto start = std::chrono::steady_clock::now();
   double bucket_bytes = 0;
@@ -196,57 +199,60 @@ int main(int argc, char** argv) {
     Counts counts;
     step.seal_on_device(send, &counts);
     seal.counts.add(counts, per_shape_copies);
+    // The screening: the checksums, then a thread per (replica, chunk) and a block per
+    // (replica, tensor), over the distinct shapes' bucket, weighted as the checksums are.
     counts = Counts{};
     std::vector<uint32_t> errors = step.check_checksums(gathered, replicas, &counts);
+    const std::vector<double> chunk_squares =
+        step.screen_chunks(gathered, replicas, errors, nullptr, &counts);
+    step.screen_sums(chunk_squares, replicas, &counts);
+    // (Only the sampled chunks were encoded: the others' positions fail, which changes no
+    // traced access.)
     validate.counts.add(counts, per_shape_copies);
-    for (size_t i = 0; i < shapes.size(); ++i) {
-      const int64_t first = step.layout().tensors[i].first_chunk, chunks = plans[i].num_chunks();
-      std::vector<unsigned> blocks = {unsigned(first)};
-      if (chunks > 2) blocks.push_back(unsigned(first + chunks / 2));
-      counts = Counts{};
-      step.check_positions(gathered, replicas, errors, &blocks, &counts);
-      validate.counts.add(
-          counts, double(shapes[i].tensors) * double(chunks) * replicas / double(blocks.size()));
-    }
   }
   const double emulated_s = seconds_since(start);
-  // The host's part, measured: the whole gathered bucket (every tensor's whole payload, encoded
-  // by the CPU's kernels, `replicas` copies) screened as the CUDA path screens it after copying
-  // it to the host, the fastest of 9 on this CPU's one thread (the least disturbed: on a shared
-  // machine the median moved twofold between runs); plus the copy at kCopy and the validation's
-  // verdict waited for (about a launch).
-  double screen_s = 0, gathered_bytes = 0;
+  // The host's part, measured: what the CUDA path does on the host each step once the kernels
+  // screen the gathered bucket (GpuStep::screen_on_device, CudaBackend::screen): the verdict
+  // (12 bytes a replica and tensor) copied back at kCopy after a wait of about a launch, the
+  // scale check over it (demo::add_out_of_scale per tensor), and the tensor table with the step's
+  // pointers copied for each of the two uploads (encode, decode) at kCopy after a host memcpy.
+  // The host's times are the fastest of 9 on this CPU's one thread (the least disturbed).
+  const size_t tensor_count = [&] {
+    size_t n = 0;
+    for (const Shape& sh : shapes) n += size_t(sh.tensors);
+    return n;
+  }();
+  double check_s = 0, upload_s = 0;
   {
     at::set_num_threads(1);
-    std::vector<dct::ChunkPlan> bucket_plans;
-    std::vector<size_t> offsets;
-    std::vector<uint8_t> one;  // one replica's bucket
-    for (size_t i = 0; i < shapes.size(); ++i) {
-      std::vector<uint8_t> payload(compress::wire_payload_bytes(plans[i], topk, encoding));
-      at::Tensor residual = at::zeros({plans[i].padded_rows, plans[i].padded_cols});
-      kernels::dct_accumulate_encode(grads[i], plans[i], 0.0, 1.0, residual, topk, encoding,
-                                     payload.data());
-      for (int t = 0; t < shapes[i].tensors; ++t) {
-        bucket_plans.push_back(plans[i]);
-        offsets.push_back(one.size());
-        one.insert(one.end(), payload.begin(), payload.end());
-      }
-    }
-    std::vector<uint8_t> gathered;
-    for (int r = 0; r < replicas; ++r) gathered.insert(gathered.end(), one.begin(), one.end());
-    gathered_bytes = double(gathered.size());
-    std::vector<double> times;
+    std::vector<double> squares(size_t(replicas) * tensor_count);
+    for (size_t e = 0; e < squares.size(); ++e) squares[e] = 1.0 + double(e % 7) * 1e-3;
+    const std::vector<kernels::cuda::TensorDesc> descs(tensor_count, step.layout().tensors[0]);
+    std::vector<kernels::cuda::TensorDesc> pinned(tensor_count);
+    std::vector<double> check_times, upload_times;
     for (int rep = 0; rep < 9; ++rep) {
-      const auto t0 = std::chrono::steady_clock::now();
-      const std::vector<optim::PeerFault> faults = demo::screen_payloads(
-          gathered.data(), replicas, one.size(), bucket_plans, offsets, topk, encoding, 4.0);
-      times.push_back(seconds_since(t0));
-      if (!faults.empty()) throw std::logic_error("gpu-model: the host's screening failed a payload");
+      auto t0 = std::chrono::steady_clock::now();
+      std::vector<optim::PeerFault> found;
+      std::vector<double> norms(static_cast<size_t>(replicas));
+      const std::vector<char> judged(static_cast<size_t>(replicas), 1);
+      for (size_t i = 0; i < tensor_count; ++i) {
+        for (int r = 0; r < replicas; ++r) norms[r] = std::sqrt(squares[r * tensor_count + i]);
+        demo::add_out_of_scale(norms, judged, i, 4.0, found);
+      }
+      check_times.push_back(seconds_since(t0));
+      if (!found.empty()) throw std::logic_error("gpu-model: the scale check left a replica out");
+      t0 = std::chrono::steady_clock::now();
+      std::memcpy(pinned.data(), descs.data(), descs.size() * sizeof(descs[0]));
+      upload_times.push_back(seconds_since(t0));
     }
-    screen_s = *std::min_element(times.begin(), times.end());
+    check_s = *std::min_element(check_times.begin(), check_times.end());
+    upload_s = *std::min_element(upload_times.begin(), upload_times.end());
   }
-  const double copy_s = gathered_bytes / kCopy;
-  const double host_s = screen_s + copy_s + kLaunch;
+  const double verdict_bytes = 12.0 * double(replicas) * double(tensor_count);
+  const double table_bytes = double(tensor_count * sizeof(kernels::cuda::TensorDesc));
+  const double verdict_s = kLaunch + verdict_bytes / kCopy;
+  const double uploads_s = 2 * (upload_s + table_bytes / kCopy);
+  const double host_s = verdict_s + check_s + uploads_s;
 
   double kernels_s = 0;
   for (const Kernel* k : {&encode, &seal, &validate, &decode}) kernels_s += k->predicted();
@@ -263,11 +269,12 @@ int main(int argc, char** argv) {
                 k->counts.global_sectors / 1e6, k->dram_bytes / 1e6, k->t_fma() * 1e3,
                 k->t_lsu() * 1e3, k->t_dram() * 1e3, k->predicted() * 1e3);
   }
-  std::printf("kernels: %.3f ms predicted on an %s; host: %.3f ms (screening the gathered bucket "
-              "%.3f ms, the fastest of 9 here on one thread; its copy %.3f ms at %.0f GB/s, assumed; the "
-              "verdict %.3f ms)\n",
-              kernels_s * 1e3, gpu == "h200" ? "H200" : "H100", host_s * 1e3, screen_s * 1e3,
-              copy_s * 1e3, kCopy / 1e9, kLaunch * 1e3);
+  std::printf("kernels: %.3f ms predicted on an %s; host: %.3f ms (the screening's verdict, %.0f "
+              "bytes, waited for and copied back %.3f ms; its scale check %.4f ms, the fastest of "
+              "9 here on one thread; the tensor table's two uploads %.3f ms, copies at %.0f GB/s "
+              "assumed)\n",
+              kernels_s * 1e3, gpu == "h200" ? "H200" : "H100", host_s * 1e3, verdict_bytes,
+              verdict_s * 1e3, check_s * 1e3, uploads_s * 1e3, kCopy / 1e9);
   std::printf("demo step: %.3f ms predicted (kernels + host), emulated in %.0f s\n",
               (kernels_s + host_s) * 1e3, emulated_s);
   if (!json_path.empty()) {
@@ -286,8 +293,10 @@ int main(int argc, char** argv) {
                              {"gpu", gpu},
                              {"dram_tb_s", kDram / 1e12},
                              {"host_ms", host_s * 1e3},
-                             {"host_screen_ms", screen_s * 1e3},
-                             {"host_copy_ms", copy_s * 1e3},
+                             {"host_verdict_ms", verdict_s * 1e3},
+                             {"host_scale_check_ms", check_s * 1e3},
+                             {"host_uploads_ms", uploads_s * 1e3},
+                             {"host_share", host_s / (kernels_s + host_s)},
                              {"demo_step_ms", (kernels_s + host_s) * 1e3}};
     std::ofstream(json_path) << report.dump(2) << "\n";
   }

@@ -77,13 +77,16 @@ class EmulatedGpuStep {
                   static_cast<const uint32_t*>(crcs.data()), static_cast<uint32_t*>(nullptr));
   }
 
-  // The kernels' check (GpuStep::validate_on_device): per replica and tensor its error bits.
-  // The checksums' part, then the positions' (only `blocks`, replica * chunks + chunk, if given).
-  std::vector<uint32_t> check_on_device(const at::Tensor& gathered, int replicas,
-                                        Counts* counts = nullptr) const {
-    std::vector<uint32_t> errors = check_checksums(gathered, replicas, counts);
-    check_positions(gathered, replicas, errors, nullptr, counts);
-    return errors;
+  // The kernels' screening (GpuStep::screen_on_device): per replica and tensor its error bits
+  // and its values' sum of squares. The checksums' part, then the chunks' (only `blocks` of
+  // screen_chunks_kernel's, if given), then the sums.
+  kernels::GpuStep::Screened screen_on_device(const at::Tensor& gathered, int replicas,
+                                              Counts* counts = nullptr) const {
+    kernels::GpuStep::Screened out;
+    out.errors = check_checksums(gathered, replicas, counts);
+    std::vector<double> chunk_squares = screen_chunks(gathered, replicas, out.errors, nullptr, counts);
+    out.squares = screen_sums(chunk_squares, replicas, counts);
+    return out;
   }
   std::vector<uint32_t> check_checksums(const at::Tensor& gathered, int replicas,
                                         Counts* counts = nullptr) const {
@@ -100,18 +103,31 @@ class EmulatedGpuStep {
                   static_cast<const uint32_t*>(crcs.data()), errors.data());
     return errors;
   }
-  void check_positions(const at::Tensor& gathered, int replicas, std::vector<uint32_t>& errors,
-                       const std::vector<unsigned>* blocks, Counts* counts = nullptr) const {
+  // Per (replica, chunk) its sum of squares (a thread each); errors as the kernel ORs them.
+  std::vector<double> screen_chunks(const at::Tensor& gathered, int replicas,
+                                    std::vector<uint32_t>& errors,
+                                    const std::vector<unsigned>* blocks,
+                                    Counts* counts = nullptr) const {
     const std::vector<kernels::cuda::TensorDesc> descs = layout_.tensors;
-    launch_blocks(
-        kernels::cuda::validate_positions_kernel,
-        blocks != nullptr ? *blocks : first(size_t(replicas) * layout_.chunk_tensor.size()),
-        threads_, sizeof(int64_t) * size_t(layout_.max_k), counts, table(descs),
-        static_cast<const uint8_t*>(gathered.data_ptr<uint8_t>()), int64_t(bytes()), errors.data());
+    const size_t chunks = size_t(replicas) * layout_.chunk_tensor.size();
+    std::vector<double> chunk_squares(std::max<size_t>(1, chunks), 0.0);
+    launch_blocks(kernels::cuda::screen_chunks_kernel,
+                  blocks != nullptr ? *blocks : blocks_for(chunks), threads_, 0, counts,
+                  table(descs), static_cast<const uint8_t*>(gathered.data_ptr<uint8_t>()),
+                  int64_t(bytes()), replicas, chunk_squares.data(), errors.data());
+    return chunk_squares;
+  }
+  std::vector<double> screen_sums(const std::vector<double>& chunk_squares, int replicas,
+                                  Counts* counts = nullptr) const {
+    const std::vector<kernels::cuda::TensorDesc> descs = layout_.tensors;
+    std::vector<double> squares(size_t(replicas) * descs.size(), 0.0);
+    launch_blocks(kernels::cuda::screen_sums_kernel, first(squares.size()), threads_, 0, counts,
+                  table(descs), static_cast<const double*>(chunk_squares.data()), squares.data());
+    return squares;
   }
   void validate_on_device(const at::Tensor& gathered, int replicas) const {
-    for (uint32_t e : check_on_device(gathered, replicas)) {
-      if (e != 0) {
+    for (uint32_t e : screen_on_device(gathered, replicas).errors) {
+      if ((e & 7u) != 0) {
         validate(gathered.data_ptr<uint8_t>(), replicas);
         throw compress::WireFormatError("the kernels' check found a payload wrong");
       }
@@ -180,6 +196,7 @@ class EmulatedGpuStep {
     b.segment_tensor = layout_.segment_tensor.data();
     b.num_segments = int64_t(layout_.segment_tensor.size());
     b.max_k = layout_.max_k;
+    demo::codec::crc_x2n_table(b.crc_x2n);
     return b;
   }
 

@@ -6,12 +6,14 @@
 #include "demo/codec.h"
 #include "flexdemo/compress.h"
 #include "demo/kernels.h"
+#include "demo/screen.h"
 #include "isa.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -161,6 +163,38 @@ void expect_gpu_step_equals_cpu(const Step& subject, const std::vector<dct::Chun
   }
   subject.validate(gathered_cpu.data_ptr<uint8_t>(), replicas);
   subject.validate_on_device(gathered_cpu.to(gpu), replicas);
+  // The screening's verdict against the host's screening of the same bytes: no error bit, and
+  // each payload's sum of squares the host's (compress::scan_payload_values) bit for bit; with
+  // the last replica's first payload scaled (re-sealed: only its values differ) its sum is the
+  // host's of the scaled bytes, and with its values made NaN bit 8 is set there alone.
+  const size_t tensors = plans.size();
+  for (const double factor : {1.0, 1000.0, std::nan("")}) {
+    at::Tensor screened = gathered_cpu.clone();
+    uint8_t* bytes = screened.data_ptr<uint8_t>();
+    const size_t tampered = size_t(replicas - 1) * subject.bytes() + subject.offset(0);
+    if (factor != 1.0) {
+      compress::tamper_payload(bytes + tampered, plans[0], k, encoding, compress::Tamper::Scale,
+                               factor);
+    }
+    const kernels::GpuStep::Screened verdict = subject.screen_on_device(screened.to(gpu), replicas);
+    ASSERT_EQ(verdict.errors.size(), size_t(replicas) * tensors);
+    ASSERT_EQ(verdict.squares.size(), size_t(replicas) * tensors);
+    for (int r = 0; r < replicas; ++r) {
+      for (size_t i = 0; i < tensors; ++i) {
+        const size_t e = size_t(r) * tensors + i;
+        const compress::PayloadValues host = compress::scan_payload_values(
+            bytes + size_t(r) * subject.bytes() + subject.offset(i), plans[i], k, encoding);
+        const bool nan_here = std::isnan(factor) && e == size_t(replicas - 1) * tensors;
+        EXPECT_EQ(verdict.errors[e], nan_here ? 8u : 0u) << "replica " << r << " tensor " << i;
+        EXPECT_EQ(host.finite, !nan_here);
+        if (!nan_here) {
+          EXPECT_EQ(std::memcmp(&verdict.squares[e], &host.sum_squares, sizeof(double)), 0)
+              << "replica " << r << " tensor " << i << ": " << verdict.squares[e] << " against "
+              << host.sum_squares << " (factor " << factor << ")";
+        }
+      }
+    }
+  }
   // A flipped bit in the last replica's last body, or in a header: the kernels' check refuses both.
   for (const size_t at : {subject.bytes() * replicas - 3, subject.offset(1) + 9}) {
     at::Tensor bad = gathered_cpu.clone();

@@ -402,8 +402,11 @@ TEST(WireFormat, RejectsMalformedPackedIndices) {
     bytes[codec::kHeaderBytes + bit / 8] ^= uint8_t(1u << (bit % 8));
     refresh_checksum(bytes);
     ++changes;
+    // The GPU's one-pass check (codec::positions_valid) agrees with the host's validation.
+    const bool valid = codec::positions_valid(bytes.data() + codec::kHeaderBytes, l, 0);
     try {
       compress::validate_payload(bytes.data(), bytes.size(), plan, 5, ValueEncoding::TwoBit);
+      EXPECT_TRUE(valid) << "positions_valid refused what validate_payload took, bit " << bit;
       // A changed low bit can still spell 5 ascending positions: then they must differ.
       const compress::SparseChunks back = compress::decode_mean_sparse(
           {bytes.data()}, bytes.size(), plan, 5, ValueEncoding::TwoBit);
@@ -411,6 +414,7 @@ TEST(WireFormat, RejectsMalformedPackedIndices) {
       EXPECT_FALSE(at::equal(back.positions.to(at::kLong), t.indices)) << bit;
     } catch (const compress::WireFormatError& err) {
       ++refused;
+      EXPECT_FALSE(valid) << "positions_valid took what validate_payload refused, bit " << bit;
       const std::string what = err.what();
       EXPECT_TRUE(what.find("positions, expected 5") != std::string::npos ||
                   what.find("padding bits") != std::string::npos ||
@@ -420,6 +424,38 @@ TEST(WireFormat, RejectsMalformedPackedIndices) {
     }
   }
   EXPECT_GE(refused, 12 + 5) << "of " << changes;  // every bitmap and padding bit at least
+}
+
+// Positions a whole byte each (bf16's): every single-bit change of a chunk's positions (the
+// checksum refreshed) is judged by codec::positions_valid, the GPU's one-pass check, as
+// validate_payload judges it.
+TEST(WireFormat, PositionsCheckOfOnePassAgreesWithValidation) {
+  at::manual_seed(16);
+  const dct::ChunkPlan plan = dct::make_chunk_plan({32, 32}, 16, dct::ChunkMode::Divisor);
+  compress::TopK t = kernels::select_topk(at::randn({32, 32}), plan, 6);
+  const std::vector<uint8_t> good = encode(plan, t, ValueEncoding::Bf16);
+  const codec::Layout l =
+      codec::layout(plan.num_chunks(), plan.chunk_numel(), 6, ValueEncoding::Bf16);
+  ASSERT_EQ(l.index_bytes, 1);
+  for (int64_t c = 0; c < l.chunks; ++c) {
+    EXPECT_TRUE(codec::positions_valid(good.data() + codec::kHeaderBytes, l, c)) << c;
+  }
+  int refused = 0;
+  for (size_t bit = 0; bit < 8 * size_t(l.k); ++bit) {  // chunk 1's positions
+    std::vector<uint8_t> bytes = good;
+    bytes[codec::kHeaderBytes + size_t(l.k) + bit / 8] ^= uint8_t(1u << (bit % 8));
+    refresh_checksum(bytes);
+    bool accepted = true;
+    try {
+      compress::validate_payload(bytes.data(), bytes.size(), plan, 6, ValueEncoding::Bf16);
+    } catch (const compress::WireFormatError&) {
+      accepted = false;
+      ++refused;
+    }
+    EXPECT_EQ(codec::positions_valid(bytes.data() + codec::kHeaderBytes, l, 1), accepted) << bit;
+    EXPECT_TRUE(codec::positions_valid(bytes.data() + codec::kHeaderBytes, l, 0)) << bit;
+  }
+  EXPECT_GT(refused, 0);  // some change leaves the chunk or breaks the order
 }
 
 TEST(DecodeMean, AveragesOverReplicasThatSelectedEachCoefficient) {

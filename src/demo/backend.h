@@ -19,6 +19,10 @@
 #include <optional>
 #include <vector>
 
+namespace flexdemo::optim {
+struct PeerFault;  // flexdemo/optim.h
+}
+
 namespace flexdemo::comm {
 class Work;
 }
@@ -87,6 +91,11 @@ class Backend {
   // its payload (header and checksum included) into b.send, and what a receiver decodes from it
   // taken out of the residual (error feedback).
   virtual void encode(Bucket& b, const std::vector<at::Tensor>& grads, double lr) = 0;
+  // screen.h's checks of `replicas` buckets of payloads in `gathered` (rank order; b's layout):
+  // every failure, by tensor and then replica (PeerFault::tensor: the tensor's place in b). The
+  // CPU's backends screen on the host; the GPU's by kernels, waiting only for their verdict.
+  virtual std::vector<optim::PeerFault> screen(const Bucket& b, const at::Tensor& gathered,
+                                               int replicas, double scale_bound) const = 0;
   // From `replicas` buckets of payloads in `gathered` (rank order; b's layout), each screened
   // already (screen.h: screen_payloads; or this replica's own, whole): per coefficient the mean
   // of the replicas that sent it (summed in rank order, so bit-identical on every replica), the
@@ -94,6 +103,12 @@ class Backend {
   virtual void decode(const Bucket& b, const at::Tensor& gathered, int replicas,
                       const Updates& updates) = 0;
 };
+
+// screen_payloads of a bucket on the host (gathered copied there if it lies elsewhere); plans:
+// the backend's, which b.tensors index.
+std::vector<optim::PeerFault> screen_on_host(const std::vector<dct::ChunkPlan>& plans,
+                                             const Bucket& b, const at::Tensor& gathered,
+                                             int replicas, double scale_bound);
 
 // The backend for these options and the state's device: cuda for a GPU, cpu for the fast path,
 // plain otherwise (and for transform none). residuals: the replicator's, float32 block layout.

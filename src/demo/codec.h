@@ -515,4 +515,79 @@ FLEXDEMO_HD void get_values(const uint8_t* body, const Layout& l, ValueEncoding 
   }
 }
 
+
+// ====== CRC-32 arithmetic (the GPU's checksums in segments) ======
+constexpr uint32_t kCrcPoly = 0xedb88320u;  // zlib's polynomial, reflected
+// a * b modulo the polynomial (zlib's multmodp).
+FLEXDEMO_HD uint32_t multmodp(uint32_t a, uint32_t b) {
+  uint32_t m = 1u << 31, p = 0;
+  while (a != 0) {
+    if (a & m) {
+      p ^= b;
+      if ((a & (m - 1)) == 0) break;
+    }
+    m >>= 1;
+    b = b & 1u ? (b >> 1) ^ kCrcPoly : b >> 1;
+  }
+  return p;
+}
+// x2n[k] = x^(2^k) modulo the polynomial, k < 32 (zlib's x2n_table): computed once on the host.
+FLEXDEMO_HD void crc_x2n_table(uint32_t* x2n) {
+  x2n[0] = 1u << 30;  // x
+  for (int k = 1; k < 32; ++k) x2n[k] = multmodp(x2n[k - 1], x2n[k - 1]);
+}
+
+// ====== Screening a received payload (the CPU's and the GPU's, one order) ======
+// Whether chunk c holds k strictly ascending positions inside the chunk (a packed record: k set
+// bits and no padding bit): what a decode needs of it. One pass and no storage, so that a GPU
+// thread checks a chunk on its own; validate_payload makes the same checks with messages.
+FLEXDEMO_HD bool positions_valid(const uint8_t* body, const Layout& l, int64_t c) {
+  int64_t previous = -1;
+  if (l.index_bytes > 0) {
+    for (int64_t j = 0; j < l.k; ++j) {
+      const int64_t pos = get_position(body, l, c, j);
+      if (pos <= previous || pos >= l.chunk_numel) return false;
+      previous = pos;
+    }
+    return true;
+  }
+  const uint8_t* record = body + c * l.record_bytes;
+  const int low = packed_low_bits(l.chunk_numel, l.k);
+  const int64_t high_at = l.k * low, high_bits = packed_high_bits(l.chunk_numel, l.k);
+  int64_t found = 0;
+  for (int64_t b = 0; b < high_bits; b += 56) {
+    const int width = high_bits - b < 56 ? int(high_bits - b) : 56;
+    for (uint64_t w = record_bits(record, l.record_bytes, high_at + b, width); w != 0; w &= w - 1) {
+      if (found == l.k) return false;
+      const int64_t pos = (b + lowest_set_bit(w) - found) << low |
+                          int64_t(record_bits(record, l.record_bytes, found * low, low));
+      if (pos <= previous || pos >= l.chunk_numel) return false;
+      previous = pos;
+      ++found;
+    }
+  }
+  const int64_t used = high_at + high_bits;  // the padding: the last byte's bits above these
+  return found == l.k && (used % 8 == 0 || (record[l.record_bytes - 1] >> (used % 8)) == 0);
+}
+// A payload's values are judged by their sum of squares in float64 (the scale check), summed in
+// one order wherever it is computed, so that a CPU and a GPU judge the same bytes alike: each
+// chunk's over its entries in order (chunk_squares), then runs of kScreenRun chunks in order,
+// then the runs in order. A float's square is exact in float64, so a fused multiply-add or a
+// multiply then an add give the same sums.
+constexpr int64_t kScreenRun = 64;
+FLEXDEMO_HD bool finite_value(float v) {
+  return (cm::float_bits(v) & 0x7f800000u) != 0x7f800000u;
+}
+// Chunk c's values: their sum of squares; *finite cleared if one is not finite.
+FLEXDEMO_HD double chunk_squares(const uint8_t* body, const Layout& l, ValueEncoding e, int64_t c,
+                                 bool* finite) {
+  double sum = 0.0;
+  for (int64_t j = 0; j < l.k; ++j) {
+    const float v = get_value(body, l, e, c * l.k + j);
+    if (!finite_value(v)) *finite = false;
+    sum += double(v) * double(v);
+  }
+  return sum;
+}
+
 }  // namespace flexdemo::demo::codec

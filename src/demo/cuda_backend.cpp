@@ -1,6 +1,6 @@
 // The DeMo step on a GPU behind backend.h: kernels::GpuStep encodes a bucket of every tensor in
 // one launch and decodes and updates it in another. The headers and checksums are written, and
-// the received payloads validated, by kernels too (the host waits only for the verdict); the
+// the received payloads screened, by kernels too (the host waits only for the verdict); the
 // bucket's buffers lie in pinned host memory (an MPI replica group) or on the device (NCCL). Built
 // in every build: without CUDA, GpuStep's constructor says why it cannot run.
 #include "backend.h"
@@ -9,10 +9,12 @@
 #include "flexdemo/compress.h"
 #include "flexdemo/dct.h"
 #include "demo/kernels.h"
+#include "demo/screen.h"
 
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -52,6 +54,30 @@ class CudaBackend final : public Backend {
 
   bool partial_buckets() const override { return false; }  // one launch for every tensor
 
+  // The kernels' verdict; where it finds a fault, the host's screening of a copy, for its precise
+  // findings (as every replica's, whatever its device, would say). Without one, only the scale
+  // check is left, from the kernels' sums (the host's sums' bits).
+  std::vector<optim::PeerFault> screen(const Bucket& b, const at::Tensor& gathered, int replicas,
+                                       double scale_bound) const override {
+    if (b.tensors.size() != plans_.size()) {  // the kernels' layout is every tensor's
+      return screen_on_host(plans_, b, gathered, replicas, scale_bound);
+    }
+    const kernels::GpuStep& gpu = kernels_for(b.topk, b.values);
+    const kernels::GpuStep::Screened verdict = gpu.screen_on_device(on_device(gathered), replicas);
+    if (std::any_of(verdict.errors.begin(), verdict.errors.end(), [](uint32_t e) { return e != 0; })) {
+      return screen_on_host(plans_, b, gathered, replicas, scale_bound);
+    }
+    std::vector<optim::PeerFault> found;
+    const size_t tensors = plans_.size();
+    std::vector<double> norms(static_cast<size_t>(replicas));
+    const std::vector<char> judged(size_t(replicas), 1);
+    for (size_t i = 0; i < tensors; ++i) {
+      for (int r = 0; r < replicas; ++r) norms[r] = std::sqrt(verdict.squares[r * tensors + i]);
+      add_out_of_scale(norms, judged, i, scale_bound, found);
+    }
+    return found;
+  }
+
   void accumulate(size_t i, const at::Tensor& grad, double lr) override {
     if (grad.defined()) {
       dct::chunked_dct_accumulate(grad, plans_[i], options_.decay, lr, residuals_[i], &scratch_);
@@ -76,9 +102,7 @@ class CudaBackend final : public Backend {
   void decode(const Bucket& b, const at::Tensor& gathered, int replicas,
               const Updates& updates) override {
     const kernels::GpuStep& gpu = kernels_for(b.topk, b.values);
-    const at::Tensor on_device =
-        gathered.device() == device_ ? gathered : gathered.to(device_, /*non_blocking=*/true);
-    gpu.validate_on_device(on_device, replicas);
+    const at::Tensor on_device = this->on_device(gathered);
     if (plans_.empty()) return;
     const bool fused = std::all_of(
         updates.fused.begin(), updates.fused.end(),
@@ -106,10 +130,13 @@ class CudaBackend final : public Backend {
 
  private:
   // The kernels' tables for a layout, built once per layout used.
-  const kernels::GpuStep& kernels_for(int64_t topk, compress::ValueEncoding values) {
+  const kernels::GpuStep& kernels_for(int64_t topk, compress::ValueEncoding values) const {
     auto& slot = kernels_[{topk, values}];
     if (!slot) slot = std::make_unique<kernels::GpuStep>(plans_, topk, values, device_);
     return *slot;
+  }
+  at::Tensor on_device(const at::Tensor& gathered) const {
+    return gathered.device() == device_ ? gathered : gathered.to(device_, /*non_blocking=*/true);
   }
 
   std::vector<dct::ChunkPlan> plans_;
@@ -117,7 +144,8 @@ class CudaBackend final : public Backend {
   std::vector<at::Tensor> residuals_;  // handles: the replicator's tensors
   at::Device device_, replica_device_;
   at::Tensor scratch_;  // float32 on the device, for accumulate's DCT
-  std::map<std::pair<int64_t, compress::ValueEncoding>, std::unique_ptr<kernels::GpuStep>> kernels_;
+  mutable std::map<std::pair<int64_t, compress::ValueEncoding>, std::unique_ptr<kernels::GpuStep>>
+      kernels_;
 };
 
 // The CUDA kernels against the CPU's portable ones on a small bucket (two tensors: whole 64 x 64
@@ -200,6 +228,11 @@ class HostStagedBackend final : public Backend {
     return at::empty({bytes}, at::kByte);
   }
   bool partial_buckets() const override { return false; }
+
+  std::vector<optim::PeerFault> screen(const Bucket& b, const at::Tensor& gathered, int replicas,
+                                       double scale_bound) const override {
+    return inner_->screen(on_host(b), gathered.to(at::kCPU), replicas, scale_bound);
+  }
 
   void accumulate(size_t i, const at::Tensor& grad, double lr) override {
     inner_->accumulate(i, grad.defined() ? grad.to(at::kCPU) : grad, lr);

@@ -32,6 +32,11 @@ class HostBackend : public Backend {
 
   at::Tensor buffer(int64_t bytes) const override { return at::empty({bytes}, at::kByte); }
 
+  std::vector<optim::PeerFault> screen(const Bucket& b, const at::Tensor& gathered, int replicas,
+                                       double scale_bound) const override {
+    return screen_on_host(plans_, b, gathered, replicas, scale_bound);
+  }
+
   void encode(Bucket& b, const std::vector<at::Tensor>& grads, double lr) override {
     for (size_t k = 0; k < b.tensors.size(); ++k) {
       encode_one(b.tensors[k], grads[k], lr, b.topk, b.values,
@@ -196,6 +201,16 @@ class CpuBackend final : public HostBackend {
 };
 
 }  // namespace
+
+std::vector<optim::PeerFault> screen_on_host(const std::vector<dct::ChunkPlan>& plans,
+                                             const Bucket& b, const at::Tensor& gathered,
+                                             int replicas, double scale_bound) {
+  const at::Tensor host = gathered.is_cpu() ? gathered : gathered.to(at::kCPU);
+  std::vector<dct::ChunkPlan> bucket_plans;
+  for (size_t i : b.tensors) bucket_plans.push_back(plans[i]);
+  return screen_payloads(host.data_ptr<uint8_t>(), replicas, b.bytes, bucket_plans, b.offsets,
+                         b.topk, b.values, scale_bound);
+}
 
 std::unique_ptr<Backend> make_plain_backend(const std::vector<dct::ChunkPlan>& plans,
                                             const BackendOptions& options,

@@ -147,11 +147,21 @@ class GpuStep {
   void validate(const uint8_t* gathered, int replicas) const;
   // The same two on the device, by kernels on the current stream: seal_on_device writes the
   // headers and checksums into send (uint8 [bytes()] on the device); validate_on_device checks
-  // `replicas` buckets (uint8 on the device) and waits only for the kernels' verdict, a few bytes
-  // (on a failure a host copy is checked again, for the precise message), and throws
-  // compress::WireFormatError as validate does.
+  // `replicas` buckets (uint8 on the device) by screen_on_device (on a failure a host copy is
+  // checked again, for the precise message) and throws compress::WireFormatError as validate
+  // does.
   void seal_on_device(const at::Tensor& send) const;
   void validate_on_device(const at::Tensor& gathered, int replicas) const;
+  // What the screening (demo/screen.h) needs of `replicas` buckets (uint8 on the device), by
+  // kernels, the host waiting only for this verdict (12 bytes a replica and tensor): per replica
+  // r and tensor i, at r * tensors + i, the error bits (1 the header, 2 the checksum, 4 a chunk's
+  // positions, 8 a value that is not finite) and the values' sum of squares, summed in
+  // codec.h's order as compress::scan_payload_values sums them (the same bits).
+  struct Screened {
+    std::vector<uint32_t> errors;
+    std::vector<double> squares;
+  };
+  Screened screen_on_device(const at::Tensor& gathered, int replicas) const;
   // From `replicas` validated buckets (uint8 on the device, rank order): per coefficient the mean
   // of the replicas that sent it, the inverse DCT, and the sign-SGD step (lr, weight decay from
   // hyper; exp_avg empty) or AdamW's on each params[i] (float32 [rows, cols], contiguous).

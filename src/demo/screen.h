@@ -24,6 +24,13 @@ std::vector<optim::PeerFault> screen_payloads(const uint8_t* gathered, int repli
                                               const std::vector<size_t>& offsets, int64_t k,
                                               compress::ValueEncoding encoding, double scale_bound);
 
+// The scale check of tensor `tensor` alone: of the replicas judged (passed every other check),
+// each whose norm exceeds scale_bound times the lower median of the judged ones' norms, appended
+// to `found` (with fewer than two judged, or scale_bound 0, none). screen_payloads' last step, and
+// the GPU's screening's after its kernels.
+void add_out_of_scale(const std::vector<double>& norms, const std::vector<char>& judged,
+                      size_t tensor, double scale_bound, std::vector<optim::PeerFault>& found);
+
 // compress::decode_mean_sparse of payloads that passed screen_payloads (or this replica's own,
 // as it encoded them): the same means, without validating them again.
 compress::SparseChunks mean_of_screened(const std::vector<const uint8_t*>& payloads,

@@ -154,13 +154,20 @@ PayloadValues scan_payload_values(const uint8_t* data, const dct::ChunkPlan& pla
   const uint8_t* body = data + kHeaderBytes;
   PayloadValues scan;
   std::vector<float> values(size_t(l.k));
-  for (int64_t c = 0; c < l.chunks; ++c) {
-    codec::get_values(body, l, encoding, c, values.data());
-    for (const float value : values) {
-      const double v = value;
-      scan.finite = scan.finite && std::isfinite(v);
-      scan.sum_squares += v * v;
+  // codec::chunk_squares' sums in codec.h's order (the GPU's screening sums the same way), the
+  // chunk's values unpacked at once.
+  for (int64_t run = 0; run < l.chunks; run += codec::kScreenRun) {
+    double run_sum = 0.0;
+    for (int64_t c = run; c < std::min(l.chunks, run + codec::kScreenRun); ++c) {
+      codec::get_values(body, l, encoding, c, values.data());
+      double chunk_sum = 0.0;
+      for (const float v : values) {
+        scan.finite = scan.finite && codec::finite_value(v);
+        chunk_sum += double(v) * double(v);
+      }
+      run_sum += chunk_sum;
     }
+    scan.sum_squares += run_sum;
   }
   return scan;
 }
@@ -314,25 +321,30 @@ std::vector<optim::PeerFault> screen_payloads(const uint8_t* gathered, int repli
       norms[r] = std::sqrt(scan.sum_squares);
       judged[r] = 1;
     }
-    if (!(scale_bound > 0)) continue;
-    std::vector<double> sorted;
-    for (int r = 0; r < replicas; ++r) {
-      if (judged[r]) sorted.push_back(norms[r]);
-    }
-    if (sorted.size() < 2) continue;
-    std::sort(sorted.begin(), sorted.end());
-    const double median = sorted[(sorted.size() - 1) / 2];  // the lower one
-    for (int r = 0; r < replicas; ++r) {
-      if (!judged[r] || !(median > 0.0) || norms[r] <= scale_bound * median) continue;
-      optim::PeerFault fault;
-      fault.kind = optim::PeerFault::Kind::OutOfScale;
-      fault.replica = r;
-      fault.tensor = t;
-      fault.ratio = norms[r] / median;
-      found.push_back(fault);
-    }
+    add_out_of_scale(norms, judged, t, scale_bound, found);
   }
   return found;
+}
+
+void add_out_of_scale(const std::vector<double>& norms, const std::vector<char>& judged,
+                      size_t tensor, double scale_bound, std::vector<optim::PeerFault>& found) {
+  if (!(scale_bound > 0)) return;
+  std::vector<double> sorted;
+  for (size_t r = 0; r < norms.size(); ++r) {
+    if (judged[r]) sorted.push_back(norms[r]);
+  }
+  if (sorted.size() < 2) return;
+  std::sort(sorted.begin(), sorted.end());
+  const double median = sorted[(sorted.size() - 1) / 2];  // the lower one
+  for (size_t r = 0; r < norms.size(); ++r) {
+    if (!judged[r] || !(median > 0.0) || norms[r] <= scale_bound * median) continue;
+    optim::PeerFault fault;
+    fault.kind = optim::PeerFault::Kind::OutOfScale;
+    fault.replica = int(r);
+    fault.tensor = tensor;
+    fault.ratio = norms[r] / median;
+    found.push_back(fault);
+  }
 }
 
 }  // namespace flexdemo::demo

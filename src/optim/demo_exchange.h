@@ -24,10 +24,11 @@ using demo::Updates;
 demo::BackendOptions backend_options(const OptimizerOptions& options);
 
 // The replicas (of `replicas`, b's layout back to back in `gathered`) whose payloads all pass
-// the checks (demo/screen.h), in rank order; every failure is appended to `faults` (tensor: the
-// replicator's index). Under PeerPolicy::Stop the first failure throws PeerFaultError.
-std::vector<int> passing_replicas(const demo::Bucket& b, const at::Tensor& gathered, int replicas,
-                                  const std::vector<dct::ChunkPlan>& plans,
+// the checks (demo/screen.h, by the backend: b.tensors index its plans), in rank order; every
+// failure is appended to `faults` (tensor: the replicator's index). Under PeerPolicy::Stop the
+// first failure throws PeerFaultError.
+std::vector<int> passing_replicas(const demo::Backend& backend, const demo::Bucket& b,
+                                  const at::Tensor& gathered, int replicas,
                                   const OptimizerOptions& options, std::vector<PeerFault>& faults);
 // backend.decode of the `kept` replicas' payloads alone (none kept: nothing is applied).
 void decode_passing(demo::Backend& backend, const demo::Bucket& b, const at::Tensor& gathered,

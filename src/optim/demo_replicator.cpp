@@ -221,7 +221,7 @@ class DemoReplicator final : public optim::Replicator {
     for (size_t i = 0; i < plans_.size(); ++i) updates.fused.push_back(inner.fused_update(i));
     updates.apply = [&inner](size_t i, const at::Tensor& d) { inner.apply(i, d); };
     const std::vector<int> kept =
-        passing_replicas(b, b.recv, replicas(), plans_, options_, peer_faults_);
+        passing_replicas(*backend_, b, b.recv, replicas(), options_, peer_faults_);
     decode_passing(*backend_, b, b.recv, replicas(), kept, updates);
   }
 
@@ -305,16 +305,12 @@ demo::BackendOptions backend_options(const OptimizerOptions& options) {
   return b;
 }
 
-std::vector<int> passing_replicas(const Bucket& b, const at::Tensor& gathered, int replicas,
-                                  const std::vector<dct::ChunkPlan>& plans,
+std::vector<int> passing_replicas(const Backend& backend, const Bucket& b,
+                                  const at::Tensor& gathered, int replicas,
                                   const optim::OptimizerOptions& options,
                                   std::vector<optim::PeerFault>& faults) {
-  const at::Tensor host = gathered.is_cpu() ? gathered : gathered.to(at::kCPU);
-  std::vector<dct::ChunkPlan> bucket_plans;
-  for (size_t i : b.tensors) bucket_plans.push_back(plans[i]);
   std::vector<optim::PeerFault> found =
-      demo::screen_payloads(host.data_ptr<uint8_t>(), replicas, b.bytes, bucket_plans, b.offsets,
-                            b.topk, b.values, options.peer_scale_bound);
+      backend.screen(b, gathered, replicas, options.peer_scale_bound);
   for (optim::PeerFault& f : found) f.tensor = b.tensors[f.tensor];
   if (!found.empty() && options.peer_policy == optim::PeerPolicy::Stop) {
     throw optim::PeerFaultError(found.front());

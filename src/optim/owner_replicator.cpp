@@ -153,7 +153,7 @@ class OwnerReplicator final : public optim::Replicator {
     std::vector<optim::PeerFault> found;
     std::vector<char> share_passed(size_t(R), 0);
     const std::vector<int> kept =
-        passing_replicas(shares_[me], received_, R, piece_plans_, options_, found);
+        passing_replicas(*backend_, shares_[me], received_, R, options_, found);
     note_faults(found, -1);
     decode_passing(*backend_, shares_[me], received_, R, kept, mean);
     if (owner_backend_) {  // an owner of nothing (more replicas than chunk rows) skips this
@@ -177,7 +177,7 @@ class OwnerReplicator final : public optim::Replicator {
       const at::Tensor share = gathered_.narrow(0, return_offsets_[r], return_bytes_[r]);
       found.clear();
       const std::vector<int> whole =
-          passing_replicas(returns_[r], share, 1, piece_plans_, options_, found);
+          passing_replicas(*backend_, returns_[r], share, 1, options_, found);
       note_faults(found, r);
       share_passed[r] = !whole.empty();
       decode_passing(*backend_, returns_[r], share, 1, whole, put);

@@ -104,10 +104,11 @@ void seal(const TensorTable& table, uint8_t* payloads, uint32_t* scratch, cudaSt
   launched("seal kernel launch", stream);
 }
 
-void validate(const TensorTable& table, const uint8_t* gathered, int64_t bucket_bytes, int replicas,
-              uint32_t* scratch, uint32_t* errors, cudaStream_t stream) {
+void screen(const TensorTable& table, const uint8_t* gathered, int64_t bucket_bytes, int replicas,
+            uint32_t* scratch, double* chunk_squares, uint32_t* errors, double* squares,
+            cudaStream_t stream) {
   check(cudaMemsetAsync(errors, 0, sizeof(uint32_t) * size_t(replicas * table.num_tensors), stream),
-        "zeroing the validation's errors");
+        "zeroing the screening's errors");
   if (table.num_tensors == 0) return;
   uint8_t* buckets = const_cast<uint8_t*>(gathered);  // crc_finish_kernel only reads it here
   if (table.num_segments > 0) {
@@ -118,12 +119,16 @@ void validate(const TensorTable& table, const uint8_t* gathered, int64_t bucket_
   }
   crc_finish_kernel<<<unsigned(replicas * table.num_tensors), kThreads, 0, stream>>>(
       table, buckets, bucket_bytes, scratch, errors);
-  launched("validation kernel launch", stream);
-  const size_t bytes = sizeof(int64_t) * size_t(table.max_k);
-  allow_shared(validate_positions_kernel, bytes, "positions validation kernel");
-  validate_positions_kernel<<<unsigned(replicas * table.num_chunks), kThreads, bytes, stream>>>(
-      table, gathered, bucket_bytes, errors);
-  launched("positions validation kernel launch", stream);
+  launched("checksum kernel launch", stream);
+  const int64_t chunks = replicas * table.num_chunks;
+  if (chunks > 0) {
+    screen_chunks_kernel<<<unsigned((chunks + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+        table, gathered, bucket_bytes, replicas, chunk_squares, errors);
+    launched("chunk screening kernel launch", stream);
+  }
+  screen_sums_kernel<<<unsigned(replicas * table.num_tensors), kThreads, 0, stream>>>(
+      table, chunk_squares, squares);
+  launched("screening sums kernel launch", stream);
 }
 
 void decode_step(const TensorTable& table, const uint8_t* gathered, int64_t bucket_bytes,

@@ -446,38 +446,23 @@ __global__ void decode_step_kernel(TensorTable table, const uint8_t* gathered, i
   }
 }
 
-// ====== Checksums (zlib's CRC-32) and validation ======
-constexpr uint32_t kCrcPoly = 0xedb88320u;  // zlib's polynomial, reflected
-
+// ====== Checksums (zlib's CRC-32) and screening ======
 // The byte-at-a-time table, built by the block. Ends with a barrier.
 __device__ void crc_table(uint32_t* table) {
   for (int b = threadIdx.x; b < 256; b += blockDim.x) {
     uint32_t c = uint32_t(b);
-    for (int i = 0; i < 8; ++i) c = c & 1u ? (c >> 1) ^ kCrcPoly : c >> 1;
+    for (int i = 0; i < 8; ++i) c = c & 1u ? (c >> 1) ^ codec::kCrcPoly : c >> 1;
     table[b] = c;
   }
   __syncthreads();
-}
-// a * b modulo the polynomial (zlib's multmodp).
-__device__ uint32_t multmodp(uint32_t a, uint32_t b) {
-  uint32_t m = 1u << 31, p = 0;
-  while (a != 0) {
-    if (a & m) {
-      p ^= b;
-      if ((a & (m - 1)) == 0) break;
-    }
-    m >>= 1;
-    b = b & 1u ? (b >> 1) ^ kCrcPoly : b >> 1;
-  }
-  return p;
 }
 // crc(A B) from crc(A), crc(B) and |B| (zlib's crc32_combine); x2n[k] = x^(2^k) mod p.
 __device__ uint32_t crc_combine(uint32_t a, uint32_t b, int64_t b_bytes, const uint32_t* x2n) {
   uint32_t shift = 1u << 31;  // x^(8 |B|)
   for (int k = 3; b_bytes != 0; b_bytes >>= 1, ++k) {
-    if (b_bytes & 1) shift = multmodp(x2n[k & 31], shift);
+    if (b_bytes & 1) shift = codec::multmodp(x2n[k & 31], shift);
   }
-  return multmodp(shift, a) ^ b;
+  return codec::multmodp(shift, a) ^ b;
 }
 
 // Each thread one segment (kChecksumSegment bytes of a body, the last one shorter) of one
@@ -508,16 +493,11 @@ __global__ void crc_segments_kernel(TensorTable table, const uint8_t* buckets, i
 // checksum).
 __global__ void crc_finish_kernel(TensorTable table, uint8_t* buckets, int64_t bucket_bytes,
                                   const uint32_t* crcs, uint32_t* errors) {
-  __shared__ uint32_t x2n[32];
   __shared__ uint32_t part[kThreads];
   __shared__ int64_t part_bytes[kThreads];
   const int64_t r = blockIdx.x / table.num_tensors, i = blockIdx.x % table.num_tensors;
   const TensorDesc& t = table.tensors[i];
-  if (threadIdx.x == 0) {
-    x2n[0] = 1u << 30;  // x
-    for (int k = 1; k < 32; ++k) x2n[k] = multmodp(x2n[k - 1], x2n[k - 1]);
-  }
-  __syncthreads();
+  const uint32_t* x2n = table.crc_x2n;
   const int64_t segments = (t.body.body_bytes + kChecksumSegment - 1) / kChecksumSegment;
   const int64_t per = (segments + blockDim.x - 1) / blockDim.x;
   const int64_t a = min(segments, int64_t(threadIdx.x) * per), b = min(segments, a + per);
@@ -555,26 +535,69 @@ __global__ void crc_finish_kernel(TensorTable table, uint8_t* buckets, int64_t b
   if (bad != 0) atomicOr(&errors[r * table.num_tensors + i], bad);
 }
 
-// One block per (replica, chunk): the chunk's positions must be k, strictly ascending, inside the
-// chunk (errors[r * tensors + i] |= 4 if not), so that the decode never writes outside a chunk.
-__global__ void validate_positions_kernel(TensorTable table, const uint8_t* gathered,
-                                          int64_t bucket_bytes, uint32_t* errors) {
-  FLEXDEMO_DYNAMIC_SHARED(float, shared);
-  int64_t* positions = reinterpret_cast<int64_t*>(shared);
-  __shared__ int64_t held;
-  const int64_t r = blockIdx.x / table.num_chunks, chunk = blockIdx.x % table.num_chunks;
+// A thread's read of n bytes at p, as the performance model records it: 8 bytes at a time (on a
+// GPU, nothing).
+__device__ void trace_bytes(const uint8_t* p, int64_t n) {
+  for (int64_t o = 0; o < n; o += 8) FLEXDEMO_TRACE_GLOBAL(p + o, int(min(int64_t(8), n - o)));
+}
+
+// One thread per (replica, chunk), on its own (no barrier, no shared memory): the chunk's
+// positions (errors[r * tensors + i] |= 4 unless k strictly ascending ones inside the chunk, so
+// that the decode never writes outside it) and its values (|= 8 for one that is not finite; their
+// sum of squares into chunk_squares[r * num_chunks + chunk]).
+__global__ void screen_chunks_kernel(TensorTable table, const uint8_t* gathered,
+                                     int64_t bucket_bytes, int replicas, double* chunk_squares,
+                                     uint32_t* errors) {
+  const int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (g >= replicas * table.num_chunks) return;
+  const int64_t r = g / table.num_chunks, chunk = g % table.num_chunks;
   const int32_t i = table.chunk_tensor[chunk];
   const TensorDesc& t = table.tensors[i];
   const int64_t c = chunk - t.first_chunk;
+  const codec::Layout& l = t.body;
   const uint8_t* body = gathered + r * bucket_bytes + t.payload_offset + codec::kHeaderBytes;
-  if (threadIdx.x == 0) held = codec::get_positions(body, t.body, c, positions);
-  __syncthreads();
-  bool bad = held != t.body.k && threadIdx.x == 0;
-  for (int64_t j = threadIdx.x; held == t.body.k && j < t.body.k; j += blockDim.x) {
-    bad = bad || positions[j] < 0 || positions[j] >= t.body.chunk_numel ||
-          (j > 0 && positions[j] <= positions[j - 1]);
+  // What the thread reads (the model's record): its chunk's positions and values.
+  trace_bytes(body + (l.index_bytes > 0 ? c * l.k * l.index_bytes : c * l.record_bytes),
+              l.index_bytes > 0 ? l.k * l.index_bytes : l.record_bytes);
+  trace_bytes(body + l.values_at + codec::value_bytes(table.encoding, c * l.k),
+              codec::value_bytes(table.encoding, l.k));
+  uint32_t bad = codec::positions_valid(body, l, c) ? 0u : 4u;
+  bool finite = true;
+  chunk_squares[g] = codec::chunk_squares(body, l, table.encoding, c, &finite);
+  if (!finite) bad |= 8u;
+  if (bad != 0) atomicOr(&errors[r * table.num_tensors + i], bad);
+}
+
+// One block per (replica, tensor): the tensor's chunk sums added in codec.h's order (each thread
+// one run of codec::kScreenRun chunks, then thread 0 the runs in order) into
+// squares[r * tensors + i].
+__global__ void screen_sums_kernel(TensorTable table, const double* chunk_squares,
+                                   double* squares) {
+  __shared__ double runs[kThreads];
+  const int64_t r = blockIdx.x / table.num_tensors, i = blockIdx.x % table.num_tensors;
+  const TensorDesc& t = table.tensors[i];
+  const double* sums = chunk_squares + r * table.num_chunks + t.first_chunk;
+  const int64_t chunks = t.body.chunks, run_count = (chunks + codec::kScreenRun - 1) / codec::kScreenRun;
+  double total = 0.0;
+  for (int64_t first = 0; first < run_count; first += blockDim.x) {
+    const int64_t q = first + threadIdx.x;
+    if (q < run_count) {
+      double run = 0.0;
+      const int64_t end = min(chunks, (q + 1) * codec::kScreenRun);
+      for (int64_t c = q * codec::kScreenRun; c < end; ++c) {
+        FLEXDEMO_TRACE_GLOBAL(sums + c, 8);
+        run += sums[c];
+      }
+      runs[threadIdx.x] = run;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const int64_t n = min(int64_t(blockDim.x), run_count - first);
+      for (int64_t j = 0; j < n; ++j) total += runs[j];
+    }
+    __syncthreads();
   }
-  if (bad) atomicOr(&errors[r * table.num_tensors + i], 4u);
+  if (threadIdx.x == 0) squares[blockIdx.x] = total;
 }
 
 }  // namespace

@@ -55,8 +55,9 @@ struct TensorTable {
   int64_t num_tensors = 0;
   const int32_t* segment_tensor = nullptr;  // per checksum segment: its tensor
   int64_t num_segments = 0;
-  int max_k = 1;  // the largest top-k (the validation's shared memory)
+  int max_k = 1;  // the largest top-k
   compress::ValueEncoding encoding = compress::ValueEncoding::Fp32;
+  uint32_t crc_x2n[32] = {};  // codec::crc_x2n_table's, made on the host once
 };
 
 // Encode: residual = beta * residual + alpha * DCT(grad), its top-k, residual -= what a receiver
@@ -69,12 +70,16 @@ void encode(const TensorTable& table, float beta, float alpha, uint8_t* payloads
 // scratch: num_segments uint32.
 void seal(const TensorTable& table, uint8_t* payloads, uint32_t* scratch, cudaStream_t stream);
 
-// Validate `replicas` buckets back to back: per replica and tensor, errors[r * tensors + i] gets
+// Screen `replicas` buckets back to back, as the host's screen_payloads does but for the scale
+// check, which needs only what this writes: per replica and tensor, errors[r * tensors + i] gets
 // bit 1 for a header that differs from this layout's, 2 for a checksum mismatch, 4 for a chunk
-// whose positions are not k strictly ascending ones inside the chunk (zeroed first). scratch:
-// replicas * num_segments uint32.
-void validate(const TensorTable& table, const uint8_t* gathered, int64_t bucket_bytes, int replicas,
-              uint32_t* scratch, uint32_t* errors, cudaStream_t stream);
+// whose positions are not k strictly ascending ones inside the chunk, 8 for a value that is not
+// finite (zeroed first); squares[r * tensors + i] the values' sum of squares in codec.h's order
+// (codec::kScreenRun). scratch: replicas * num_segments uint32; chunk_squares: replicas *
+// num_chunks doubles.
+void screen(const TensorTable& table, const uint8_t* gathered, int64_t bucket_bytes, int replicas,
+            uint32_t* scratch, double* chunk_squares, uint32_t* errors, double* squares,
+            cudaStream_t stream);
 
 // Decode and step: `replicas` buckets of payloads back to back (each bucket_bytes, validated),
 // per coefficient the mean of the replicas that sent it (in rank order), its inverse DCT, and the

@@ -239,6 +239,7 @@ GpuStep::GpuStep(const std::vector<dct::ChunkPlan>& plans, int64_t k,
   m.table.num_segments = m.num_segments;
   m.table.num_tensors = int64_t(m.descs.size());
   m.table.max_k = layout.max_k;
+  demo::codec::crc_x2n_table(m.table.crc_x2n);
   m.upload();  // the layout's fields (headers, segments) before any step sets the pointers
 }
 
@@ -332,29 +333,47 @@ void GpuStep::seal_on_device(const at::Tensor& send) const {
              stream);
 }
 
-void GpuStep::validate_on_device(const at::Tensor& gathered, int replicas) const {
+GpuStep::Screened GpuStep::screen_on_device(const at::Tensor& gathered, int replicas) const {
   Impl& m = *impl_;
   const c10::cuda::CUDAGuard guard(m.device);
   check_buckets(gathered, m.bytes, replicas, m.device, "gathered");
-  const auto on_device = at::dtype(at::kInt).device(m.device);
-  const at::Tensor scratch =
-      at::empty({std::max<int64_t>(1, replicas * m.num_segments)}, on_device);
-  const int64_t tensors = int64_t(m.descs.size());
-  const at::Tensor errors = at::empty({std::max<int64_t>(1, replicas * tensors)}, on_device);
+  const int64_t n = replicas * int64_t(m.descs.size());
+  // The verdict in one buffer, read back in one copy: n uint32 of errors, then (8-byte aligned)
+  // n doubles of sums.
+  const int64_t errors_bytes = (4 * n + 7) / 8 * 8;
+  const at::Tensor verdict =
+      at::empty({std::max<int64_t>(8, errors_bytes + 8 * n)}, at::dtype(at::kByte).device(m.device));
+  uint8_t* base = verdict.data_ptr<uint8_t>();
+  const at::Tensor scratch = at::empty({std::max<int64_t>(1, replicas * m.num_segments)},
+                                       at::dtype(at::kInt).device(m.device));
+  const at::Tensor chunk_squares =
+      at::empty({std::max<int64_t>(1, replicas * m.table.num_chunks)},
+                at::dtype(at::kDouble).device(m.device));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(m.device.index()).stream();
   {
     const PhaseScope timed("validate", stream, 2.0 * double(m.bytes) * replicas);
-    cuda::validate(m.table, gathered.data_ptr<uint8_t>(), int64_t(m.bytes), replicas,
-                   reinterpret_cast<uint32_t*>(scratch.data_ptr()),
-                   reinterpret_cast<uint32_t*>(errors.data_ptr()), stream);
+    cuda::screen(m.table, gathered.data_ptr<uint8_t>(), int64_t(m.bytes), replicas,
+                 reinterpret_cast<uint32_t*>(scratch.data_ptr()), chunk_squares.data_ptr<double>(),
+                 reinterpret_cast<uint32_t*>(base), reinterpret_cast<double*>(base + errors_bytes),
+                 stream);
   }
-  const at::Tensor verdict = errors.to(at::kCPU);  // waits for the kernels
-  const int32_t* flags = verdict.data_ptr<int32_t>();
+  const at::Tensor host = verdict.to(at::kCPU);  // waits for the kernels
+  Screened out;
+  out.errors.resize(size_t(n));
+  out.squares.resize(size_t(n));
+  std::memcpy(out.errors.data(), host.data_ptr<uint8_t>(), sizeof(uint32_t) * size_t(n));
+  std::memcpy(out.squares.data(), host.data_ptr<uint8_t>() + errors_bytes, sizeof(double) * size_t(n));
+  return out;
+}
+
+void GpuStep::validate_on_device(const at::Tensor& gathered, int replicas) const {
+  const int64_t tensors = int64_t(impl_->descs.size());
+  const std::vector<uint32_t> errors = screen_on_device(gathered, replicas).errors;
   for (int64_t e = 0; e < replicas * tensors; ++e) {
-    if (flags[e] == 0) continue;
+    if ((errors[e] & 7u) == 0) continue;  // a value not finite is the screening's, not the format's
     const at::Tensor host = gathered.to(at::kCPU);  // the precise message, from the host's check
     validate(host.data_ptr<uint8_t>(), replicas);
-    const char* what = flags[e] & 1 ? "header" : flags[e] & 2 ? "checksum" : "positions";
+    const char* what = errors[e] & 1 ? "header" : errors[e] & 2 ? "checksum" : "positions";
     throw compress::WireFormatError("payload of tensor " + std::to_string(e % tensors) +
                                     " from replica " + std::to_string(e / tensors) +
                                     ": the GPU's check found its " + what + " wrong");
@@ -430,6 +449,9 @@ void GpuStep::seal(uint8_t*) const {}
 void GpuStep::validate(const uint8_t*, int) const {}
 void GpuStep::seal_on_device(const at::Tensor&) const {}
 void GpuStep::validate_on_device(const at::Tensor&, int) const {}
+GpuStep::Screened GpuStep::screen_on_device(const at::Tensor&, int) const {
+  return {};
+}
 void GpuStep::decode_step(const at::Tensor&, int, const std::vector<at::Tensor>&,
                           const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
                           const AdamWHyper&) const {}
