@@ -83,27 +83,82 @@ std::vector<Shape> gpt2_shapes(double scale) {
   return shapes;
 }
 
+// Per SM (Hopper): 228 KB of shared memory (1 KB of it reserved for each block), 2,048 threads,
+// 65,536 registers (a warp's allocated in units of 256), 32 blocks. A barrier interval takes at
+// least kBarrierCycles on a block's critical path (the barrier, then a dependent shared-memory
+// access: assumed, about twice the ~30-cycle shared latency; not measured).
+constexpr double kSmShared = 228 * 1024, kBarrierCycles = 60;
+
 struct Kernel {
   std::string name;
   Counts counts;
   double dram_bytes = 0;
   int launches = 1;  // the kernels of this phase, one after another on the stream
-  double t_fma() const { return counts.fma_instructions / (4 * kSms * kClock); }
+  // Its busiest kernel's registers a thread (ptxas -v, nvcc 13.0, sm_90; the check's build log
+  // prints them on the machine) and shared memory a block (dynamic and static).
+  int registers = 32;
+  double shared_bytes = 0;
+
+  // Blocks one SM holds at once: what its threads, registers, shared memory and block slots
+  // allow.
+  int resident() const {
+    const int threads = kernels::cuda::kThreads;
+    const int warp_registers = (registers * 32 + 255) / 256 * 256;
+    const int by_registers = 65536 / (warp_registers * (threads / 32));
+    const int by_shared = int(kSmShared / (shared_bytes + 1024));
+    return std::max(1, std::min({2048 / threads, by_registers, by_shared, 32}));
+  }
+  double occupancy() const {  // resident warps over the SM's 64
+    return double(resident()) * kernels::cuda::kThreads / 32 / 64;
+  }
+  double waves() const { return counts.blocks / (kSms * resident()); }
+  // The rates below hold for full waves: a last partial wave leaves SMs idle (a grid of fewer
+  // blocks than SMs, most of them).
+  double tail() const {
+    const double w = waves();
+    if (w >= 1) return std::ceil(w) / w;
+    return counts.blocks > 0 && counts.blocks < kSms ? kSms / counts.blocks : 1.0;
+  }
+  // Issue: every traced warp instruction (multiply-adds, shared and global accesses; not the
+  // index arithmetic and control flow around them, which ncu's count on a GPU gives), 4 a clock
+  // per SM.
+  double t_issue() const {
+    return (counts.fma_instructions + counts.shared_requests + counts.global_requests) /
+           (4 * kSms * kClock);
+  }
   double t_lsu() const {
     return (counts.shared_wavefronts + counts.global_sectors / 4) / (kSms * kClock);
   }
   double t_dram() const { return dram_bytes / kDram; }
-  double predicted() const { return std::max({t_fma(), t_lsu(), t_dram()}) + launches * kLaunch; }
+  // Latency: each wave's blocks pass their barriers one interval after another.
+  double t_latency() const {
+    if (counts.blocks <= 0) return 0.0;
+    return std::ceil(std::max(1.0, waves())) * (counts.barriers / counts.blocks) * kBarrierCycles /
+           kClock;
+  }
+  double predicted() const {
+    return std::max(std::max({t_issue(), t_lsu(), t_dram()}) * tail(), t_latency()) +
+           launches * kLaunch;
+  }
   nlohmann::json json() const {
     return {{"fma_instructions", counts.fma_instructions},
             {"shared_requests", counts.shared_requests},
             {"shared_wavefronts", counts.shared_wavefronts},
             {"global_requests", counts.global_requests},
             {"global_sectors", counts.global_sectors},
+            {"blocks", counts.blocks},
+            {"barriers_per_block", counts.blocks > 0 ? counts.barriers / counts.blocks : 0.0},
             {"dram_bytes", dram_bytes},
-            {"fma_ms", t_fma() * 1e3},
+            {"registers", registers},
+            {"shared_bytes_per_block", shared_bytes},
+            {"resident_blocks_per_sm", resident()},
+            {"occupancy", occupancy()},
+            {"waves", waves()},
+            {"issue_ms", t_issue() * 1e3},
             {"lsu_ms", t_lsu() * 1e3},
             {"dram_ms", t_dram() * 1e3},
+            {"latency_ms", t_latency() * 1e3},
+            {"tail_factor", tail()},
             {"launches", launches},
             {"predicted_ms", predicted() * 1e3}};
   }
@@ -164,6 +219,10 @@ int main(int argc, char** argv) {
   validate.launches = 4;
   seal.launches = 2;
   decode.name = "decode_step";
+  encode.registers = 60, encode.shared_bytes = 4.0 * double(step.layout().encode_shared_floats) + 2080;
+  decode.registers = 56, decode.shared_bytes = 4.0 * double(step.layout().decode_shared_floats) + 1024;
+  validate.registers = 56, validate.shared_bytes = 3072;  // the chunks' kernel; crc_finish's
+  seal.registers = 32, seal.shared_bytes = 3072;
   const auto start = std::chrono::steady_clock::now();
   double bucket_bytes = 0;
   for (size_t i = 0; i < shapes.size(); ++i) {
@@ -261,13 +320,16 @@ int main(int argc, char** argv) {
       "replica(s); bucket %.2f MB\n",
       scale, (long long)params, shapes.size(), (long long)chunk, (long long)topk, values.c_str(),
       replicas, bucket_bytes / 1e6);
-  std::printf("%-12s %10s %12s %12s %10s %8s %8s %8s %10s\n", "kernel", "FMA Ginst", "shared Mwave",
-              "global Msect", "DRAM MB", "fma ms", "lsu ms", "dram ms", "predicted");
+  std::printf("%-12s %9s %9s %9s %8s %6s %6s %7s %7s %7s %7s %6s %10s\n", "kernel", "FMA Ginst",
+              "shd Mwave", "glb Msect", "DRAM MB", "waves", "occup", "issue", "lsu", "dram",
+              "latency", "tail", "predicted");
   for (const Kernel* k : {&encode, &seal, &validate, &decode}) {
-    std::printf("%-12s %10.3f %12.2f %12.2f %10.1f %8.3f %8.3f %8.3f %9.3f ms\n", k->name.c_str(),
-                k->counts.fma_instructions / 1e9, k->counts.shared_wavefronts / 1e6,
-                k->counts.global_sectors / 1e6, k->dram_bytes / 1e6, k->t_fma() * 1e3,
-                k->t_lsu() * 1e3, k->t_dram() * 1e3, k->predicted() * 1e3);
+    std::printf("%-12s %9.3f %9.2f %9.2f %8.1f %6.1f %5.0f%% %7.3f %7.3f %7.3f %7.3f %6.3f %7.3f ms\n",
+                k->name.c_str(), k->counts.fma_instructions / 1e9,
+                k->counts.shared_wavefronts / 1e6, k->counts.global_sectors / 1e6,
+                k->dram_bytes / 1e6, k->waves(), 100 * k->occupancy(), k->t_issue() * 1e3,
+                k->t_lsu() * 1e3, k->t_dram() * 1e3, k->t_latency() * 1e3, k->tail(),
+                k->predicted() * 1e3);
   }
   std::printf("kernels: %.3f ms predicted on an %s; host: %.3f ms (the screening's verdict, %.0f "
               "bytes, waited for and copied back %.3f ms; its scale check %.4f ms, the fastest of "

@@ -267,6 +267,18 @@ if $built; then
   fi
 fi
 
+# The model's prediction against what the bench measured, per phase and for the whole step.
+$python - "$out/gpu-check.json" << 'PY' 2>&1 | tee -a "$log"
+import json, sys
+r = json.load(open(sys.argv[1]))
+def ms(x):
+    return "-" if x is None else "{:.3f} ms".format(x)
+print("gpu-check: predicted ({}) against measured:".format(r.get("model_of")))
+for phase, p in r.get("kernels_predicted_vs_measured_ms", {}).items():
+    print("  {:<12} {:>10} {:>10}".format(phase, ms(p.get("predicted")), ms(p.get("measured"))))
+print("  {:<12} {:>10} {:>10}".format("whole step", ms(r.get("predicted_demo_step_ms")),
+                                      ms(r.get("demo_step_ms"))))
+PY
 ok=$($python -c "import json; print(json.load(open('$out/gpu-check.json'))['passed'])" 2> /dev/null)
 say "done: $([ "$ok" = True ] && echo passed || echo 'NOT passed') (report: $out/gpu-check.json)"
 [ "$ok" = True ]

@@ -52,6 +52,10 @@ class Barrier {
     count_ = count;
     waiting_ = 0;
   }
+  unsigned generations() {  // how many times the block has passed a barrier
+    std::unique_lock<std::mutex> lock(mutex_);
+    return generation_;
+  }
   void wait() {
     std::unique_lock<std::mutex> lock(mutex_);
     const unsigned generation = generation_;
@@ -96,7 +100,10 @@ struct Counts {
   double fma_instructions = 0;
   double shared_requests = 0, shared_wavefronts = 0;
   double global_requests = 0, global_sectors = 0;
+  double blocks = 0, barriers = 0;  // the blocks counted and the barriers they passed
   void add(const Counts& o, double weight) {
+    blocks += weight * o.blocks;
+    barriers += weight * o.barriers;
     fma_instructions += weight * o.fma_instructions;
     shared_requests += weight * o.shared_requests;
     shared_wavefronts += weight * o.shared_wavefronts;
@@ -184,6 +191,7 @@ void launch_blocks(Kernel kernel, const std::vector<unsigned>& blocks, unsigned 
   for (unsigned b : blocks) {
     block_index().x = b;
     block_barrier().reset(threads);
+    const unsigned before = block_barrier().generations();
     std::vector<ThreadRecord> records(counts != nullptr ? threads : 0);
     std::vector<std::thread> team;
     for (unsigned t = 0; t < threads; ++t) {
@@ -195,7 +203,12 @@ void launch_blocks(Kernel kernel, const std::vector<unsigned>& blocks, unsigned 
       });
     }
     for (std::thread& th : team) th.join();
-    if (counts != nullptr) counts->add(count_block(records), 1.0);
+    if (counts != nullptr) {
+      Counts block = count_block(records);
+      block.blocks = 1;
+      block.barriers = double(block_barrier().generations() - before);
+      counts->add(block, 1.0);
+    }
   }
 }
 
