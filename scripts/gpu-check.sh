@@ -170,16 +170,19 @@ if ! $machine_mpi && [ -x "$prefix/usr/bin/mpicxx.openmpi" ]; then
   done
   export PATH="$prefix/bin:$PATH"
   export OPAL_PREFIX=$prefix/usr
-  # PMIx (libpmix.so.2 links into libdir) relocated the same way: its prefix and its plugins.
+  # PMIx (libpmix.so.2 links into libdir) relocated the same way: its prefix (the variable this
+  # libpmix reads) and its plugins.
   export PMIX_PREFIX=$libdir/pmix2 PMIX_MCA_mca_base_component_path=$libdir/pmix2/lib/pmix
-  # Without ssh or rsh OpenMPI's default launcher refuses to start even on one node (mpirun and
-  # a singleton alike: "plm_rsh_agent ... could not be found"); its isolated one forks locally.
-  if ! command -v ssh > /dev/null && ! command -v rsh > /dev/null; then
-    export OMPI_MCA_plm=isolated
-  fi
+  carried_mpi=true
   say "OpenMPI: carried (Debian's, relocated to $prefix)"
 else
   say "OpenMPI: the machine's ($(command -v mpicxx || echo 'no mpicxx'))"
+fi
+
+# Without ssh or rsh OpenMPI 4's default launcher refuses to start even on one node (mpirun and
+# a singleton alike: "plm_rsh_agent ... could not be found"); its isolated one forks locally.
+if ! command -v ssh > /dev/null && ! command -v rsh > /dev/null; then
+  export OMPI_MCA_plm=isolated
 fi
 
 build="build-gpu"
@@ -198,7 +201,7 @@ report  # both builds' steps in it (the background one may have reported before 
 # ====== 3. On the GPU, by what each step tells ======
 mpirun=(mpirun --allow-run-as-root --oversubscribe -x OMP_NUM_THREADS=1 -x LD_LIBRARY_PATH
         -x PATH)
-[ -n "${OPAL_PREFIX:-}" ] && mpirun+=(-x OPAL_PREFIX -x PMIX_PREFIX -x PMIX_MCA_mca_base_component_path)
+${carried_mpi:-false} && mpirun+=(-x OPAL_PREFIX -x PMIX_PREFIX -x PMIX_MCA_mca_base_component_path)
 [ -n "${OMPI_MCA_plm:-}" ] && mpirun+=(-x OMPI_MCA_plm)
 corpus=$work/corpus.txt  # real English text that every checkout has
 cat README.md docs/*.md ../shared/DESIGN.md 2> /dev/null > "$corpus"

@@ -3,12 +3,17 @@
 // saying so, where no GPU is visible (or the build has no CUDA).
 #include "gpu_step_check.h"
 
+#include "demo/backend.h"
 #include "demo/kernels.h"
+#include "flexdemo/comm.h"  // comm::Work, which a Bucket holds
+#include "demo/screen.h"
 #include "flexdemo/optim.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <memory>
 #include <vector>
 
 using namespace flexdemo;
@@ -72,6 +77,70 @@ TEST(GpuKernels, OptimizerStepsEqualTheCpusPortablePath) {
       ASSERT_EQ(a.size(), b.size());
       for (size_t t = 0; t < a.size(); ++t) {
         ASSERT_TRUE(gpu_step_check::bit_equal(b[t].second, a[t].second)) << a[t].first;
+      }
+    }
+  }
+}
+
+// The GPU's screening through its backend (the kernels' verdict, then the host for a payload they
+// flag) against the host's screening of the same bytes: the same faults in the same order, with
+// the same details and ratios. Replica 1's first payload is scaled 1000x (the scale check),
+// replica 2's third corrupted, replica 3's second made NaN; the bucket on the host (MPI's) and
+// on the GPU (NCCL's).
+TEST(GpuKernels, ScreeningOnTheGpuFindsWhatTheHostFinds) {
+  const std::vector<dct::ChunkPlan> plans = gpu_step_check::test_plans();
+  const int64_t k = 6;
+  const int replicas = 4;
+  for (const ValueEncoding values : {ValueEncoding::Bf16, ValueEncoding::Fp8}) {
+    demo::Bucket b;
+    b.topk = k, b.values = values;
+    for (size_t i = 0; i < plans.size(); ++i) {
+      b.tensors.push_back(i);
+      b.offsets.push_back(b.bytes);
+      b.bytes += compress::wire_payload_bytes(plans[i], k, values);
+    }
+    at::manual_seed(5);
+    const at::Tensor gathered = at::zeros({int64_t(b.bytes) * replicas}, at::kByte);
+    uint8_t* bytes = gathered.data_ptr<uint8_t>();
+    for (int r = 0; r < replicas; ++r) {
+      for (size_t i = 0; i < plans.size(); ++i) {
+        const dct::ChunkPlan& p = plans[i];
+        compress::TopK t = kernels::select_topk(at::randn({p.padded_rows, p.padded_cols}), p, k);
+        compress::encode_payload(plans[i], t, values, bytes + r * b.bytes + b.offsets[i]);
+      }
+    }
+    compress::tamper_payload(bytes + 1 * b.bytes + b.offsets[0], plans[0], k, values,
+                             compress::Tamper::Scale, 1000.0);
+    compress::tamper_payload(bytes + 2 * b.bytes + b.offsets[2], plans[2], k, values,
+                             compress::Tamper::Corrupt);
+    compress::tamper_payload(bytes + 3 * b.bytes + b.offsets[1], plans[1], k, values,
+                             compress::Tamper::Scale, std::nan(""));
+    const std::vector<optim::PeerFault> host =
+        demo::screen_on_host(plans, b, gathered, replicas, 4.0);
+    ASSERT_EQ(host.size(), 3u) << name_of(values);  // by tensor, then replica
+    EXPECT_EQ(host[0].kind, optim::PeerFault::Kind::OutOfScale);
+    EXPECT_EQ(host[1].kind, optim::PeerFault::Kind::NonFinite);
+    EXPECT_EQ(host[2].kind, optim::PeerFault::Kind::Corrupt);
+
+    SKIP_WITHOUT_GPU();
+    const at::Device gpu(at::kCUDA, 0);
+    demo::BackendOptions options;
+    options.topk = k, options.values = values;
+    std::vector<at::Tensor> residuals;
+    for (const dct::ChunkPlan& p : plans) {
+      residuals.push_back(at::zeros({p.padded_rows, p.padded_cols}, at::device(gpu)));
+    }
+    const std::unique_ptr<demo::Backend> backend =
+        demo::make_cuda_backend(plans, options, residuals, gpu, at::Device(at::kCPU));
+    for (const at::Tensor& where : {gathered, gathered.to(gpu)}) {
+      const std::vector<optim::PeerFault> found = backend->screen(b, where, replicas, 4.0);
+      ASSERT_EQ(found.size(), host.size()) << name_of(values);
+      for (size_t f = 0; f < host.size(); ++f) {
+        EXPECT_EQ(found[f].kind, host[f].kind) << f;
+        EXPECT_EQ(found[f].replica, host[f].replica) << f;
+        EXPECT_EQ(found[f].tensor, host[f].tensor) << f;
+        EXPECT_EQ(found[f].ratio, host[f].ratio) << f;
+        EXPECT_EQ(found[f].detail, host[f].detail) << f;
       }
     }
   }

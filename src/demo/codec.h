@@ -244,15 +244,12 @@ FLEXDEMO_HD int64_t get_position(const uint8_t* body, const Layout& l, int64_t c
   }
   return (b - j) << low | get_bits(record, j * low, low);
 }
-// Chunk c's positions, in the order sent, into out[0, k). Returns how many the chunk holds: k, or
-// for a damaged packed record another count (out then holds the first min(count, k)), or -1 for
-// a record with a padding bit set (not one this codec writes). A packed record's bitmap is read
-// 56 bits at a time, its set bits found by their index.
-FLEXDEMO_HD int64_t get_positions(const uint8_t* body, const Layout& l, int64_t c, int64_t* out) {
-  if (l.index_bytes > 0) {
-    for (int64_t j = 0; j < l.k; ++j) out[j] = get_position(body, l, c, j);
-    return l.k;
-  }
+// Chunk c's packed record, its bitmap read 56 bits at a time and its set bits found by their
+// index: visit(j, position) for the j-th set bit (j past k too, the position then from bits past
+// the low parts), in order, until visit returns false. Returns whether the record's padding (the
+// last byte's bits above the record's) is clear.
+template <class Visit>
+FLEXDEMO_HD bool walk_packed_record(const uint8_t* body, const Layout& l, int64_t c, Visit visit) {
   const uint8_t* record = body + c * l.record_bytes;
   const int low = packed_low_bits(l.chunk_numel, l.k);
   const int64_t high_at = l.k * low, high_bits = packed_high_bits(l.chunk_numel, l.k);
@@ -261,16 +258,30 @@ FLEXDEMO_HD int64_t get_positions(const uint8_t* body, const Layout& l, int64_t 
     const int width = high_bits - b < 56 ? int(high_bits - b) : 56;
     for (uint64_t w = record_bits(record, l.record_bytes, high_at + b, width); w != 0; w &= w - 1) {
       const int64_t bit = b + lowest_set_bit(w);
-      if (found < l.k) {
-        out[found] = (bit - found) << low |
-                     int64_t(record_bits(record, l.record_bytes, found * low, low));
-      }
+      const int64_t low_bits =
+          found < l.k ? int64_t(record_bits(record, l.record_bytes, found * low, low)) : 0;
+      if (!visit(found, (bit - found) << low | low_bits)) return true;
       ++found;
     }
   }
-  const int64_t used = high_at + high_bits;  // the padding: the last byte's bits above these
-  if (used % 8 != 0 && (record[l.record_bytes - 1] >> (used % 8)) != 0) return -1;
-  return found;
+  const int64_t used = high_at + high_bits;
+  return used % 8 == 0 || (record[l.record_bytes - 1] >> (used % 8)) == 0;
+}
+// Chunk c's positions, in the order sent, into out[0, k). Returns how many the chunk holds: k, or
+// for a damaged packed record another count (out then holds the first min(count, k)), or -1 for
+// a record with a padding bit set (not one this codec writes).
+FLEXDEMO_HD int64_t get_positions(const uint8_t* body, const Layout& l, int64_t c, int64_t* out) {
+  if (l.index_bytes > 0) {
+    for (int64_t j = 0; j < l.k; ++j) out[j] = get_position(body, l, c, j);
+    return l.k;
+  }
+  int64_t found = 0;
+  const bool clear = walk_packed_record(body, l, c, [&](int64_t j, int64_t pos) {
+    if (j < l.k) out[j] = pos;
+    found = j + 1;
+    return true;
+  });
+  return clear ? found : -1;
 }
 
 // ====== Value arithmetic ======
@@ -542,32 +553,20 @@ FLEXDEMO_HD void crc_x2n_table(uint32_t* x2n) {
 // bits and no padding bit): what a decode needs of it. One pass and no storage, so that a GPU
 // thread checks a chunk on its own; validate_payload makes the same checks with messages.
 FLEXDEMO_HD bool positions_valid(const uint8_t* body, const Layout& l, int64_t c) {
-  int64_t previous = -1;
+  int64_t previous = -1, found = 0;
+  bool ordered = true;
+  const auto check = [&](int64_t j, int64_t pos) {
+    ordered = j < l.k && pos > previous && pos < l.chunk_numel;
+    previous = pos;
+    found = j + 1;
+    return ordered;
+  };
   if (l.index_bytes > 0) {
-    for (int64_t j = 0; j < l.k; ++j) {
-      const int64_t pos = get_position(body, l, c, j);
-      if (pos <= previous || pos >= l.chunk_numel) return false;
-      previous = pos;
-    }
-    return true;
+    for (int64_t j = 0; j < l.k && ordered; ++j) check(j, get_position(body, l, c, j));
+    return ordered;
   }
-  const uint8_t* record = body + c * l.record_bytes;
-  const int low = packed_low_bits(l.chunk_numel, l.k);
-  const int64_t high_at = l.k * low, high_bits = packed_high_bits(l.chunk_numel, l.k);
-  int64_t found = 0;
-  for (int64_t b = 0; b < high_bits; b += 56) {
-    const int width = high_bits - b < 56 ? int(high_bits - b) : 56;
-    for (uint64_t w = record_bits(record, l.record_bytes, high_at + b, width); w != 0; w &= w - 1) {
-      if (found == l.k) return false;
-      const int64_t pos = (b + lowest_set_bit(w) - found) << low |
-                          int64_t(record_bits(record, l.record_bytes, found * low, low));
-      if (pos <= previous || pos >= l.chunk_numel) return false;
-      previous = pos;
-      ++found;
-    }
-  }
-  const int64_t used = high_at + high_bits;  // the padding: the last byte's bits above these
-  return found == l.k && (used % 8 == 0 || (record[l.record_bytes - 1] >> (used % 8)) == 0);
+  const bool clear = walk_packed_record(body, l, c, check);
+  return ordered && clear && found == l.k;
 }
 // A payload's values are judged by their sum of squares in float64 (the scale check), summed in
 // one order wherever it is computed, so that a CPU and a GPU judge the same bytes alike: each

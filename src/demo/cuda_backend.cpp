@@ -54,25 +54,37 @@ class CudaBackend final : public Backend {
 
   bool partial_buckets() const override { return false; }  // one launch for every tensor
 
-  // The kernels' verdict; where it finds a fault, the host's screening of a copy, for its precise
-  // findings (as every replica's, whatever its device, would say). Without one, only the scale
-  // check is left, from the kernels' sums (the host's sums' bits).
+  // The kernels' verdict, then what the host's screening (screen_payloads) makes of it: a payload
+  // the kernels flag is copied to the host and checked there alone, for the host's own finding
+  // and message (as every replica, whatever its device, names it); the others count in the
+  // scale check by the kernels' sums, which are the host's bits.
   std::vector<optim::PeerFault> screen(const Bucket& b, const at::Tensor& gathered, int replicas,
                                        double scale_bound) const override {
     if (b.tensors.size() != plans_.size()) {  // the kernels' layout is every tensor's
       return screen_on_host(plans_, b, gathered, replicas, scale_bound);
     }
     const kernels::GpuStep& gpu = kernels_for(b.topk, b.values);
-    const kernels::GpuStep::Screened verdict = gpu.screen_on_device(on_device(gathered), replicas);
-    if (std::any_of(verdict.errors.begin(), verdict.errors.end(), [](uint32_t e) { return e != 0; })) {
-      return screen_on_host(plans_, b, gathered, replicas, scale_bound);
-    }
+    staged_ = on_device(gathered);  // the decode that follows reads this copy
+    staged_from_ = gathered;
+    const kernels::GpuStep::Screened verdict = gpu.screen_on_device(staged_, replicas);
     std::vector<optim::PeerFault> found;
     const size_t tensors = plans_.size();
-    std::vector<double> norms(static_cast<size_t>(replicas));
-    const std::vector<char> judged(size_t(replicas), 1);
+    std::vector<double> norms(static_cast<size_t>(replicas), 0.0);
+    std::vector<char> judged(static_cast<size_t>(replicas), 0);
     for (size_t i = 0; i < tensors; ++i) {
-      for (int r = 0; r < replicas; ++r) norms[r] = std::sqrt(verdict.squares[r * tensors + i]);
+      for (int r = 0; r < replicas; ++r) {
+        const size_t e = size_t(r) * tensors + i;
+        judged[r] = 1;
+        norms[r] = std::sqrt(verdict.squares[e]);
+        if (verdict.errors[e] == 0) continue;
+        const int64_t size = int64_t(compress::wire_payload_bytes(plans_[i], b.topk, b.values));
+        const at::Tensor payload =
+            gathered.narrow(0, int64_t(size_t(r) * b.bytes + b.offsets[i]), size).to(at::kCPU);
+        const std::optional<optim::PeerFault> fault = check_payload(
+            payload.data_ptr<uint8_t>(), plans_[i], b.topk, b.values, r, i, &norms[r]);
+        judged[r] = !fault;
+        if (fault) found.push_back(*fault);
+      }
       add_out_of_scale(norms, judged, i, scale_bound, found);
     }
     return found;
@@ -102,7 +114,11 @@ class CudaBackend final : public Backend {
   void decode(const Bucket& b, const at::Tensor& gathered, int replicas,
               const Updates& updates) override {
     const kernels::GpuStep& gpu = kernels_for(b.topk, b.values);
-    const at::Tensor on_device = this->on_device(gathered);
+    // The screening's copy when it screened these very bytes (an MPI bucket lies on the host).
+    const bool screened = staged_.defined() && staged_from_.is_same(gathered);
+    const at::Tensor on_device = screened ? staged_ : this->on_device(gathered);
+    staged_ = at::Tensor();
+    staged_from_ = at::Tensor();
     if (plans_.empty()) return;
     const bool fused = std::all_of(
         updates.fused.begin(), updates.fused.end(),
@@ -144,6 +160,9 @@ class CudaBackend final : public Backend {
   std::vector<at::Tensor> residuals_;  // handles: the replicator's tensors
   at::Device device_, replica_device_;
   at::Tensor scratch_;  // float32 on the device, for accumulate's DCT
+  // The gathered bucket screen() last copied to the device, and what it copied: the decode of
+  // the same tensor reuses it (one copy a step, not two), then lets it go.
+  mutable at::Tensor staged_, staged_from_;
   mutable std::map<std::pair<int64_t, compress::ValueEncoding>, std::unique_ptr<kernels::GpuStep>>
       kernels_;
 };

@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace flexdemo::demo {
@@ -23,6 +24,12 @@ std::vector<optim::PeerFault> screen_payloads(const uint8_t* gathered, int repli
                                               const std::vector<dct::ChunkPlan>& plans,
                                               const std::vector<size_t>& offsets, int64_t k,
                                               compress::ValueEncoding encoding, double scale_bound);
+
+// One payload's checks but the scale's (screen_payloads' per payload): the fault, or none and
+// its values' norm in *norm (their sum of squares' root, summed in codec.h's order).
+std::optional<optim::PeerFault> check_payload(const uint8_t* payload, const dct::ChunkPlan& plan,
+                                              int64_t k, compress::ValueEncoding encoding,
+                                              int replica, size_t tensor, double* norm);
 
 // The scale check of tensor `tensor` alone: of the replicas judged (passed every other check),
 // each whose norm exceeds scale_bound times the lower median of the judged ones' norms, appended

@@ -287,6 +287,28 @@ void decode_mean(const std::vector<const uint8_t*>& payloads, size_t size,
 
 namespace flexdemo::demo {
 
+std::optional<optim::PeerFault> check_payload(const uint8_t* payload, const dct::ChunkPlan& plan,
+                                              int64_t k, compress::ValueEncoding encoding,
+                                              int replica, size_t tensor, double* norm) {
+  optim::PeerFault fault;
+  fault.replica = replica;
+  fault.tensor = tensor;
+  try {
+    compress::validate_payload(payload, compress::wire_payload_bytes(plan, k, encoding), plan, k,
+                               encoding);
+  } catch (const compress::WireFormatError& e) {
+    fault.detail = e.what();
+    return fault;
+  }
+  const compress::PayloadValues scan = compress::scan_payload_values(payload, plan, k, encoding);
+  if (!scan.finite) {
+    fault.kind = optim::PeerFault::Kind::NonFinite;
+    return fault;
+  }
+  *norm = std::sqrt(scan.sum_squares);
+  return std::nullopt;
+}
+
 std::vector<optim::PeerFault> screen_payloads(const uint8_t* gathered, int replicas,
                                               size_t replica_bytes,
                                               const std::vector<dct::ChunkPlan>& plans,
@@ -297,29 +319,12 @@ std::vector<optim::PeerFault> screen_payloads(const uint8_t* gathered, int repli
   std::vector<double> norms(size_t(replicas), 0.0);
   std::vector<char> judged(size_t(replicas), 0);  // passed the other checks: its norm counts
   for (size_t t = 0; t < plans.size(); ++t) {
-    const size_t size = compress::wire_payload_bytes(plans[t], k, encoding);
     for (int r = 0; r < replicas; ++r) {
       const uint8_t* payload = gathered + size_t(r) * replica_bytes + offsets[t];
-      judged[r] = 0;
-      optim::PeerFault fault;
-      fault.replica = r;
-      fault.tensor = t;
-      try {
-        compress::validate_payload(payload, size, plans[t], k, encoding);
-      } catch (const compress::WireFormatError& e) {
-        fault.detail = e.what();
-        found.push_back(fault);
-        continue;
-      }
-      const compress::PayloadValues scan =
-          compress::scan_payload_values(payload, plans[t], k, encoding);
-      if (!scan.finite) {
-        fault.kind = optim::PeerFault::Kind::NonFinite;
-        found.push_back(fault);
-        continue;
-      }
-      norms[r] = std::sqrt(scan.sum_squares);
-      judged[r] = 1;
+      const std::optional<optim::PeerFault> fault =
+          check_payload(payload, plans[t], k, encoding, r, t, &norms[r]);
+      judged[r] = !fault;
+      if (fault) found.push_back(*fault);
     }
     add_out_of_scale(norms, judged, t, scale_bound, found);
   }

@@ -493,11 +493,13 @@ __global__ void crc_segments_kernel(TensorTable table, const uint8_t* buckets, i
 // checksum).
 __global__ void crc_finish_kernel(TensorTable table, uint8_t* buckets, int64_t bucket_bytes,
                                   const uint32_t* crcs, uint32_t* errors) {
+  __shared__ uint32_t x2n[32];  // the host's table (indexed at run time: from shared memory)
   __shared__ uint32_t part[kThreads];
   __shared__ int64_t part_bytes[kThreads];
   const int64_t r = blockIdx.x / table.num_tensors, i = blockIdx.x % table.num_tensors;
   const TensorDesc& t = table.tensors[i];
-  const uint32_t* x2n = table.crc_x2n;
+  for (int k = threadIdx.x; k < 32; k += blockDim.x) x2n[k] = table.crc_x2n[k];
+  __syncthreads();
   const int64_t segments = (t.body.body_bytes + kChecksumSegment - 1) / kChecksumSegment;
   const int64_t per = (segments + blockDim.x - 1) / blockDim.x;
   const int64_t a = min(segments, int64_t(threadIdx.x) * per), b = min(segments, a + per);
@@ -577,11 +579,12 @@ __global__ void screen_sums_kernel(TensorTable table, const double* chunk_square
   const int64_t r = blockIdx.x / table.num_tensors, i = blockIdx.x % table.num_tensors;
   const TensorDesc& t = table.tensors[i];
   const double* sums = chunk_squares + r * table.num_chunks + t.first_chunk;
-  const int64_t chunks = t.body.chunks, run_count = (chunks + codec::kScreenRun - 1) / codec::kScreenRun;
+  const int64_t chunks = t.body.chunks;
+  const int64_t run_count = (chunks + codec::kScreenRun - 1) / codec::kScreenRun;
   double total = 0.0;
-  for (int64_t first = 0; first < run_count; first += blockDim.x) {
+  for (int64_t first = 0; first < run_count; first += kThreads) {  // runs[] holds kThreads
     const int64_t q = first + threadIdx.x;
-    if (q < run_count) {
+    if (threadIdx.x < kThreads && q < run_count) {
       double run = 0.0;
       const int64_t end = min(chunks, (q + 1) * codec::kScreenRun);
       for (int64_t c = q * codec::kScreenRun; c < end; ++c) {
@@ -592,7 +595,7 @@ __global__ void screen_sums_kernel(TensorTable table, const double* chunk_square
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-      const int64_t n = min(int64_t(blockDim.x), run_count - first);
+      const int64_t n = min(int64_t(kThreads), run_count - first);
       for (int64_t j = 0; j < n; ++j) total += runs[j];
     }
     __syncthreads();

@@ -361,8 +361,11 @@ GpuStep::Screened GpuStep::screen_on_device(const at::Tensor& gathered, int repl
   Screened out;
   out.errors.resize(size_t(n));
   out.squares.resize(size_t(n));
-  std::memcpy(out.errors.data(), host.data_ptr<uint8_t>(), sizeof(uint32_t) * size_t(n));
-  std::memcpy(out.squares.data(), host.data_ptr<uint8_t>() + errors_bytes, sizeof(double) * size_t(n));
+  if (n > 0) {
+    std::memcpy(out.errors.data(), host.data_ptr<uint8_t>(), sizeof(uint32_t) * size_t(n));
+    std::memcpy(out.squares.data(), host.data_ptr<uint8_t>() + errors_bytes,
+                sizeof(double) * size_t(n));
+  }
   return out;
 }
 
