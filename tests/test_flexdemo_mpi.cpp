@@ -170,6 +170,25 @@ TEST(Topology, BuildsShardAndReplicaGroups) {
   EXPECT_EQ(groups.replica_group->size(), 4);
   EXPECT_EQ(groups.shard_group->size(), 1);
 
+  // Islands: 4 nodes of 1 rank in 2 islands of 2, shard groups spanning each island's nodes:
+  // ranks {0,1} and {2,3} shard, {0,2} and {1,3} replicate (a replica: an island).
+  comm::Topology islands = comm::make_topology(test_world(), {1, 0, 2});
+  EXPECT_EQ(islands.nodes, 4);
+  EXPECT_EQ(islands.islands, 2);
+  EXPECT_EQ(islands.island, r / 2);
+  EXPECT_EQ(islands.shard_size, 2);  // the whole island
+  EXPECT_EQ(islands.shard_rank, r % 2);
+  EXPECT_EQ(islands.replica_rank, r / 2);
+  EXPECT_EQ(islands.shard_group->size(), 2);
+  EXPECT_EQ(islands.replica_group->rank(), r / 2);
+  EXPECT_EQ(islands.describe(), "2 islands x 2 nodes x 1 rank, shard size 2, 2 replicas");
+  // One island of all 4 nodes, shard size 2: 2 shard groups inside it, replicating.
+  comm::Topology one = comm::make_topology(test_world(), {1, 2, 4});
+  EXPECT_EQ(one.islands, 1);
+  EXPECT_EQ(one.replicas, 2);
+  EXPECT_EQ(one.shard_rank, r % 2);
+  EXPECT_EQ(one.replica_rank, r / 2);
+
   comm::Topology host = comm::make_topology(test_world(), {});  // MPI: one host here
   EXPECT_EQ(host.nodes, 1);
   EXPECT_EQ(host.shard_size, 4);
@@ -190,6 +209,10 @@ TEST(Topology, BadTopologyFailsOnEveryRank) {
   expect_error({2, 3}, "--shard-size 3 does not divide the 2 ranks per node");
   expect_error({2, -1}, "--shard-size must be >= 1");
   expect_error({0, world->rank() == 0 ? 1 : 2}, "ranks disagree on --shard-size");
+  expect_error({1, 0, 3}, "--island-nodes 3 does not divide the 4 nodes");
+  expect_error({1, 3, 2}, "--shard-size 3 does not divide the island's 2 ranks (2 nodes x 1)");
+  expect_error({1, 0, 0}, "--island-nodes must be >= 1");
+  expect_error({1, 0, world->rank() == 0 ? 1 : 2}, "ranks disagree on --island-nodes");
   world->barrier();  // every rank got here: nobody hung
 }
 

@@ -202,8 +202,12 @@ struct OptionSpec {
   X(ranks_per_node, int, 0, Run,                                                                   \
     Accepts(at_least(0, " (0: from MPI)")).from_env("FLEXDEMO_RANKS_PER_NODE"),                             \
     "ranks per node (0: from MPI)")                                                                \
-  X(shard_size, int, 0, Run, at_least(0, " (0: the whole node)"),                                  \
-    "ranks per shard group (0: the node)")                                                         \
+  X(shard_size, int, 0, Run, at_least(0, " (0: the whole island)"),                                \
+    "ranks per shard group, dividing the island's ranks (0: the island: the node unless "          \
+    "--island-nodes)")                                                                             \
+  X(island_nodes, int, 1, Run, at_least(1),                                                        \
+    "nodes an island holds (consecutive nodes on a fast fabric): shard groups may span an "        \
+    "island's nodes and the exchange between replicas runs between islands")                       \
   X(reshard, bool, true, Run, anything(),                                                          \
     "free gathered parameters after forward and recompute in backward")                            \
   /* ====== Devices ====== */                                                                      \

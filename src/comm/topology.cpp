@@ -11,7 +11,11 @@
 namespace flexdemo::comm {
 
 std::string Topology::describe() const {
-  return std::to_string(nodes) + " node" + (nodes == 1 ? "" : "s") + " x " +
+  const std::string layout =
+      island_nodes > 1 ? std::to_string(islands) + " island" + (islands == 1 ? "" : "s") + " x " +
+                             std::to_string(island_nodes) + " nodes"
+                       : std::to_string(nodes) + " node" + (nodes == 1 ? "" : "s");
+  return layout + " x " +
          std::to_string(ranks_per_node) + " rank" + (ranks_per_node == 1 ? "" : "s") +
          ", shard size " + std::to_string(shard_size) + ", " + std::to_string(replicas) +
          " replica" + (replicas == 1 ? "" : "s");
@@ -39,15 +43,16 @@ Topology make_topology(std::shared_ptr<Communicator> world, const TopologyOption
     host->all_gather(mine, all);
     key = all.min().item<int64_t>();
   }
-  at::Tensor row =
-      at::tensor({key, int64_t(options.ranks_per_node), int64_t(options.shard_size)}, at::kLong);
-  at::Tensor table = at::empty({P, 3}, at::kLong);
+  at::Tensor row = at::tensor({key, int64_t(options.ranks_per_node), int64_t(options.shard_size),
+                               int64_t(options.island_nodes)},
+                              at::kLong);
+  at::Tensor table = at::empty({P, 4}, at::kLong);
   world->all_gather(row, table);
   auto t = table.accessor<int64_t, 2>();
 
   // The same checks, on the same table, on every rank.
-  const char* names[] = {"", "--ranks-per-node", "--shard-size"};
-  for (int column = 1; column <= 2; ++column) {
+  const char* names[] = {"", "--ranks-per-node", "--shard-size", "--island-nodes"};
+  for (int column = 1; column <= 3; ++column) {
     for (int r = 1; r < P; ++r) {
       if (t[r][column] != t[0][column]) {
         fail(std::string("ranks disagree on ") + names[column] + ": rank 0 has " +
@@ -61,8 +66,11 @@ Topology make_topology(std::shared_ptr<Communicator> world, const TopologyOption
          std::to_string(options.ranks_per_node));
   }
   if (options.shard_size < 0) {
-    fail("--shard-size must be >= 1 (or 0: the whole node), got " +
+    fail("--shard-size must be >= 1 (or 0: the whole island), got " +
          std::to_string(options.shard_size));
+  }
+  if (options.island_nodes < 1) {
+    fail("--island-nodes must be >= 1, got " + std::to_string(options.island_nodes));
   }
   if (options.ranks_per_node > 0 && P % options.ranks_per_node != 0) {
     fail("a world of " + std::to_string(P) + " ranks does not divide into nodes of " +
@@ -82,17 +90,31 @@ Topology make_topology(std::shared_ptr<Communicator> world, const TopologyOption
   topo.world = world;
   topo.nodes = int(node_sizes.size());
   topo.ranks_per_node = node_sizes.begin()->second;
-  topo.shard_size = options.shard_size > 0 ? options.shard_size : topo.ranks_per_node;
-  if (topo.ranks_per_node % topo.shard_size != 0) {
+  topo.island_nodes = options.island_nodes;
+  if (topo.nodes % topo.island_nodes != 0) {
+    fail("--island-nodes " + std::to_string(topo.island_nodes) + " does not divide the " +
+         std::to_string(topo.nodes) + " nodes");
+  }
+  topo.islands = topo.nodes / topo.island_nodes;
+  const int island_ranks = topo.island_nodes * topo.ranks_per_node;
+  topo.shard_size = options.shard_size > 0 ? options.shard_size : island_ranks;
+  if (island_ranks % topo.shard_size != 0) {
     fail("--shard-size " + std::to_string(topo.shard_size) + " does not divide the " +
-         std::to_string(topo.ranks_per_node) + " ranks per node");
+         (topo.island_nodes == 1
+              ? std::to_string(topo.ranks_per_node) + " ranks per node"
+              : "island's " + std::to_string(island_ranks) + " ranks (" +
+                    std::to_string(topo.island_nodes) + " nodes x " +
+                    std::to_string(topo.ranks_per_node) + ")"));
   }
   topo.replicas = P / topo.shard_size;
   topo.node = int(std::distance(node_sizes.begin(), node_sizes.find(key)));
+  topo.island = topo.node / topo.island_nodes;
   for (int r = 0; r < me; ++r) topo.local_rank += t[r][0] == key ? 1 : 0;
-  topo.shard_rank = topo.local_rank % topo.shard_size;
-  const int groups_per_node = topo.ranks_per_node / topo.shard_size;
-  topo.replica_rank = topo.node * groups_per_node + topo.local_rank / topo.shard_size;
+  // Its place in its island: the island's nodes in order, each node's ranks in order.
+  const int island_rank = (topo.node % topo.island_nodes) * topo.ranks_per_node + topo.local_rank;
+  topo.shard_rank = island_rank % topo.shard_size;
+  const int groups_per_island = island_ranks / topo.shard_size;
+  topo.replica_rank = topo.island * groups_per_island + island_rank / topo.shard_size;
   topo.shard_group = world->split(topo.replica_rank, topo.shard_rank);
   topo.replica_group = world->split(topo.shard_rank, topo.replica_rank);
   return topo;

@@ -178,9 +178,9 @@ void RunLog::record(const StepMetrics& m) {
   const double eta = elapsed / done * double(cfg.steps - m.step);
   const double tokens_per_s = done * double(cfg.batch * cfg.seq) / elapsed;
   const std::string line = fmt::format(
-      "step {}/{}  loss {:.4f}{}  {:.0f} tok/s  {} between nodes/step  ETA {}", m.step, cfg.steps,
+      "step {}/{}  loss {:.4f}{}  {:.0f} tok/s  {} between {}/step  ETA {}", m.step, cfg.steps,
       m.loss, m.val_loss ? fmt::format("  val {:.4f}", *m.val_loss) : std::string(), tokens_per_s,
-      human_bytes(m.inter_sent), human_seconds(eta));
+      human_bytes(m.inter_sent), between(), human_seconds(eta));
   if (terminal_) {
     fmt::print("\r{:<100}", line);
     if (m.val_loss || m.step == cfg.steps) fmt::print("\n");
@@ -213,11 +213,11 @@ void RunLog::finish(int64_t steps_done) {
   summary["optimizer"] = name_of(cfg.optimizer);
   summary["replicator"] = name_of(*cfg.replicator);
   std::ofstream(fs::path(cfg.out) / "summary.json") << summary.dump(2) << "\n";
-  fmt::print("{}; {:.0f} tokens/s; {} between nodes per step; outputs in {}\n",
+  fmt::print("{}; {:.0f} tokens/s; {} between {} per step; outputs in {}\n",
              std::isnan(val_loss_) ? std::string("no validation loss measured")
                                    : fmt::format("final validation loss {:.4f}", val_loss_),
              summary["tokens_per_s"].get<double>(),
-             human_bytes(summary["inter_bytes_per_step"].get<double>()), cfg.out);
+             human_bytes(summary["inter_bytes_per_step"].get<double>()), between(), cfg.out);
 }
 
 }  // namespace flexdemo::train

@@ -59,6 +59,8 @@ class RunLog {
   void finish(int64_t steps_done);
 
  private:
+  // What the replicas exchange across: "nodes", or "islands" where an island holds several.
+  const char* between() const { return s_.topo.island_nodes > 1 ? "islands" : "nodes"; }
   const Session& s_;
   const int64_t start_step_;
   const bool root_, terminal_;

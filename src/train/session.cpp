@@ -124,7 +124,7 @@ std::unique_ptr<Session> open_session(const TrainConfig& config,
   cfg.resolve();
   set_num_threads(cfg.threads);
   const optim::OptimizerOptions options = optimizer_options(cfg);
-  s->topo = comm::make_topology(world, {cfg.ranks_per_node, cfg.shard_size});
+  s->topo = comm::make_topology(world, {cfg.ranks_per_node, cfg.shard_size, cfg.island_nodes});
   // Every draw from LibTorch's default generators (T5's span corruption, dropout) follows --seed:
   // unseeded, they start from a random seed in every process.
   at::manual_seed(rank_seed(cfg, world->rank()));

@@ -158,10 +158,12 @@ struct PeerNames {
     for (const auto& unit : s.lm->param_names())
       tensor.insert(tensor.end(), unit.begin(), unit.end());
   }
-  // "node 1 (rank 2) sent blocks.0.attn.weight with non-finite values"
+  // "node 1 (rank 2) sent blocks.0.attn.weight with non-finite values" (with islands of several
+  // nodes: "island 1 ...")
   std::string describe(const Session& s, const optim::PeerFault& f) const {
-    const int groups_per_node = s.topo.ranks_per_node / s.topo.shard_size;
-    return fmt::format("node {} (rank {}) sent {} with {}", f.replica / groups_per_node,
+    const int groups = s.topo.island_nodes * s.topo.ranks_per_node / s.topo.shard_size;
+    return fmt::format("{} {} (rank {}) sent {} with {}",
+                       s.topo.island_nodes > 1 ? "island" : "node", f.replica / groups,
                        world_rank.at(size_t(f.replica)),
                        f.tensor < tensor.size() ? tensor[f.tensor] : std::to_string(f.tensor),
                        f.describe());
