@@ -18,10 +18,13 @@ import torch.distributed as dist
 from torch import nn
 
 
-def hybrid_mesh(ranks_per_node: Optional[int] = None, device_type: Optional[str] = None):
+def hybrid_mesh(ranks_per_node: Optional[int] = None, device_type: Optional[str] = None,
+                island_nodes: int = 1):
     """The (replicate, shard) DeviceMesh of ``world / ranks_per_node`` nodes of
     ``ranks_per_node`` ranks each (default: torchrun's LOCAL_WORLD_SIZE); consecutive ranks
-    form a node."""
+    form a node. With ``island_nodes`` > 1, consecutive nodes form islands of that many (the
+    trainer's ``--island-nodes``): the shard dimension spans an island's ranks, the replicate
+    dimension the islands."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if not dist.is_initialized():
@@ -33,9 +36,14 @@ def hybrid_mesh(ranks_per_node: Optional[int] = None, device_type: Optional[str]
     if ranks_per_node < 1 or world % ranks_per_node != 0:
         raise ValueError("flexdemo: ranks_per_node {}; it must divide the world of {} "
                          "ranks".format(ranks_per_node, world))
+    nodes = world // ranks_per_node
+    if island_nodes < 1 or nodes % island_nodes != 0:
+        raise ValueError("flexdemo: island_nodes {}; it must be >= 1 and divide the {} "
+                         "nodes".format(island_nodes, nodes))
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    return init_device_mesh(device_type, (world // ranks_per_node, ranks_per_node),
+    island_ranks = ranks_per_node * island_nodes
+    return init_device_mesh(device_type, (world // island_ranks, island_ranks),
                             mesh_dim_names=("replicate", "shard"))
 
 

@@ -22,3 +22,10 @@ def test_fsdp2_empty_local_shard_with_whole_tensor_rms(tmp_path):
     run = torchrun(2, "dist_empty_shard.py", timeout=300)
     print(run.stdout)
     assert succeeded(run)
+
+
+def test_hybrid_mesh_with_islands():
+    """dist_islands.py: islands of nodes mesh the ranks as the trainer's --island-nodes does."""
+    run = torchrun(4, "dist_islands.py", timeout=300)
+    print(run.stdout)
+    assert succeeded(run)
