@@ -38,6 +38,8 @@
 #   5. The same with --overlap-step (the exchange in flight settled by its preview): within 1%.
 #   6. The same with --demo-exchange owners (the owners' leftovers are in their residuals, so
 #      the residuals map as the all-gather's do, and the owners are cut again): within 1%.
+#   7. Islands of 2 nodes, 2 islands -> 1 -> 2 (shards spanning an island's nodes): leg 4's
+#      arithmetic on another layout, so leg 4's losses bit for bit.
 #   tests/elastic_resume.sh BUILD_DIR
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
@@ -144,4 +146,12 @@ for variant in flexdemo overlap owners; do
     { echo "FAIL ($variant): steps 1-20 differ from the uninterrupted run"; fail=1; }
   final_within_1_percent "$variant"
 done
+
+# 7. Islands (--island-nodes 2, one rank a node): 2 islands x 2 nodes -> 1 island of 2 -> 2 of 2,
+#    shard groups spanning an island's nodes. The same groups of the same ranks as leg 4's
+#    2 x 2 -> 1 x 2 -> 2 x 2, so its every loss must be leg 4's, bit for bit (and so within 1%).
+compare islands "4 1" "2 1" "4 1" 20 40 --check-replicas 10 --island-nodes 2
+final_within_1_percent islands
+[ "$(losses "$work/islands")" = "$(losses "$work/flexdemo")" ] ||
+  { echo "FAIL (islands): the islands' elastic run differs from the nodes' (leg 4)"; fail=1; }
 exit "$fail"
