@@ -3,7 +3,14 @@
 # to a bridge in a "switch" namespace of its own, each node's link rate-limited by tbf, and
 # mpirun across them over TCP. No traffic leaves these namespaces. Needs root.
 #
-#   scripts/cluster.sh up N S RATE     N nodes, S ranks per node, RATE like 100mbit or none
+#   scripts/cluster.sh up N S RATE [K INSIDE]
+#                                      N nodes, S ranks per node, RATE like 100mbit or none (a
+#                                      delay may follow: 100mbit@20ms); with K and INSIDE, islands
+#                                      of K consecutive nodes (flexdemo train --island-nodes K):
+#                                      a node's traffic to its own island's nodes goes at INSIDE
+#                                      (e.g. 10gbit or 10gbit@0.1ms), to the others' at RATE
+#   scripts/cluster.sh bytes           per node, the bytes it sent inside its island and between
+#                                      islands since up (the links' own counters)
 #   scripts/cluster.sh run [--nodes-file F] -- CMD...
 #                                      mpirun CMD on N*S ranks (flexdemo learns S from the env),
 #                                      or on the nodes F lists now (numbers, e.g. "1,2"; read at
@@ -35,12 +42,49 @@ down() {
   rm -rf "$state"
 }
 
+# A link's spec: none, RATE or RATE@DELAY (100mbit, 10gbit@0.1ms).
+check_link() {  # WHAT SPEC
+  [[ "$2" == none || "$2" =~ ^[0-9]+(k|m|g)?bit(@[0-9.]+(us|ms|s))?$ ]] ||
+    die "$1 must look like 100mbit, 1gbit or 10gbit@0.1ms, or be none; got '$2'"
+}
+# A node's link as two HTB classes: 1:10 to its island's nodes at INSIDE, 1:20 (the default) to
+# every other node at BETWEEN, each with its delay (netem) if the spec has one.
+island_links() {  # NS DEV NODE N K INSIDE BETWEEN
+  local ns=$1 dev=$2 i=$3 n=$4 k=$5 inside=$6 between=$7 class spec rate delay j
+  ip netns exec "$ns" tc qdisc add dev "$dev" root handle 1: htb default 20
+  for class in 10 20; do
+    spec=$([ "$class" = 10 ] && echo "$inside" || echo "$between")
+    rate=${spec%%@*}
+    [ "$rate" = none ] && rate=100gbit
+    ip netns exec "$ns" tc class add dev "$dev" parent 1: classid "1:$class" htb rate "$rate" \
+      ceil "$rate" burst 64kb cburst 64kb quantum 60000
+    if [[ "$spec" == *@* ]]; then
+      delay=${spec#*@}
+      ip netns exec "$ns" tc qdisc add dev "$dev" parent "1:$class" handle "$class:" netem \
+        delay "$delay" limit 100000 ||
+        die "a delay needs the kernel's netem (sch_netem), which this one lacks: give rates alone"
+    fi
+  done
+  for j in $(seq 1 "$n"); do
+    if [ "$j" != "$i" ] && [ $(((j - 1) / k)) = $(((i - 1) / k)) ]; then
+      ip netns exec "$ns" tc filter add dev "$dev" parent 1: protocol ip prio 1 u32 \
+        match ip dst "$subnet.$j/32" flowid 1:10
+    fi
+  done
+}
+
 up() {
-  local n=$1 s=$2 rate=$3
+  local n=$1 s=$2 rate=$3 k=${4:-} inside=${5:-}
   [[ "$n" =~ ^[1-9][0-9]*$ && "$n" -le 200 ]] || die "N must be 1..200, got '$n'"
   [[ "$s" =~ ^[1-9][0-9]*$ ]] || die "S (ranks per node) must be >= 1, got '$s'"
-  [[ "$rate" == none || "$rate" =~ ^[0-9]+(k|m|g)?bit$ ]] ||
-    die "RATE must look like 100mbit, 1gbit, 10mbit, or be none; got '$rate'"
+  check_link RATE "$rate"
+  if [ -n "$k" ]; then
+    [[ "$k" =~ ^[1-9][0-9]*$ ]] && [ $((n % k)) -eq 0 ] ||
+      die "K (nodes an island) must divide the $n nodes, got '$k'"
+    check_link INSIDE "$inside"
+  elif [[ "$rate" == *@* ]]; then
+    die "a delay needs islands (up N S RATE K INSIDE); got '$rate' alone"
+  fi
   down
   trap 'down' ERR
   ip netns add "${prefix}-switch"
@@ -58,12 +102,14 @@ up() {
     ip -n "$ns" link set "${prefix}$i-a" up
     ip -n "${prefix}-switch" link set "${prefix}$i-b" master br0
     ip -n "${prefix}-switch" link set "${prefix}$i-b" up
-    if [ "$rate" != none ]; then
+    if [ -n "$k" ]; then
+      island_links "$ns" "${prefix}$i-a" "$i" "$n" "$k" "$inside" "$rate"
+    elif [ "$rate" != none ]; then
       ip netns exec "$ns" tc qdisc add dev "${prefix}$i-a" root tbf rate "$rate" burst 64kb latency 50ms
     fi
   done
   mkdir -p "$state"
-  printf 'N=%s\nS=%s\nRATE=%s\n' "$n" "$s" "$rate" > "$state/env"
+  printf 'N=%s\nS=%s\nRATE=%s\nK=%s\nINSIDE=%s\n' "$n" "$s" "$rate" "$k" "$inside" > "$state/env"
   # mpirun's rsh agent: start the remote command inside the namespace of the address it names.
   # Each node's daemon gets a session directory of its own: the nodes share one /tmp, where
   # daemons starting at once collide ("mkdir ... File exists", seen at 8 nodes).
@@ -77,7 +123,26 @@ exec ip netns exec ${prefix}-node\$node env OMPI_MCA_orte_tmpdir_base=$state/tmp
 AGENT
   chmod +x "$state/agent"
   trap - ERR
-  echo "cluster.sh: $n nodes x $s ranks, links at $rate"
+  if [ -n "$k" ]; then
+    echo "cluster.sh: $((n / k)) islands x $k nodes x $s ranks, links at $inside inside an" \
+      "island, $rate between islands (flexdemo train --island-nodes $k)"
+  else
+    echo "cluster.sh: $n nodes x $s ranks, links at $rate"
+  fi
+}
+
+bytes() {
+  [ -f "$state/env" ] || die "no cluster is up (scripts/cluster.sh up N S RATE)"
+  # shellcheck disable=SC1091
+  . "$state/env"
+  [ -n "$K" ] || die "bytes: the cluster has no islands (up N S RATE K INSIDE)"
+  local i
+  for i in $(seq 1 "$N"); do
+    ip netns exec "${prefix}-node$i" tc -s class show dev "${prefix}$i-a" | awk -v node="$i" '
+      /^class htb 1:10/ { c = "inside" } /^class htb 1:20/ { c = "between" }
+      /Sent/ && c != "" { b[c] = $2; c = "" }
+      END { printf "node %d: %d bytes inside its island, %d between islands\n", node, b["inside"], b["between"] }'
+  done
 }
 
 run() {
@@ -137,10 +202,11 @@ node() {
 cmd=${1:-}
 shift || true
 case "$cmd" in
-  up) [ $# -eq 3 ] || die "usage: scripts/cluster.sh up N S RATE"; up "$@" ;;
+  up) [ $# -eq 3 ] || [ $# -eq 5 ] || die "usage: scripts/cluster.sh up N S RATE [K INSIDE]"; up "$@" ;;
+  bytes) bytes ;;
   run) run "$@" ;;
   link) [ $# -eq 2 ] || die "usage: scripts/cluster.sh link I down|up"; link "$@" ;;
   node) [ $# -eq 2 ] || die "usage: scripts/cluster.sh node I down|up"; node "$@" ;;
   down) down ;;
-  *) die "usage: scripts/cluster.sh up N S RATE | run [--nodes-file F] -- CMD... | link I down|up | node I down|up | down" ;;
+  *) die "usage: scripts/cluster.sh up N S RATE [K INSIDE] | bytes | run [--nodes-file F] -- CMD... | link I down|up | node I down|up | down" ;;
 esac
