@@ -141,7 +141,7 @@ bytes() {
     ip netns exec "${prefix}-node$i" tc -s class show dev "${prefix}$i-a" | awk -v node="$i" '
       /^class htb 1:10/ { c = "inside" } /^class htb 1:20/ { c = "between" }
       /Sent/ && c != "" { b[c] = $2; c = "" }
-      END { printf "node %d: %d bytes inside its island, %d between islands\n", node, b["inside"], b["between"] }'
+      END { printf "node %d: %s bytes inside its island, %s between islands\n", node, b["inside"], b["between"] }'
   done
 }
 
