@@ -2,6 +2,9 @@
 
     torchrun --nproc-per-node 4 examples/python/train_gpt.py            # 2 nodes x 2 ranks
     torchrun --nnodes 2 --nproc-per-node 8 ... train_gpt.py --ranks-per-node 8   # a real cluster
+    torchrun --nproc-per-node 4 ... train_gpt.py --ranks-per-node 1 --island-nodes 2
+                                        # 2 islands x 2 nodes x 1 rank: FSDP2 across each
+                                        # island's nodes, FlexDeMo between the islands
 
 A GPT2LMHeadModel (or LlamaForCausalLM, --model llama) made from a config (random weights,
 nothing downloaded), a SentencePiece BPE trained on the text (--data), and the same data, seed,
@@ -41,6 +44,9 @@ def arguments():
     p.add_argument("--data", default="/usr/share/games/fortunes",
                    help="a text file, or a folder of them (files ending .dat are skipped)")
     p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--island-nodes", type=int, default=1,
+                   help="nodes an island holds (the trainer's --island-nodes): shards span an "
+                        "island's ranks and the replicas are the islands")
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--batch", type=int, default=16, help="global batch in sequences")
     p.add_argument("--seq", type=int, default=64)
@@ -215,21 +221,27 @@ def main():
     if args.batch % world:
         raise SystemExit("train_gpt: --batch {} must divide among {} ranks".format(args.batch,
                                                                                  world))
-    mesh = flexdemo.hybrid_mesh(ranks_per_node=args.ranks_per_node)
+    try:
+        mesh = flexdemo.hybrid_mesh(ranks_per_node=args.ranks_per_node,
+                                    island_nodes=args.island_nodes)
+    except ValueError as e:
+        raise SystemExit("train_gpt: {}".format(e))
     train_ids, val_ids = tokens(args, args.out)
     results = [train(args, name, mesh, train_ids, val_ids)
                for name in args.optimizers.split(",")]
+    between = "islands" if args.island_nodes > 1 else "nodes"
     if dist.get_rank() == 0:
         print("\n{:<12} {:>10} {:>28} {:>10}".format("optimizer", "val loss",
-                                                    "bytes between nodes/step/rank", "seconds"))
+                                                    "bytes between {}/step/rank".format(between),
+                                                    "seconds"))
         for r in results:
             print("{:<12} {:>10.4f} {:>28,.0f} {:>10.1f}".format(
                 r["optimizer"], r["val_loss"], r["bytes_between_nodes_per_step_and_rank"],
                 r["seconds"]))
         if len(results) == 2:
             a, b = results
-            print("{} vs {}: val loss {:+.2%}, {:.0f}x fewer bytes between nodes".format(
-                a["optimizer"], b["optimizer"], a["val_loss"] / b["val_loss"] - 1,
+            print("{} vs {}: val loss {:+.2%}, {:.0f}x fewer bytes between {}".format(
+                a["optimizer"], b["optimizer"], a["val_loss"] / b["val_loss"] - 1, between,
                 b["bytes_between_nodes_per_step_and_rank"] /
                 max(1, a["bytes_between_nodes_per_step_and_rank"])))
         with open(os.path.join(args.out, "results.json"), "w") as f:
