@@ -241,9 +241,9 @@ def main():
         if len(results) == 2:
             a, b = results
             print("{} vs {}: val loss {:+.2%}, {:.0f}x fewer bytes between {}".format(
-                a["optimizer"], b["optimizer"], a["val_loss"] / b["val_loss"] - 1, between,
+                a["optimizer"], b["optimizer"], a["val_loss"] / b["val_loss"] - 1,
                 b["bytes_between_nodes_per_step_and_rank"] /
-                max(1, a["bytes_between_nodes_per_step_and_rank"])))
+                max(1, a["bytes_between_nodes_per_step_and_rank"]), between))
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump(dict(args=vars(args), results=results), f, indent=1)
     dist.destroy_process_group()
