@@ -56,8 +56,10 @@ grep -q "^flexdemo: step 3: island 1 (rank 2) sent [a-z_.0-9]* with a corrupt pa
   "$work/islands.log" || fail "no line naming island 1 (rank 2) for the corrupt payload"
 grep -q "^flexdemo: step 3: node 1 (rank 2) sent" "$work/nodes.log" ||
   fail "no line naming node 1 (rank 2) for the corrupt payload"
-[ "$(grep -c '"link_budget"' "$work/islands/metrics.jsonl")" -ge 3 ] ||
-  fail "the link budget chose fewer than 3 times"
+# its four choices follow the injected probes: endless (top-k 4), instant (32), endless, endless
+[ "$(grep -o '"link_budget":{"step":[0-9]*,"topk":[0-9]*' "$work/islands/metrics.jsonl" |
+  sed 's/.*"topk"://' | tr '\n' ' ')" = "4 32 4 4 " ] ||
+  fail "the link budget's choices are not the injected probes' (top-k 4, 32, 4, 4)"
 [ "$(per_step "$work/nodes" | wc -l)" -ge $((2 * steps + 3)) ] || fail "too few metrics lines"
 diff <(per_step "$work/nodes") <(per_step "$work/islands") > "$work/diff" ||
   { echo "FAIL: the layouts' losses, bytes or link choices differ:"; head "$work/diff"; exit 1; }
@@ -82,6 +84,8 @@ FLEXDEMO_INJECT_SIGNAL=10:0 train "$work/resized" "${islands[@]}" || rc=$?
 train "$work/resized" --ranks-per-node 1 --island-nodes 1 --shard-size 1 --resume "$work/resized" ||
   fail "the run resumed as 4 islands of 1 node failed"
 grep -q "^resuming step 10, written by" "$work/last.log" || fail "no elastic resume from step 10"
+grep -q "flexdemo train: 4 nodes x 1 rank, shard size 1, 4 replicas" "$work/last.log" ||
+  fail "the resized run's first line does not say 4 nodes x 1 rank, shard size 1"
 final() { grep -o '"loss":[^,]*' "$1/metrics.jsonl" | tail -1 | cut -d: -f2; }
 awk -v a="$(final "$work/islands")" -v b="$(final "$work/resized")" \
   'BEGIN { d = (b - a) / a; exit !((d < 0 ? -d : d) <= 0.01) }' ||

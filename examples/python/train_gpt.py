@@ -231,11 +231,11 @@ def main():
                for name in args.optimizers.split(",")]
     between = "islands" if args.island_nodes > 1 else "nodes"
     if dist.get_rank() == 0:
-        print("\n{:<12} {:>10} {:>28} {:>10}".format("optimizer", "val loss",
+        print("\n{:<12} {:>10} {:>32} {:>10}".format("optimizer", "val loss",
                                                     "bytes between {}/step/rank".format(between),
                                                     "seconds"))
         for r in results:
-            print("{:<12} {:>10.4f} {:>28,.0f} {:>10.1f}".format(
+            print("{:<12} {:>10.4f} {:>32,.0f} {:>10.1f}".format(
                 r["optimizer"], r["val_loss"], r["bytes_between_nodes_per_step_and_rank"],
                 r["seconds"]))
         if len(results) == 2:

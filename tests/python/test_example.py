@@ -41,24 +41,28 @@ def test_example_trains_both_and_saves(tmp_path, family):
 def test_example_trains_across_islands(tmp_path):
     """The example on 2 islands x 2 nodes x 1 rank (--ranks-per-node 1 --island-nodes 2: FSDP2
     shards across each island's two nodes, FlexDeMo between the islands) against 2 nodes x 2
-    ranks, flexdemo only: the meshes make the same shard and replicate groups of the same ranks
-    (the trainer's layout test, tests/islands.sh), so every validation loss and the bytes
-    between replicas must be equal, bit for bit; a bad island size ends in one line."""
+    ranks, FlexDeMo (on islands AdamW-HSDP too, for the summary): the meshes make the same shard
+    and replicate groups of the same ranks (the trainer's layout test, tests/islands.sh), so
+    every validation loss and the bytes between replicas must be equal, bit for bit; a bad
+    island size ends in one line."""
     text = tmp_path / "text.txt"
     text.write_text("\n".join("island {} sends {} to island {}".format(i, i * 3 % 11, i % 2)
                               for i in range(2000)))
-    common = ["--data", text, "--optimizers", "flexdemo", "--steps", 8, "--eval-every", 2,
+    common = ["--data", text, "--steps", 8, "--eval-every", 2,
               "--eval-seqs", 8, "--vocab", 300, "--width", 64, "--layers", 1, "--seq", 32,
               "--chunk", 16, "--topk", 8, "--warmup", 2]
     script = os.path.join(ROOT, "examples", "python", "train_gpt.py")
     results = {}
-    for layout, extra in (("nodes", ["--ranks-per-node", 2]),
-                          ("islands", ["--ranks-per-node", 1, "--island-nodes", 2])):
+    # On islands AdamW-HSDP too (FSDP2 on the islands' 2-D mesh), for the comparison's line.
+    for layout, extra in (("nodes", ["--ranks-per-node", 2, "--optimizers", "flexdemo"]),
+                          ("islands", ["--ranks-per-node", 1, "--island-nodes", 2,
+                                       "--optimizers", "flexdemo,adamw-hsdp"])):
         out = tmp_path / layout
         run = torchrun(4, script, "--out", out, *common, *extra)
         assert succeeded(run)
         results[layout] = json.loads((out / "results.json").read_text())["results"][0]
         assert "bytes between {}/step/rank".format(layout) in run.stdout
+    assert "fewer bytes between islands" in run.stdout
     nodes, islands = results["nodes"], results["islands"]
     assert len(islands["evals"]) == 4 and islands["evals"][-1][1] < islands["evals"][0][1]
     assert islands["evals"] == nodes["evals"], (islands["evals"], nodes["evals"])
@@ -66,7 +70,7 @@ def test_example_trains_across_islands(tmp_path):
         nodes["bytes_between_nodes_per_step_and_rank"] > 0
 
     bad = torchrun(4, script, "--out", tmp_path / "bad", *common, "--ranks-per-node", 1,
-                   "--island-nodes", 3)
+                   "--island-nodes", 3, "--optimizers", "flexdemo")
     assert bad.returncode != 0
     assert "train_gpt: flexdemo: island_nodes 3; it must be >= 1 and divide the 4 nodes" in \
         bad.stdout + bad.stderr
