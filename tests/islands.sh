@@ -41,9 +41,9 @@ train() {  # OUT [options...]: the run's exit code, its log in OUT.log
   cp "$work/last.log" "$out.log"
   return $status
 }
+choice='"link_budget":{"step":[0-9]*,"topk":[0-9]*,"values":"[a-z0-9]*","every":[0-9]*'
 per_step() {  # every step's loss and bytes between replicas, and the link budget's choices
-  grep -o '"loss":[^,]*\|"inter_bytes_sent":[^,]*\|"link_budget":{"step":[0-9]*,"topk":[0-9]*,"values":"[a-z0-9]*","every":[0-9]*' \
-    "$1/metrics.jsonl"
+  grep -o "\"loss\":[^,]*\\|\"inter_bytes_sent\":[^,]*\\|$choice" "$1/metrics.jsonl"
 }
 fail() { echo "FAIL: $*"; exit 1; }
 
@@ -57,8 +57,8 @@ grep -q "^flexdemo: step 3: island 1 (rank 2) sent [a-z_.0-9]* with a corrupt pa
 grep -q "^flexdemo: step 3: node 1 (rank 2) sent" "$work/nodes.log" ||
   fail "no line naming node 1 (rank 2) for the corrupt payload"
 # its four choices follow the injected probes: endless (top-k 4), instant (32), endless, endless
-[ "$(grep -o '"link_budget":{"step":[0-9]*,"topk":[0-9]*' "$work/islands/metrics.jsonl" |
-  sed 's/.*"topk"://' | tr '\n' ' ')" = "4 32 4 4 " ] ||
+[ "$(grep -o "$choice" "$work/islands/metrics.jsonl" | sed 's/.*"topk":\([0-9]*\).*/\1/' |
+  tr '\n' ' ')" = "4 32 4 4 " ] ||
   fail "the link budget's choices are not the injected probes' (top-k 4, 32, 4, 4)"
 [ "$(per_step "$work/nodes" | wc -l)" -ge $((2 * steps + 3)) ] || fail "too few metrics lines"
 diff <(per_step "$work/nodes") <(per_step "$work/islands") > "$work/diff" ||
@@ -72,17 +72,18 @@ wait_for_exit "$sup" 300 || fail "the supervised run did not end in 300 s"
 sup=""
 [ "$rc" -eq 0 ] || fail "supervise ended with $rc"
 grep -q "the job finished after 1 restart$" "$work/last.log" || fail "no restart, or more than one"
-[ "$(grep -o '^{"step":[0-9]*' "$work/supervised/metrics.jsonl" | cut -d: -f2)" = "$(seq 1 $steps)" ] ||
-  fail "the supervised run's metrics.jsonl does not hold steps 1..$steps once each"
+[ "$(grep -o '^{"step":[0-9]*' "$work/supervised/metrics.jsonl" | cut -d: -f2)" = \
+  "$(seq 1 $steps)" ] || fail "the supervised metrics.jsonl does not hold steps 1..$steps once"
 diff <(per_step "$work/islands") <(per_step "$work/supervised") > "$work/diff" ||
-  { echo "FAIL: the supervised run differs from the uninterrupted one:"; head "$work/diff"; exit 1; }
+  { echo "FAIL: the supervised run differs from the uninterrupted one:"; head "$work/diff"
+    exit 1; }
 
 # Another island size: stopped at step 10, resumed as 4 islands of 1 node (shard size 1).
 rc=0
 FLEXDEMO_INJECT_SIGNAL=10:0 train "$work/resized" "${islands[@]}" || rc=$?
 [ $rc -eq 75 ] || fail "the run to resize ended with $rc, expected 75 (stopped)"
-train "$work/resized" --ranks-per-node 1 --island-nodes 1 --shard-size 1 --resume "$work/resized" ||
-  fail "the run resumed as 4 islands of 1 node failed"
+train "$work/resized" --ranks-per-node 1 --island-nodes 1 --shard-size 1 \
+  --resume "$work/resized" || fail "the run resumed as 4 islands of 1 node failed"
 grep -q "^resuming step 10, written by" "$work/last.log" || fail "no elastic resume from step 10"
 grep -q "flexdemo train: 4 nodes x 1 rank, shard size 1, 4 replicas" "$work/last.log" ||
   fail "the resized run's first line does not say 4 nodes x 1 rank, shard size 1"

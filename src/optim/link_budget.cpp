@@ -99,9 +99,9 @@ double LinkChoice::rank_bytes_per_s() const {
 std::string LinkChoice::describe() const {
   char line[512];
   std::snprintf(line, sizeof line,
-                "link budget before step %lld: %.1f Mbit/s a rank between replicas, latency %.2f ms, "
-                "compute %.0f ms a step -> top-k %lld, %s values, exchange every %lld step%s "
-                "(%.0f ms predicted against a budget of %.0f ms%s)",
+                "link budget before step %lld: %.1f Mbit/s a rank between replicas, latency "
+                "%.2f ms, compute %.0f ms a step -> top-k %lld, %s values, exchange every "
+                "%lld step%s (%.0f ms predicted against a budget of %.0f ms%s)",
                 static_cast<long long>(step), rank_bytes_per_s() * 8e-6, 1e3 * measure.latency_s,
                 1e3 * measure.compute_s, static_cast<long long>(schedule.topk),
                 name_of(schedule.values).c_str(), static_cast<long long>(schedule.every),
