@@ -26,6 +26,7 @@ function(flexdemo_add_engine)
     ${src}/optim/link_budget.cpp
     ${src}/optim/optimizer.cpp
     ${src}/optim/every_step.cpp
+    ${src}/optim/second_moment.cpp
     ${src}/optim/local_steps.cpp
     ${src}/optim/demo_replicator.cpp
     ${src}/optim/owner_replicator.cpp

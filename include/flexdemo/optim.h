@@ -45,6 +45,14 @@ enum class DemoExchange {
               // whatever R is
 };
 
+// Whose second moment the preconditioner divides a gradient by.
+enum class SecondMoment {
+  Own,     // each replica's own running mean square, per element (no bytes)
+  Shared,  // the replicas' running mean of each tensor's row and column sums of g^2, factored as
+           // Adafactor's (rows + cols floats a tensor summed over the replicas every
+           // second_moment_every steps; docs/results/many-nodes.md)
+};
+
 // The per-chunk transform DeMo's residual is kept and selected in.
 enum class Transform {
   Dct,   // the orthonormal chunked DCT-II (DeMo's)
@@ -151,6 +159,13 @@ constexpr Range open_closed(double low, double high) {  // (low, high]
     "divide each gradient by the root of its running mean square (AdamW's second moment: "       \
     "{beta2}, bias-corrected) before it enters DeMo's residual; each replica keeps its own (the " \
     "flexdemo step's default: on without {inner_steps})")                                        \
+  X(second_moment, SecondMoment, SecondMoment::Own, optim::unbounded(),                          \
+    "{precondition}: whose second moment divides a gradient: own (each replica's, per element) " \
+    "or shared (the replicas' mean, factored into each tensor's row and column mean squares as " \
+    "Adafactor's and taken over the whole tensor: rows + cols floats a tensor between replicas)") \
+  X(second_moment_every, int64_t, 1, optim::at_least(1),                                         \
+    "{second_moment} shared: sum the statistics over the replicas every this many steps (each "  \
+    "replica adds its own in between)")                                                          \
   X(topk, int64_t, 112, optim::at_least(1),                                                      \
     "DCT coefficients kept per chunk (at most a chunk's)")                                       \
   X(transform, Transform, Transform::Dct, optim::unbounded(),                                    \
@@ -473,6 +488,13 @@ struct NameTable<optim::DemoExchange> {
   static constexpr const char* what = "DeMo exchange";
   static constexpr std::pair<optim::DemoExchange, const char*> entries[] = {
       {optim::DemoExchange::AllGather, "all-gather"}, {optim::DemoExchange::Owners, "owners"}};
+};
+
+template <>
+struct NameTable<optim::SecondMoment> {
+  static constexpr const char* what = "second moment";
+  static constexpr std::pair<optim::SecondMoment, const char*> entries[] = {
+      {optim::SecondMoment::Own, "own"}, {optim::SecondMoment::Shared, "shared"}};
 };
 
 template <>

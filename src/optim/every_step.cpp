@@ -1,6 +1,8 @@
 // ExchangeEveryStep (stepping.h): every `every` steps the replicator exchanges and the inner step
 // rule applies the direction; the steps between fold their gradients into the replicator's state.
-// With `precondition`, each gradient is first divided by the root of its running mean square.
+// With `precondition`, each gradient is first divided by the root of its running mean square:
+// each replica's own, or one the replicas share (second_moment.h).
+#include "second_moment.h"
 #include "stepping.h"
 
 #include "demo/kernels.h"
@@ -18,13 +20,17 @@ namespace {
 class ExchangeEveryStep final : public Stepping {
  public:
   ExchangeEveryStep(const std::vector<dct::ChunkPlan>& plans, const OptimizerOptions& options,
-                    std::shared_ptr<comm::Communicator> group, at::Device device, StepRule& inner)
+                    const ShardSums& shards, std::shared_ptr<comm::Communicator> group,
+                    at::Device device, StepRule& inner)
       : options_(options),
         tensors_(plans.size()),
         inner_(inner),
-        replicator_(make_replicator(plans, options, std::move(group), device)),
+        replicator_(make_replicator(plans, options, group, device)),
         schedule_{options.topk, options.values, options.replicate_every} {
-    if (options.precondition) {
+    if (options.precondition && options.second_moment == SecondMoment::Shared) {
+      shared_ = std::make_unique<SharedSecondMoment>(plans, options, shards, group, device);
+      started_.resize(plans.size());
+    } else if (options.precondition) {
       for (const dct::ChunkPlan& plan : plans) {
         grad_sq_.push_back(at::zeros({plan.rows, plan.cols}, at::dtype(at::kFloat).device(device)));
       }
@@ -37,6 +43,7 @@ class ExchangeEveryStep final : public Stepping {
     if (options_.precondition) {
       grads = preconditioned(given);
       ++preconditioned_;
+      if (shared_) shared_->end_step(preconditioned_);
     }
     if (counters_.folded + 1 < schedule_.every) {
       ++counters_.folded;
@@ -69,6 +76,9 @@ class ExchangeEveryStep final : public Stepping {
   NamedTensors state_tensors() const override {
     NamedTensors state = replicator_->state_tensors();
     for (const auto& named : numbered("grad_sq", grad_sq_)) state.push_back(named);
+    if (shared_) {
+      for (const auto& named : shared_->state_tensors()) state.push_back(named);
+    }
     // --overlap-step's preview: the checkpoint's weights are replica 0's, each replica's own
     // parameters (the committed ones plus its own preview) are loaded after them.
     if (!replicator_->committed_params().empty()) {
@@ -83,6 +93,7 @@ class ExchangeEveryStep final : public Stepping {
     counters_ =
         counters ? *counters : ExchangeCounters{steps / schedule_.every, steps % schedule_.every};
     preconditioned_ = steps;
+    if (shared_) shared_->restore(steps);
     inner_.restore_step(counters_.exchanges);
     replicator_->restore_counters(counters_.exchanges, counters_.folded);
   }
@@ -130,6 +141,7 @@ class ExchangeEveryStep final : public Stepping {
   // number: AdamW's denominator on this replica's own gradient of tensor i (a missing one counts
   // as zero and stays undefined).
   at::Tensor precondition(size_t i, const at::Tensor& grad) {
+    if (shared_) return shared_->precondition(i, grad, preconditioned_ + 1);
     at::Tensor& v = grad_sq_[i];
     if (!grad.defined()) {
       v.mul_(options_.beta2);
@@ -147,6 +159,7 @@ class ExchangeEveryStep final : public Stepping {
   ExchangeSchedule schedule_;  // as set; the replicator reports the top-k and values in use
   ExchangeCounters counters_;
   std::vector<at::Tensor> grad_sq_;  // precondition: each gradient's running mean square
+  std::unique_ptr<SharedSecondMoment> shared_;  // precondition with second_moment shared
   int64_t preconditioned_ = 0;       // the steps in it
   // precondition: this step's gradients started early (start()), preconditioned then.
   std::vector<std::optional<at::Tensor>> started_;
@@ -156,9 +169,11 @@ class ExchangeEveryStep final : public Stepping {
 
 std::unique_ptr<Stepping> make_exchange_every_step(const std::vector<dct::ChunkPlan>& plans,
                                                    const OptimizerOptions& options,
+                                                   const ShardSums& shards,
                                                    std::shared_ptr<comm::Communicator> group,
                                                    at::Device device, StepRule& inner) {
-  return std::make_unique<ExchangeEveryStep>(plans, options, std::move(group), device, inner);
+  return std::make_unique<ExchangeEveryStep>(plans, options, shards, std::move(group), device,
+                                             inner);
 }
 
 }  // namespace flexdemo::optim

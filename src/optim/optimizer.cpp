@@ -85,6 +85,9 @@ void OptimizerOptions::validate() const {
          " exclude each other (both set how often replicas exchange)");
   }
   if (inner_steps > 1 && precondition) fail("{inner_steps} and {precondition} exclude each other");
+  if (second_moment == SecondMoment::Shared && !precondition) {
+    fail("{second_moment} shared needs {precondition}");
+  }
   if (inner_steps > 1 && overlap_step) fail("{inner_steps} and {overlap_step} exclude each other");
   if (peer_scale_bound > 0.0 && !(peer_scale_bound > 1.0)) {
     fail("{peer_scale_bound} must be 0 (off) or > 1, got " + str(peer_scale_bound));
@@ -190,12 +193,12 @@ Optimizer::Optimizer(std::vector<OptimParam> params, OptimizerOptions options,
   }
   const at::Device device =
       s.params.empty() ? at::Device(at::kCPU) : s.params.front().leaf.device();
-  s.inner = std::make_unique<StepRule>(
-      s.params, options, ShardSums{std::move(shard_group), s.given, int64_t(params.size())});
-  s.stepping =
-      options.inner_steps > 1
-          ? make_local_steps(s.plans, options, std::move(replica_group), device, *s.inner)
-          : make_exchange_every_step(s.plans, options, std::move(replica_group), device, *s.inner);
+  const ShardSums shards{std::move(shard_group), s.given, int64_t(params.size())};
+  s.inner = std::make_unique<StepRule>(s.params, options, shards);
+  s.stepping = options.inner_steps > 1
+                   ? make_local_steps(s.plans, options, std::move(replica_group), device, *s.inner)
+                   : make_exchange_every_step(s.plans, options, shards, std::move(replica_group),
+                                              device, *s.inner);
 }
 
 Optimizer::~Optimizer() = default;

@@ -35,8 +35,10 @@ class Stepping {
   virtual Replicator& replicator() const = 0;
 };
 
+// shards: where the tensors are shards (the shared second moment sums a matrix's columns there).
 std::unique_ptr<Stepping> make_exchange_every_step(const std::vector<dct::ChunkPlan>& plans,
                                                    const OptimizerOptions& options,
+                                                   const ShardSums& shards,
                                                    std::shared_ptr<comm::Communicator> group,
                                                    at::Device device, StepRule& inner);
 std::unique_ptr<Stepping> make_local_steps(const std::vector<dct::ChunkPlan>& plans,

@@ -112,12 +112,21 @@ void load_state_elastic(Session& s, const fs::path& dir, const nlohmann::json& m
     // A matrix is sharded in whole chunk-rows (dim 0), a vector, held as [1, n], in chunks.
     const shard::ShardSpec& spec = *specs.at(i);
     const int dim = spec.plan.rows > 1 ? 0 : 1;
-    const int64_t offset = dim == 0 ? spec.begin / spec.plan.cols : spec.begin;
     std::vector<at::Tensor> parts;
     for (const auto& shard : shards) {
       auto it = shard.find(name);
       if (it != shard.end()) parts.push_back(it->second);
     }
+    // --second-moment shared: a matrix's column statistics are the whole tensor's on every shard.
+    if (dim == 0 && name.rfind("moment_cols.", 0) == 0) {
+      if (parts.empty() || parts.front().sizes() != t.sizes()) {
+        throw std::invalid_argument("--resume: the optimizer state " + name + " in " +
+                                    dir.string() + " does not fit this run's shards");
+      }
+      t.copy_(parts.front());
+      continue;
+    }
+    const int64_t offset = dim == 0 ? spec.begin / spec.plan.cols : spec.begin;
     const at::Tensor whole = parts.empty() ? at::Tensor() : at::cat(parts, dim);
     if (!whole.defined() || whole.size(1 - dim) != t.size(1 - dim) ||
         offset + t.size(dim) > whole.size(dim)) {

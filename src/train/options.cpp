@@ -362,6 +362,8 @@ optim::OptimizerOptions optimizer_options(const TrainConfig& c) {
   o.decay = c.decay;
   o.fold_lr = c.fold_lr.value();
   o.precondition = c.precondition.value();
+  o.second_moment = c.second_moment;
+  o.second_moment_every = c.second_moment_every;
   o.values = c.values.value();
   o.replicate_every = c.replicate_every;
   o.inner_steps = c.inner_steps;

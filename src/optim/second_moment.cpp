@@ -1,0 +1,184 @@
+// SharedSecondMoment (second_moment.h): the factored second moment the replicas share.
+#include "second_moment.h"
+
+#include "flexdemo/comm.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+namespace flexdemo::optim {
+namespace {
+
+constexpr double kTiny = std::numeric_limits<float>::min();  // a total of zero divides nothing
+
+// Which of the given tensors are matrices, and their columns, agreed over the shard group: a
+// shard of one row cannot tell a matrix from a vector by itself (its plan is 1 x cols either way).
+std::vector<int64_t> agreed_matrix_cols(const std::vector<dct::ChunkPlan>& plans,
+                                        const ShardSums& shards) {
+  const int64_t n = shards.tensors;
+  at::Tensor mine = at::zeros({n, 2}, at::kDouble);
+  double* m = mine.data_ptr<double>();
+  for (size_t i = 0; i < plans.size(); ++i) {
+    if (plans[i].rows > 1) {
+      m[2 * shards.given.at(i)] = double(plans[i].cols);
+      m[2 * shards.given.at(i) + 1] = 1.0;
+    }
+  }
+  comm::Communicator& group = *shards.group;
+  const at::Tensor sums = mine.to(group.device());
+  group.all_reduce(sums, comm::ReduceOp::Sum);
+  const at::Tensor host = sums.to(at::kCPU);
+  const double* s = host.data_ptr<double>();
+  std::vector<int64_t> cols(size_t(n), 0);
+  for (int64_t g = 0; g < n; ++g) {
+    if (s[2 * g + 1] > 0) cols[size_t(g)] = std::llround(s[2 * g] / s[2 * g + 1]);
+  }
+  return cols;
+}
+
+}  // namespace
+
+SharedSecondMoment::SharedSecondMoment(const std::vector<dct::ChunkPlan>& plans,
+                                       const OptimizerOptions& options, const ShardSums& shards,
+                                       std::shared_ptr<comm::Communicator> replicas,
+                                       at::Device device)
+    : beta2_(options.beta2),
+      eps_(options.eps),
+      every_(options.second_moment_every),
+      shards_(shards),
+      replicas_(std::move(replicas)) {
+  const bool sharded = shards_.group && shards_.group->size() > 1;
+  if (sharded) {
+    if (shards_.given.size() != plans.size()) {
+      throw std::logic_error("SharedSecondMoment: one given index per sharded tensor");
+    }
+    shard_cols_ = agreed_matrix_cols(plans, shards_);
+  }
+  const auto floats = at::dtype(at::kFloat).device(device);
+  for (size_t i = 0; i < plans.size(); ++i) {
+    Tensor t;
+    t.rows = plans[i].rows;
+    t.cols = plans[i].cols;
+    t.matrix = t.rows > 1;
+    if (sharded) {
+      t.given = shards_.given[i];
+      const int64_t cols = shard_cols_[size_t(t.given)];
+      if (cols > 0 && cols != t.cols) {
+        throw std::invalid_argument("optimizer: tensor " + std::to_string(t.given) +
+                                    " is cut into shards of " + std::to_string(t.cols) +
+                                    " and of " + std::to_string(cols) +
+                                    " columns; --second-moment shared needs shards cut along dim 0");
+      }
+      t.matrix = cols > 0;
+    }
+    if (t.matrix) t.shared_rows = at::zeros({t.rows, 1}, floats);
+    t.shared_cols = at::zeros({1, t.cols}, floats);
+    t.own = at::zeros({t.rows, t.cols}, floats);
+    tensors_.push_back(std::move(t));
+  }
+}
+
+SharedSecondMoment::~SharedSecondMoment() = default;
+
+at::Tensor SharedSecondMoment::precondition(size_t i, const at::Tensor& grad, int64_t t) {
+  finish();
+  Tensor& s = tensors_.at(i);
+  const double b = beta2_;
+  if (!grad.defined()) {  // a step of zero
+    s.own.mul_(b);
+    return {};
+  }
+  const at::Tensor g = grad.reshape({s.rows, s.cols}).to(at::kFloat);
+  s.own.mul_(b).addcmul_(g, g, 1 - b);
+  // v = beta2^n * shared + own, n the steps in own (this one included).
+  const double weight = std::pow(b, double(since_ + 1));
+  const at::Tensor shared =
+      s.matrix ? s.shared_rows * (s.shared_cols * weight / s.shared_cols.sum().clamp_min(kTiny))
+               : s.shared_cols * weight;
+  const double correction = 1 - std::pow(b, double(t));
+  const at::Tensor denominator = shared.add_(s.own).div_(correction).sqrt_().add_(eps_);
+  return (g / denominator).reshape(grad.sizes());
+}
+
+void SharedSecondMoment::end_step(int64_t) {
+  if (++since_ < every_) return;
+  // The own statistics in one buffer: per tensor its row sums (matrices), then its column sums
+  // (a vector: its elements).
+  std::vector<at::Tensor> parts;
+  for (const Tensor& s : tensors_) {
+    if (s.matrix) parts.push_back(s.own.sum(1));
+    parts.push_back(s.matrix ? s.own.sum(0) : s.own.view(-1));
+  }
+  const at::Device device = replicas_ ? replicas_->device() : at::Device(at::kCPU);
+  wire_ = parts.empty() ? at::zeros({0}, at::dtype(at::kFloat).device(device))
+                        : at::cat(parts).to(device);
+  if (!shard_cols_.empty()) {
+    // A matrix's columns are summed over its shards: laid out by given tensor, so that every
+    // shard (an empty one too) adds the same places.
+    std::vector<int64_t> offset(shard_cols_.size() + 1, 0);
+    for (size_t g = 0; g < shard_cols_.size(); ++g) offset[g + 1] = offset[g] + shard_cols_[g];
+    comm::Communicator& group = *shards_.group;
+    const at::Tensor cols =
+        at::zeros({offset.back()}, at::dtype(at::kFloat).device(group.device()));
+    int64_t place = 0;
+    std::vector<std::pair<int64_t, const Tensor*>> placed;  // its columns' place in wire_
+    for (const Tensor& s : tensors_) {
+      if (s.matrix) {
+        place += s.rows;
+        cols.narrow(0, offset[size_t(s.given)], s.cols).copy_(wire_.narrow(0, place, s.cols));
+        placed.push_back({place, &s});
+      }
+      place += s.cols;
+    }
+    group.all_reduce(cols, comm::ReduceOp::Sum);
+    for (const auto& [where, s] : placed) {
+      wire_.narrow(0, where, s->cols).copy_(cols.narrow(0, offset[size_t(s->given)], s->cols));
+    }
+  }
+  for (Tensor& s : tensors_) s.own.zero_();
+  wire_steps_ = std::exchange(since_, 0);
+  if (replicas_ && replicas_->size() > 1) work_ = replicas_->iall_reduce(wire_, comm::ReduceOp::Sum);
+}
+
+void SharedSecondMoment::finish() const {
+  if (!wire_.defined()) return;
+  if (work_) std::exchange(work_, nullptr)->wait();
+  const double replicas = replicas_ ? double(replicas_->size()) : 1.0;
+  const double decay = std::pow(beta2_, double(wire_steps_));
+  const at::Tensor sums = std::exchange(wire_, at::Tensor());
+  const at::Device device = tensors_.empty() ? at::Device(at::kCPU) : tensors_[0].own.device();
+  const at::Tensor mean = sums.to(device).div_(replicas);
+  int64_t place = 0;
+  for (const Tensor& s : tensors_) {
+    if (s.matrix) {
+      s.shared_rows.mul_(decay).add_(mean.narrow(0, place, s.rows).view({s.rows, 1}));
+      place += s.rows;
+    }
+    s.shared_cols.mul_(decay).add_(mean.narrow(0, place, s.cols).view({1, s.cols}));
+    place += s.cols;
+  }
+}
+
+NamedTensors SharedSecondMoment::state_tensors() const {
+  finish();
+  NamedTensors state;
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    const Tensor& s = tensors_[i];
+    const std::string n = "." + std::to_string(i);
+    if (s.matrix) state.push_back({"moment_rows" + n, s.shared_rows});
+    state.push_back({"moment_cols" + n, s.shared_cols});
+    if (every_ > 1) state.push_back({"moment_own" + n, s.own});
+  }
+  return state;
+}
+
+void SharedSecondMoment::restore(int64_t steps) {
+  finish();
+  since_ = steps % every_;
+}
+
+}  // namespace flexdemo::optim
