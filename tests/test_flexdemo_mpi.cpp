@@ -286,11 +286,12 @@ TEST(FlexDemo, RmsCappedStepDoesNotDependOnShardSize) {
 
 // --second-moment shared (src/optim/second_moment.h) written out in float64 on whole tensors:
 // per tensor the replicas' running mean of its row and column sums of g^2 (a vector: of its
-// elements' g^2), summed every `every` steps, each replica's own g^2 in between.
+// elements' g^2), summed every `every` steps (that step's included), each replica's own g^2 in
+// between.
 struct NaiveSharedMoment {
   double beta2, eps;
   int64_t every;
-  std::vector<at::Tensor> rows, cols;      // shared: [rows] and [cols] (a vector: cols only)
+  std::vector<at::Tensor> rows, cols;        // shared: [rows] and [cols] (a vector: cols only)
   std::vector<std::vector<at::Tensor>> own;  // per replica, per tensor: g^2 since the last sum
 
   // Each replica's gradients of step t (1-based) divided by the root of its second moment.
@@ -306,34 +307,35 @@ struct NaiveSharedMoment {
         cols.push_back(at::zeros({g.dim() > 1 ? g.size(1) : g.size(0)}, g.options()));
       }
     }
-    const int64_t n = (t - 1) % every + 1;  // steps in own, this one included
-    std::vector<std::vector<at::Tensor>> out(replicas);
+    int64_t n = (t - 1) % every + 1;  // steps in own, this one included
     for (size_t r = 0; r < replicas; ++r) {
       for (size_t i = 0; i < tensors; ++i) {
-        const at::Tensor g = grads[r][i];
-        own[r][i] = beta2 * own[r][i] + (1 - beta2) * g * g;
-        const at::Tensor shared =
-            g.dim() > 1 ? at::outer(rows[i], cols[i]) / cols[i].sum().clamp_min(1e-300) : cols[i];
-        const at::Tensor v = std::pow(beta2, double(n)) * shared + own[r][i];
-        out[r].push_back(g / ((v / (1 - std::pow(beta2, double(t)))).sqrt() + eps));
+        own[r][i] = beta2 * own[r][i] + (1 - beta2) * grads[r][i] * grads[r][i];
       }
     }
-    if (t % every == 0) {
+    if (t % every == 0) {  // the sum over the replicas
       for (size_t i = 0; i < tensors; ++i) {
-        at::Tensor row_sums = at::zeros_like(cols[i]), col_sums = at::zeros_like(cols[i]);
-        if (rows[i].defined()) row_sums = at::zeros_like(rows[i]);
+        at::Tensor row_sums = rows[i].defined() ? at::zeros_like(rows[i]) : at::Tensor();
+        at::Tensor col_sums = at::zeros_like(cols[i]);
         for (size_t r = 0; r < replicas; ++r) {
-          if (rows[i].defined()) {
-            row_sums += own[r][i].sum(1);
-            col_sums += own[r][i].sum(0);
-          } else {
-            col_sums += own[r][i];
-          }
+          if (rows[i].defined()) row_sums += own[r][i].sum(1);
+          col_sums += rows[i].defined() ? own[r][i].sum(0) : own[r][i];
           own[r][i].zero_();
         }
         const double decay = std::pow(beta2, double(n));
         if (rows[i].defined()) rows[i] = decay * rows[i] + row_sums / double(replicas);
         cols[i] = decay * cols[i] + col_sums / double(replicas);
+      }
+      n = 0;
+    }
+    std::vector<std::vector<at::Tensor>> out(replicas);
+    for (size_t r = 0; r < replicas; ++r) {
+      for (size_t i = 0; i < tensors; ++i) {
+        const at::Tensor g = grads[r][i];
+        const at::Tensor shared =
+            g.dim() > 1 ? at::outer(rows[i], cols[i]) / cols[i].sum().clamp_min(1e-300) : cols[i];
+        const at::Tensor v = std::pow(beta2, double(n)) * shared + own[r][i];
+        out[r].push_back(g / ((v / (1 - std::pow(beta2, double(t)))).sqrt() + eps));
       }
     }
     return out;

@@ -157,8 +157,8 @@ constexpr Range open_closed(double low, double high) {  // (low, high]
     "off: add it as it is, so a decaying schedule does not weight old gradients above new ones") \
   X(precondition, bool, true, optim::unbounded(),                                                \
     "divide each gradient by the root of its running mean square (AdamW's second moment: "       \
-    "{beta2}, bias-corrected) before it enters DeMo's residual; each replica keeps its own (the " \
-    "flexdemo step's default: on without {inner_steps})")                                        \
+    "{beta2}, bias-corrected) before it enters DeMo's residual, each replica's own or shared "   \
+    "({second_moment}; the flexdemo step's default: on without {inner_steps})")                  \
   X(second_moment, SecondMoment, SecondMoment::Own, optim::unbounded(),                          \
     "{precondition}: whose second moment divides a gradient: own (each replica's, per element) " \
     "or shared (the replicas' mean, factored into each tensor's row and column mean squares as " \

@@ -43,7 +43,6 @@ class ExchangeEveryStep final : public Stepping {
     if (options_.precondition) {
       grads = preconditioned(given);
       ++preconditioned_;
-      if (shared_) shared_->end_step(preconditioned_);
     }
     if (counters_.folded + 1 < schedule_.every) {
       ++counters_.folded;
@@ -60,6 +59,9 @@ class ExchangeEveryStep final : public Stepping {
   void start(const std::vector<size_t>& tensors, const std::vector<at::Tensor>& grads,
              double lr) override {
     if (counters_.folded + 1 < schedule_.every) return;  // step() only folds them in
+    // A step whose second moment is summed over the replicas preconditions its gradients all at
+    // once, in step(): none can start before.
+    if (shared_ && shared_->sums_at(preconditioned_ + 1)) return;
     if (!options_.precondition) {
       replicator_->start(tensors, grads, folded(lr));
       return;
@@ -130,10 +132,14 @@ class ExchangeEveryStep final : public Stepping {
 
   // Every gradient of this step preconditioned: those started early as they were then.
   std::vector<at::Tensor> preconditioned(const std::vector<at::Tensor>& grads) {
+    if (shared_ && shared_->sums_at(preconditioned_ + 1)) {
+      return shared_->precondition_all(grads, preconditioned_ + 1);
+    }
     std::vector<at::Tensor> out(grads.size());
     for (size_t i = 0; i < grads.size(); ++i) {
       out[i] = started_[i] ? *std::exchange(started_[i], std::nullopt) : precondition(i, grads[i]);
     }
+    if (shared_) shared_->end_step();
     return out;
   }
 

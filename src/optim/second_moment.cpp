@@ -82,30 +82,55 @@ SharedSecondMoment::SharedSecondMoment(const std::vector<dct::ChunkPlan>& plans,
   }
 }
 
-SharedSecondMoment::~SharedSecondMoment() = default;
-
-at::Tensor SharedSecondMoment::precondition(size_t i, const at::Tensor& grad, int64_t t) {
-  finish();
+void SharedSecondMoment::accumulate(size_t i, const at::Tensor& grad) {
   Tensor& s = tensors_.at(i);
-  const double b = beta2_;
   if (!grad.defined()) {  // a step of zero
-    s.own.mul_(b);
-    return {};
+    s.own.mul_(beta2_);
+    return;
   }
   const at::Tensor g = grad.reshape({s.rows, s.cols}).to(at::kFloat);
-  s.own.mul_(b).addcmul_(g, g, 1 - b);
-  // v = beta2^n * shared + own, n the steps in own (this one included).
-  const double weight = std::pow(b, double(since_ + 1));
+  s.own.mul_(beta2_).addcmul_(g, g, 1 - beta2_);
+}
+
+at::Tensor SharedSecondMoment::scaled(size_t i, const at::Tensor& grad, int64_t t,
+                                      int64_t n) const {
+  if (!grad.defined()) return {};
+  const Tensor& s = tensors_.at(i);
+  const at::Tensor g = grad.reshape({s.rows, s.cols}).to(at::kFloat);
+  const double decay = std::pow(beta2_, double(n));
   const at::Tensor shared =
-      s.matrix ? s.shared_rows * (s.shared_cols * weight / s.shared_cols.sum().clamp_min(kTiny))
-               : s.shared_cols * weight;
-  const double correction = 1 - std::pow(b, double(t));
+      s.matrix ? s.shared_rows * (s.shared_cols * decay / s.shared_cols.sum().clamp_min(kTiny))
+               : s.shared_cols * decay;
+  const double correction = 1 - std::pow(beta2_, double(t));
   const at::Tensor denominator = shared.add_(s.own).div_(correction).sqrt_().add_(eps_);
   return (g / denominator).reshape(grad.sizes());
 }
 
-void SharedSecondMoment::end_step(int64_t) {
-  if (++since_ < every_) return;
+at::Tensor SharedSecondMoment::precondition(size_t i, const at::Tensor& grad, int64_t t) {
+  if (sums_at(t)) {
+    throw std::logic_error("SharedSecondMoment: step " + std::to_string(t) +
+                           " sums over the replicas: precondition_all");
+  }
+  accumulate(i, grad);
+  return scaled(i, grad, t, since_ + 1);
+}
+
+std::vector<at::Tensor> SharedSecondMoment::precondition_all(const std::vector<at::Tensor>& grads,
+                                                             int64_t t) {
+  if (grads.size() != tensors_.size()) {
+    throw std::logic_error("SharedSecondMoment: " + std::to_string(grads.size()) +
+                           " gradients for " + std::to_string(tensors_.size()) + " tensors");
+  }
+  for (size_t i = 0; i < grads.size(); ++i) accumulate(i, grads[i]);
+  const bool sums = sums_at(t);
+  if (sums) sum_over_replicas();  // own is now zero, its steps in shared
+  std::vector<at::Tensor> out(grads.size());
+  for (size_t i = 0; i < grads.size(); ++i) out[i] = scaled(i, grads[i], t, sums ? 0 : since_ + 1);
+  if (!sums) end_step();
+  return out;
+}
+
+void SharedSecondMoment::sum_over_replicas() {
   // The own statistics in one buffer: per tensor its row sums (matrices), then its column sums
   // (a vector: its elements).
   std::vector<at::Tensor> parts;
@@ -114,8 +139,8 @@ void SharedSecondMoment::end_step(int64_t) {
     parts.push_back(s.matrix ? s.own.sum(0) : s.own.view(-1));
   }
   const at::Device device = replicas_ ? replicas_->device() : at::Device(at::kCPU);
-  wire_ = parts.empty() ? at::zeros({0}, at::dtype(at::kFloat).device(device))
-                        : at::cat(parts).to(device);
+  const at::Tensor sums = parts.empty() ? at::zeros({0}, at::dtype(at::kFloat).device(device))
+                                        : at::cat(parts).to(device);
   if (!shard_cols_.empty()) {
     // A matrix's columns are summed over its shards: laid out by given tensor, so that every
     // shard (an empty one too) adds the same places.
@@ -125,46 +150,39 @@ void SharedSecondMoment::end_step(int64_t) {
     const at::Tensor cols =
         at::zeros({offset.back()}, at::dtype(at::kFloat).device(group.device()));
     int64_t place = 0;
-    std::vector<std::pair<int64_t, const Tensor*>> placed;  // its columns' place in wire_
+    std::vector<std::pair<int64_t, const Tensor*>> placed;  // its columns' place in sums
     for (const Tensor& s : tensors_) {
       if (s.matrix) {
         place += s.rows;
-        cols.narrow(0, offset[size_t(s.given)], s.cols).copy_(wire_.narrow(0, place, s.cols));
+        cols.narrow(0, offset[size_t(s.given)], s.cols).copy_(sums.narrow(0, place, s.cols));
         placed.push_back({place, &s});
       }
       place += s.cols;
     }
     group.all_reduce(cols, comm::ReduceOp::Sum);
     for (const auto& [where, s] : placed) {
-      wire_.narrow(0, where, s->cols).copy_(cols.narrow(0, offset[size_t(s->given)], s->cols));
+      sums.narrow(0, where, s->cols).copy_(cols.narrow(0, offset[size_t(s->given)], s->cols));
     }
   }
-  for (Tensor& s : tensors_) s.own.zero_();
-  wire_steps_ = std::exchange(since_, 0);
-  if (replicas_ && replicas_->size() > 1) work_ = replicas_->iall_reduce(wire_, comm::ReduceOp::Sum);
-}
-
-void SharedSecondMoment::finish() const {
-  if (!wire_.defined()) return;
-  if (work_) std::exchange(work_, nullptr)->wait();
-  const double replicas = replicas_ ? double(replicas_->size()) : 1.0;
-  const double decay = std::pow(beta2_, double(wire_steps_));
-  const at::Tensor sums = std::exchange(wire_, at::Tensor());
-  const at::Device device = tensors_.empty() ? at::Device(at::kCPU) : tensors_[0].own.device();
-  const at::Tensor mean = sums.to(device).div_(replicas);
+  if (replicas_ && replicas_->size() > 1) replicas_->all_reduce(sums, comm::ReduceOp::Sum);
+  // shared = beta2^n shared + the mean, n the steps in own (this one included).
+  const double decay = std::pow(beta2_, double(since_ + 1));
+  const at::Device here = tensors_.empty() ? at::Device(at::kCPU) : tensors_[0].own.device();
+  const at::Tensor mean = sums.to(here).div_(replicas_ ? double(replicas_->size()) : 1.0);
   int64_t place = 0;
-  for (const Tensor& s : tensors_) {
+  for (Tensor& s : tensors_) {
     if (s.matrix) {
       s.shared_rows.mul_(decay).add_(mean.narrow(0, place, s.rows).view({s.rows, 1}));
       place += s.rows;
     }
     s.shared_cols.mul_(decay).add_(mean.narrow(0, place, s.cols).view({1, s.cols}));
     place += s.cols;
+    s.own.zero_();
   }
+  since_ = 0;
 }
 
 NamedTensors SharedSecondMoment::state_tensors() const {
-  finish();
   NamedTensors state;
   for (size_t i = 0; i < tensors_.size(); ++i) {
     const Tensor& s = tensors_[i];
@@ -174,11 +192,6 @@ NamedTensors SharedSecondMoment::state_tensors() const {
     if (every_ > 1) state.push_back({"moment_own" + n, s.own});
   }
   return state;
-}
-
-void SharedSecondMoment::restore(int64_t steps) {
-  finish();
-  since_ = steps % every_;
 }
 
 }  // namespace flexdemo::optim

@@ -1,16 +1,17 @@
 // SharedSecondMoment: the preconditioner's second moment shared by the replicas (--second-moment
 // shared), for ExchangeEveryStep. Each replica's own running mean square (the default) comes from
-// its share of the batch alone; with R replicas that is R times noisier than the one AdamW-HSDP
-// divides by, and DeMo averages the replicas' gradients after that division, so the gap to
-// AdamW-HSDP grows with R (docs/results/many-nodes.md). Here the second moment is factored as
-// Adafactor's: per tensor, the running mean over replicas of its row sums and column sums of g^2
-// (a vector: its elements'), the estimate v_ij = rows_i * cols_j / total, over the whole tensor
-// where it is sharded (column sums added over the shard group). What is exchanged is rows + cols
-// floats a tensor, summed over the replicas every `every` steps; the steps since, each replica
-// adds its own, so that step t divides by
-//   v = beta2^n * shared + own,  own = the EMA of this replica's factored g^2 over its n steps,
-// bias-corrected by 1 - beta2^t as AdamW's. The sum starts at the end of a step and travels while
-// the next step's forward and backward run; the next precondition() waits for it.
+// its share of the batch alone; with R replicas it is noisier than the one AdamW-HSDP divides by,
+// and DeMo averages the replicas' gradients after that division, so the gap to AdamW-HSDP grows
+// with R (docs/results/many-nodes.md). Here the second moment is shared and factored as
+// Adafactor's: per tensor, the running mean over the replicas of its row sums and column sums of
+// g^2 (a vector: of its elements' g^2), estimating v_ij = rows_i * cols_j / total over the whole
+// tensor where it is sharded (column sums added over the shard group). Exchanged: rows + cols
+// floats a tensor, summed over the replicas every `every` steps, that step's g^2 included. The
+// n steps since the last sum are each replica's own, element by element, so that step t divides
+// by
+//   v = beta2^n * shared + own,   own = (1 - beta2) * sum over those steps of beta2^(n-k) g_k^2,
+// bias-corrected by 1 - beta2^t as AdamW's (every 1: v is the shared one alone). Nothing in it
+// depends on where the shards are cut.
 #pragma once
 
 #include "replicator.h"
@@ -23,7 +24,6 @@
 
 namespace flexdemo::comm {
 class Communicator;
-class Work;
 }  // namespace flexdemo::comm
 
 namespace flexdemo::optim {
@@ -36,21 +36,27 @@ class SharedSecondMoment {
   SharedSecondMoment(const std::vector<dct::ChunkPlan>& plans, const OptimizerOptions& options,
                      const ShardSums& shards, std::shared_ptr<comm::Communicator> replicas,
                      at::Device device);
-  ~SharedSecondMoment();
 
-  // Tensor i's gradient divided by the root of the second moment, at step t (1-based). An
-  // undefined gradient counts as zero and stays undefined.
+  // Whether step t's statistics are summed over the replicas: its gradients are then
+  // preconditioned all at once (precondition_all), not one by one.
+  bool sums_at(int64_t t) const { return t % every_ == 0; }
+  // Step t's gradients (this rank's tensors; undefined = zero) divided by the root of the second
+  // moment: a collective over the shard group and the replicas where sums_at(t).
+  std::vector<at::Tensor> precondition_all(const std::vector<at::Tensor>& grads, int64_t t);
+  // Tensor i's gradient of step t, where !sums_at(t); end_step() after the step's last one.
   at::Tensor precondition(size_t i, const at::Tensor& grad, int64_t t);
-  // After every tensor of step t: every `every` steps, starts the sum over the replicas.
-  void end_step(int64_t t);
+  void end_step() { ++since_; }
   // The shared statistics (moment_rows.i of matrices, moment_cols.i; with every > 1 also this
-  // replica's own since the last sum, moment_own.i), a sum in flight finished first.
+  // replica's own since the last sum, moment_own.i).
   NamedTensors state_tensors() const;
   // After loading state written after step `steps`.
-  void restore(int64_t steps);
+  void restore(int64_t steps) { since_ = steps % every_; }
 
  private:
-  void finish() const;  // the sum in flight, if any, folded into the shared statistics
+  void accumulate(size_t i, const at::Tensor& grad);  // own = beta2 * own + (1 - beta2) g^2
+  // g / (sqrt((beta2^n shared + own) / (1 - beta2^t)) + eps).
+  at::Tensor scaled(size_t i, const at::Tensor& grad, int64_t t, int64_t n) const;
+  void sum_over_replicas();  // shared = beta2^n shared + the replicas' mean of own; own = 0
 
   struct Tensor {
     int64_t rows = 1, cols = 1;
@@ -66,11 +72,7 @@ class SharedSecondMoment {
   ShardSums shards_;
   std::vector<int64_t> shard_cols_;  // per given tensor: its columns summed over shards (0: none)
   std::shared_ptr<comm::Communicator> replicas_;
-  int64_t since_ = 0;  // steps in the own statistics
-  // The sum in flight: its buffer, its handle and the steps it holds.
-  mutable at::Tensor wire_;
-  mutable std::unique_ptr<comm::Work> work_;
-  mutable int64_t wire_steps_ = 0;
+  int64_t since_ = 0;  // the steps in own before this one
 };
 
 }  // namespace flexdemo::optim

@@ -1,7 +1,7 @@
 """One engine behind both doors: the same parameters and gradients through the C++ API (the
 Optimizer `flexdemo train` builds, under mpirun) and Python's FlexDeMo (torchrun, gloo), 2
-replicas x 2 shards, every step (flexdemo, flexdemo-adamw, demo) and both exchanges (all-gather,
-owners): parameters and optimizer state bit-identical. The C++ door is tests/cross_front.cpp,
+replicas x 2 shards, every step (flexdemo, flexdemo-adamw, demo), both exchanges (all-gather,
+owners) and the shared second moment: parameters and optimizer state bit-identical. The C++ door is tests/cross_front.cpp,
 built in build-cuda/ (the LibTorch of this Python's torch) by scripts/test.sh --cuda, or named by
 FLEXDEMO_CROSS_FRONT."""
 
@@ -18,7 +18,11 @@ SHAPES = [(48, 40), (30,), (4, 6, 5), (32, 64)]
 STEPS = 4
 CONFIGS = ["{} chunk=16 demo_exchange={}".format(step, exchange)
            for step in ("flexdemo", "flexdemo-adamw", "demo")
-           for exchange in ("all-gather", "owners")]
+           for exchange in ("all-gather", "owners")] + [
+    # The second moment shared by the replicas (summed every 3 of the 4 steps: the last one's
+    # own statistics are state), and with the owners' exchange (every step).
+    "flexdemo chunk=16 second_moment=shared second_moment_every=3",
+    "flexdemo chunk=16 demo_exchange=owners second_moment=shared"]
 
 
 def cross_front_binary():
