@@ -402,9 +402,61 @@ TEST(FlexDemo, SharedSecondMomentMatchesNaiveFloat64) {
       EXPECT_LT(difference, 1e-5) << "every " << every << ", " << topo.replicas << " replicas";
       optim::OptimizerOptions own = o;
       own.second_moment = optim::SecondMoment::Own;
+      own.second_moment_every = 1;
       EXPECT_GT(max_relative_difference(train(topo, own, steps)->full_params(), reference), 1e-4);
     }
   }
+}
+
+// The shared second moment summed every 3 steps, on 2 replicas x 2 shards with the DeMo step:
+// (1) each tensor's exchange started as soon as the backward is done (start_exchange, as
+// --exchange-in-backward does: preconditioned then on a step that does not sum, left to step()
+// on one that does) gives step() alone's parameters bit for bit; (2) a run whose optimizer
+// state is copied after step 4 (mid-interval: one step of each replica's own statistics) into a
+// new optimizer over the same parameters continues bit for bit. Exact by design: the same
+// arithmetic in the same order either way.
+TEST(FlexDemo, SharedSecondMomentStartsEarlyAndResumesMidInterval) {
+  optim::OptimizerOptions o = optim::options_for(optim::Preset::FlexDemo, {});
+  o.lr = 0.01;
+  o.topk = 4;
+  o.chunk = 8;
+  o.second_moment = optim::SecondMoment::Shared;
+  o.second_moment_every = 3;
+  const comm::Topology topo = two_nodes_of_two();
+  const int steps = 8;
+  const auto reference = train(topo, o, steps)->full_params();
+  auto run = [&](bool early, int restart_after) {
+    ShardedMlp model(topo, o);
+    auto optimizer = std::make_unique<optim::Optimizer>(model.optim_params(), o,
+                                                        topo.replica_group, topo.shard_group);
+    for (int step = 0; step < steps; ++step) {
+      if (step == restart_after) {  // the state into a new optimizer, as a checkpoint would
+        std::vector<at::Tensor> saved;
+        for (const auto& [name, t] : optimizer->state_tensors()) saved.push_back(t.clone());
+        optimizer = std::make_unique<optim::Optimizer>(model.optim_params(), o,
+                                                       topo.replica_group, topo.shard_group);
+        auto state = optimizer->state_tensors();
+        for (size_t i = 0; i < state.size(); ++i) state[i].second.copy_(saved[i]);
+        optimizer->restore_steps(step);
+      }
+      auto [x, y] = global_batch(step);
+      optimizer->zero_grad();
+      model.loss(rank_rows(x, topo), rank_rows(y, topo)).backward();
+      if (early) {
+        const size_t tensors = model.optim_params().size();
+        for (size_t t = 0; t < tensors; ++t) optimizer->start_exchange({t});
+      }
+      optimizer->step();
+    }
+    return model.full_params();
+  };
+  const double started = max_relative_difference(run(true, -1), reference);
+  const double resumed = max_relative_difference(run(false, 4), reference);
+  report("shared second moment every 3: started early against step() alone", started);
+  report("shared second moment every 3: resumed after step 4 against uninterrupted", resumed);
+  EXPECT_EQ(started, 0.0);
+  EXPECT_EQ(resumed, 0.0);
+  EXPECT_GT(max_relative_difference({reference[0]}, {initial_params()[0][0]}), 1e-4);  // trained
 }
 
 TEST(FlexDemo, FullWithAdamWEqualsSingleProcessAdamW) {

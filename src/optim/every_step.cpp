@@ -27,14 +27,14 @@ class ExchangeEveryStep final : public Stepping {
         inner_(inner),
         replicator_(make_replicator(plans, options, group, device)),
         schedule_{options.topk, options.values, options.replicate_every} {
-    if (options.precondition && options.second_moment == SecondMoment::Shared) {
+    if (!options.precondition) return;
+    started_.resize(plans.size());
+    if (options.second_moment == SecondMoment::Shared) {
       shared_ = std::make_unique<SharedSecondMoment>(plans, options, shards, group, device);
-      started_.resize(plans.size());
-    } else if (options.precondition) {
-      for (const dct::ChunkPlan& plan : plans) {
-        grad_sq_.push_back(at::zeros({plan.rows, plan.cols}, at::dtype(at::kFloat).device(device)));
-      }
-      started_.resize(plans.size());
+      return;
+    }
+    for (const dct::ChunkPlan& plan : plans) {
+      grad_sq_.push_back(at::zeros({plan.rows, plan.cols}, at::dtype(at::kFloat).device(device)));
     }
   }
 
@@ -166,7 +166,7 @@ class ExchangeEveryStep final : public Stepping {
   ExchangeCounters counters_;
   std::vector<at::Tensor> grad_sq_;  // precondition: each gradient's running mean square
   std::unique_ptr<SharedSecondMoment> shared_;  // precondition with second_moment shared
-  int64_t preconditioned_ = 0;       // the steps in it
+  int64_t preconditioned_ = 0;                   // the steps in it
   // precondition: this step's gradients started early (start()), preconditioned then.
   std::vector<std::optional<at::Tensor>> started_;
 };

@@ -16,17 +16,24 @@ namespace {
 constexpr double kTiny = std::numeric_limits<float>::min();  // a total of zero divides nothing
 
 // Which of the given tensors are matrices, and their columns, agreed over the shard group: a
-// shard of one row cannot tell a matrix from a vector by itself (its plan is 1 x cols either way).
+// shard of one row cannot tell a matrix from a vector by itself (its plan is 1 x cols either
+// way). A tensor is a matrix where some shard has more than one row; then every shard must have
+// its columns (shards cut along dim 0). Each rank reaches the same verdict from the same sums, so
+// a bad cut throws on every rank alike.
 std::vector<int64_t> agreed_matrix_cols(const std::vector<dct::ChunkPlan>& plans,
                                         const ShardSums& shards) {
   const int64_t n = shards.tensors;
-  at::Tensor mine = at::zeros({n, 2}, at::kDouble);
+  // Per given tensor, over the shards: (count, sum of cols, sum of cols^2) of those with more
+  // than one row, then the same of those with one.
+  at::Tensor mine = at::zeros({n, 6}, at::kDouble);
   double* m = mine.data_ptr<double>();
   for (size_t i = 0; i < plans.size(); ++i) {
-    if (plans[i].rows > 1) {
-      m[2 * shards.given.at(i)] = double(plans[i].cols);
-      m[2 * shards.given.at(i) + 1] = 1.0;
-    }
+    if (plans[i].numel() == 0) continue;
+    double* row = m + 6 * shards.given.at(i) + (plans[i].rows > 1 ? 0 : 3);
+    const double cols = double(plans[i].cols);
+    row[0] += 1.0;
+    row[1] += cols;
+    row[2] += cols * cols;
   }
   comm::Communicator& group = *shards.group;
   const at::Tensor sums = mine.to(group.device());
@@ -35,7 +42,17 @@ std::vector<int64_t> agreed_matrix_cols(const std::vector<dct::ChunkPlan>& plans
   const double* s = host.data_ptr<double>();
   std::vector<int64_t> cols(size_t(n), 0);
   for (int64_t g = 0; g < n; ++g) {
-    if (s[2 * g + 1] > 0) cols[size_t(g)] = std::llround(s[2 * g] / s[2 * g + 1]);
+    const double* t = s + 6 * g;
+    if (t[0] == 0) continue;  // a vector (or a matrix whose every shard holds one row)
+    // All shards of the matrix hold the same columns: count x sum of squares = square of sum.
+    const double many = t[0] * t[2] - t[1] * t[1], one = t[3] * t[5] - t[4] * t[4];
+    const double width = t[1] / t[0];
+    if (many != 0 || one != 0 || (t[3] > 0 && t[4] / t[3] != width)) {
+      throw std::invalid_argument("optimizer: tensor " + std::to_string(g) +
+                                  " is cut into shards of different columns; --second-moment "
+                                  "shared needs a matrix's shards cut along dim 0");
+    }
+    cols[size_t(g)] = std::llround(width);
   }
   return cols;
 }
@@ -60,20 +77,13 @@ SharedSecondMoment::SharedSecondMoment(const std::vector<dct::ChunkPlan>& plans,
   }
   const auto floats = at::dtype(at::kFloat).device(device);
   for (size_t i = 0; i < plans.size(); ++i) {
-    Tensor t;
+    Moment t;
     t.rows = plans[i].rows;
     t.cols = plans[i].cols;
     t.matrix = t.rows > 1;
     if (sharded) {
       t.given = shards_.given[i];
-      const int64_t cols = shard_cols_[size_t(t.given)];
-      if (cols > 0 && cols != t.cols) {
-        throw std::invalid_argument("optimizer: tensor " + std::to_string(t.given) +
-                                    " is cut into shards of " + std::to_string(t.cols) +
-                                    " and of " + std::to_string(cols) +
-                                    " columns; --second-moment shared needs shards cut along dim 0");
-      }
-      t.matrix = cols > 0;
+      t.matrix = shard_cols_[size_t(t.given)] > 0;
     }
     if (t.matrix) t.shared_rows = at::zeros({t.rows, 1}, floats);
     t.shared_cols = at::zeros({1, t.cols}, floats);
@@ -83,7 +93,7 @@ SharedSecondMoment::SharedSecondMoment(const std::vector<dct::ChunkPlan>& plans,
 }
 
 void SharedSecondMoment::accumulate(size_t i, const at::Tensor& grad) {
-  Tensor& s = tensors_.at(i);
+  Moment& s = tensors_.at(i);
   if (!grad.defined()) {  // a step of zero
     s.own.mul_(beta2_);
     return;
@@ -95,7 +105,7 @@ void SharedSecondMoment::accumulate(size_t i, const at::Tensor& grad) {
 at::Tensor SharedSecondMoment::scaled(size_t i, const at::Tensor& grad, int64_t t,
                                       int64_t n) const {
   if (!grad.defined()) return {};
-  const Tensor& s = tensors_.at(i);
+  const Moment& s = tensors_.at(i);
   const at::Tensor g = grad.reshape({s.rows, s.cols}).to(at::kFloat);
   const double decay = std::pow(beta2_, double(n));
   const at::Tensor shared =
@@ -117,16 +127,16 @@ at::Tensor SharedSecondMoment::precondition(size_t i, const at::Tensor& grad, in
 
 std::vector<at::Tensor> SharedSecondMoment::precondition_all(const std::vector<at::Tensor>& grads,
                                                              int64_t t) {
-  if (grads.size() != tensors_.size()) {
-    throw std::logic_error("SharedSecondMoment: " + std::to_string(grads.size()) +
-                           " gradients for " + std::to_string(tensors_.size()) + " tensors");
+  if (!sums_at(t) || grads.size() != tensors_.size()) {
+    throw std::logic_error("SharedSecondMoment: precondition_all of " +
+                           std::to_string(grads.size()) + " gradients for " +
+                           std::to_string(tensors_.size()) + " tensors at step " +
+                           std::to_string(t) + " (a summing step takes every tensor at once)");
   }
   for (size_t i = 0; i < grads.size(); ++i) accumulate(i, grads[i]);
-  const bool sums = sums_at(t);
-  if (sums) sum_over_replicas();  // own is now zero, its steps in shared
+  sum_over_replicas();  // own is now zero, its steps in shared
   std::vector<at::Tensor> out(grads.size());
-  for (size_t i = 0; i < grads.size(); ++i) out[i] = scaled(i, grads[i], t, sums ? 0 : since_ + 1);
-  if (!sums) end_step();
+  for (size_t i = 0; i < grads.size(); ++i) out[i] = scaled(i, grads[i], t, 0);
   return out;
 }
 
@@ -134,7 +144,7 @@ void SharedSecondMoment::sum_over_replicas() {
   // The own statistics in one buffer: per tensor its row sums (matrices), then its column sums
   // (a vector: its elements).
   std::vector<at::Tensor> parts;
-  for (const Tensor& s : tensors_) {
+  for (const Moment& s : tensors_) {
     if (s.matrix) parts.push_back(s.own.sum(1));
     parts.push_back(s.matrix ? s.own.sum(0) : s.own.view(-1));
   }
@@ -150,8 +160,8 @@ void SharedSecondMoment::sum_over_replicas() {
     const at::Tensor cols =
         at::zeros({offset.back()}, at::dtype(at::kFloat).device(group.device()));
     int64_t place = 0;
-    std::vector<std::pair<int64_t, const Tensor*>> placed;  // its columns' place in sums
-    for (const Tensor& s : tensors_) {
+    std::vector<std::pair<int64_t, const Moment*>> placed;  // its columns' place in sums
+    for (const Moment& s : tensors_) {
       if (s.matrix) {
         place += s.rows;
         cols.narrow(0, offset[size_t(s.given)], s.cols).copy_(sums.narrow(0, place, s.cols));
@@ -165,17 +175,23 @@ void SharedSecondMoment::sum_over_replicas() {
     }
   }
   if (replicas_ && replicas_->size() > 1) replicas_->all_reduce(sums, comm::ReduceOp::Sum);
+  // A replica's non-finite statistics (a corrupt peer: the sum cannot say whose) are left out of
+  // the shared ones on every replica alike, as the step's own are; the screening of payloads
+  // does not see this sum.
+  const bool finite = at::isfinite(sums).all().item<bool>();
   // shared = beta2^n shared + the mean, n the steps in own (this one included).
   const double decay = std::pow(beta2_, double(since_ + 1));
   const at::Device here = tensors_.empty() ? at::Device(at::kCPU) : tensors_[0].own.device();
   const at::Tensor mean = sums.to(here).div_(replicas_ ? double(replicas_->size()) : 1.0);
   int64_t place = 0;
-  for (Tensor& s : tensors_) {
+  for (Moment& s : tensors_) {
     if (s.matrix) {
-      s.shared_rows.mul_(decay).add_(mean.narrow(0, place, s.rows).view({s.rows, 1}));
+      s.shared_rows.mul_(decay);
+      if (finite) s.shared_rows.add_(mean.narrow(0, place, s.rows).view({s.rows, 1}));
       place += s.rows;
     }
-    s.shared_cols.mul_(decay).add_(mean.narrow(0, place, s.cols).view({1, s.cols}));
+    s.shared_cols.mul_(decay);
+    if (finite) s.shared_cols.add_(mean.narrow(0, place, s.cols).view({1, s.cols}));
     place += s.cols;
     s.own.zero_();
   }
@@ -185,7 +201,7 @@ void SharedSecondMoment::sum_over_replicas() {
 NamedTensors SharedSecondMoment::state_tensors() const {
   NamedTensors state;
   for (size_t i = 0; i < tensors_.size(); ++i) {
-    const Tensor& s = tensors_[i];
+    const Moment& s = tensors_[i];
     const std::string n = "." + std::to_string(i);
     if (s.matrix) state.push_back({"moment_rows" + n, s.shared_rows});
     state.push_back({"moment_cols" + n, s.shared_cols});

@@ -10,8 +10,9 @@
 // n steps since the last sum are each replica's own, element by element, so that step t divides
 // by
 //   v = beta2^n * shared + own,   own = (1 - beta2) * sum over those steps of beta2^(n-k) g_k^2,
-// bias-corrected by 1 - beta2^t as AdamW's (every 1: v is the shared one alone). Nothing in it
-// depends on where the shards are cut.
+// bias-corrected by 1 - beta2^t as AdamW's (every 1: v is the shared one alone). It does not
+// depend on where the shards are cut, except for a matrix whose every shard holds one row (a
+// shard's plan cannot tell it from a vector's piece: it keeps its elements' g^2).
 #pragma once
 
 #include "replicator.h"
@@ -40,8 +41,8 @@ class SharedSecondMoment {
   // Whether step t's statistics are summed over the replicas: its gradients are then
   // preconditioned all at once (precondition_all), not one by one.
   bool sums_at(int64_t t) const { return t % every_ == 0; }
-  // Step t's gradients (this rank's tensors; undefined = zero) divided by the root of the second
-  // moment: a collective over the shard group and the replicas where sums_at(t).
+  // Step t's gradients, where sums_at(t) (this rank's tensors; undefined = zero), divided by the
+  // root of the second moment: a collective over the shard group and the replicas.
   std::vector<at::Tensor> precondition_all(const std::vector<at::Tensor>& grads, int64_t t);
   // Tensor i's gradient of step t, where !sums_at(t); end_step() after the step's last one.
   at::Tensor precondition(size_t i, const at::Tensor& grad, int64_t t);
@@ -58,7 +59,7 @@ class SharedSecondMoment {
   at::Tensor scaled(size_t i, const at::Tensor& grad, int64_t t, int64_t n) const;
   void sum_over_replicas();  // shared = beta2^n shared + the replicas' mean of own; own = 0
 
-  struct Tensor {
+  struct Moment {
     int64_t rows = 1, cols = 1;
     bool matrix = false;         // factored (rows x cols); a vector keeps its elements' squares
     int64_t given = 0;           // its index among the Optimizer's given tensors
@@ -66,7 +67,7 @@ class SharedSecondMoment {
     at::Tensor shared_cols;      // [1, cols]: likewise, a matrix's over the whole tensor
     at::Tensor own;              // [rows, cols]: this replica's g^2 since the last sum
   };
-  std::vector<Tensor> tensors_;
+  std::vector<Moment> tensors_;
   double beta2_, eps_;
   int64_t every_;
   ShardSums shards_;

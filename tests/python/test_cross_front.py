@@ -1,9 +1,9 @@
 """One engine behind both doors: the same parameters and gradients through the C++ API (the
 Optimizer `flexdemo train` builds, under mpirun) and Python's FlexDeMo (torchrun, gloo), 2
 replicas x 2 shards, every step (flexdemo, flexdemo-adamw, demo), both exchanges (all-gather,
-owners) and the shared second moment: parameters and optimizer state bit-identical. The C++ door is tests/cross_front.cpp,
-built in build-cuda/ (the LibTorch of this Python's torch) by scripts/test.sh --cuda, or named by
-FLEXDEMO_CROSS_FRONT."""
+owners) and the shared second moment: parameters and optimizer state bit-identical. The C++ door
+is tests/cross_front.cpp, built in build-cuda/ (the LibTorch of this Python's torch) by
+scripts/test.sh --cuda, or named by FLEXDEMO_CROSS_FRONT."""
 
 import os
 import shutil
