@@ -61,7 +61,7 @@ class ExchangeEveryStep final : public Stepping {
     if (counters_.folded + 1 < schedule_.every) return;  // step() only folds them in
     // A step whose second moment is summed over the replicas preconditions its gradients all at
     // once, in step(): none can start before.
-    if (shared_ && shared_->sums_at(preconditioned_ + 1)) return;
+    if (sums_second_moment()) return;
     if (!options_.precondition) {
       replicator_->start(tensors, grads, folded(lr));
       return;
@@ -132,7 +132,7 @@ class ExchangeEveryStep final : public Stepping {
 
   // Every gradient of this step preconditioned: those started early as they were then.
   std::vector<at::Tensor> preconditioned(const std::vector<at::Tensor>& grads) {
-    if (shared_ && shared_->sums_at(preconditioned_ + 1)) {
+    if (sums_second_moment()) {
       return shared_->precondition_all(grads, preconditioned_ + 1);
     }
     std::vector<at::Tensor> out(grads.size());
@@ -143,9 +143,12 @@ class ExchangeEveryStep final : public Stepping {
     return out;
   }
 
+  // Whether this step sums the shared second moment over the replicas (every gradient at once).
+  bool sums_second_moment() const { return shared_ && shared_->sums_at(preconditioned_ + 1); }
+
   // v = beta2 * v + (1 - beta2) * g^2, then g / (sqrt(v / (1 - beta2^t)) + eps), t this step's
   // number: AdamW's denominator on this replica's own gradient of tensor i (a missing one counts
-  // as zero and stays undefined).
+  // as zero and stays undefined); with the shared second moment, its denominator instead.
   at::Tensor precondition(size_t i, const at::Tensor& grad) {
     if (shared_) return shared_->precondition(i, grad, preconditioned_ + 1);
     at::Tensor& v = grad_sq_[i];
