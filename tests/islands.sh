@@ -82,15 +82,7 @@ diff <(per_step "$work/islands") <(per_step "$work/supervised") > "$work/diff" |
 rc=0
 FLEXDEMO_INJECT_SIGNAL=10:0 train "$work/resized" "${islands[@]}" || rc=$?
 [ $rc -eq 75 ] || fail "the run to resize ended with $rc, expected 75 (stopped)"
-# 4 replicas share the second moment by default (--second-moment auto), 2 do not: the resume
-# meets the other kind's state and is refused in one line naming the option that keeps it.
-rc=0
-train "$work/refused" --ranks-per-node 1 --island-nodes 1 --shard-size 1 \
-  --resume "$work/resized" || rc=$?
-[ $rc -ne 0 ] || fail "a resume across --second-moment auto's choice was not refused"
-grep -q "holds the own second moment of 2 replicas, this run's is shared (4 replicas; --second-moment auto shares it from 4 on): pass --second-moment own" \
-  "$work/last.log" || fail "the refusal does not name --second-moment own: $(tail -3 "$work/last.log")"
-train "$work/resized" --ranks-per-node 1 --island-nodes 1 --shard-size 1 --second-moment own \
+train "$work/resized" --ranks-per-node 1 --island-nodes 1 --shard-size 1 \
   --resume "$work/resized" || fail "the run resumed as 4 islands of 1 node failed"
 grep -q "^resuming step 10, written by" "$work/last.log" || fail "no elastic resume from step 10"
 grep -q "flexdemo train: 4 nodes x 1 rank, shard size 1, 4 replicas" "$work/last.log" ||

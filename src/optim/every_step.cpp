@@ -6,7 +6,6 @@
 #include "stepping.h"
 
 #include "demo/kernels.h"
-#include "flexdemo/comm.h"
 
 #include <ATen/ATen.h>
 
@@ -30,8 +29,7 @@ class ExchangeEveryStep final : public Stepping {
         schedule_{options.topk, options.values, options.replicate_every} {
     if (!options.precondition) return;
     started_.resize(plans.size());
-    const int64_t replicas = group ? group->size() : 1;
-    if (resolved_second_moment(options.second_moment, replicas) == SecondMoment::Shared) {
+    if (options.second_moment == SecondMoment::Shared) {
       shared_ = std::make_unique<SharedSecondMoment>(plans, options, shards, group, device);
       return;
     }
