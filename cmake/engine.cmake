@@ -1,6 +1,7 @@
 # The DeMo engine's sources: the step (src/demo/: dct, top-k, wire format, the plain, cpu and cuda
 # backends, the CPU kernels per instruction set, the CUDA kernels) and the optimizer's whole
-# control over it (src/optim/: options, step rules, replicators, the modes), added to a target
+# control over it (src/optim/: options, step rules, replicators, the modes; the sum in rank order
+# its shared second moment takes, src/comm/rank_order_sum.cpp), added to a target
 # that links LibTorch. Shared by the library (CMakeLists.txt) and the Python package (python/), so
 # both doors run one engine, compiled the same way. Needs only a compiler, LibTorch (and nvcc for
 # CUDA): no MPI (the engine talks to a comm::Communicator), no zlib (the wire checksum is
@@ -13,6 +14,7 @@ function(flexdemo_add_engine)
   set(root "${FLEXDEMO_SOURCE_DIR}")
   set(src "${root}/src")
   target_sources(${ARG_TARGET} PRIVATE
+    ${src}/comm/rank_order_sum.cpp
     ${src}/demo/dct.cpp
     ${src}/demo/topk.cpp
     ${src}/demo/wire.cpp

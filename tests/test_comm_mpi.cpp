@@ -1,6 +1,9 @@
 // The MPI communicator on real ranks: every collective's result against a closed form, the
-// byte accounting, sub-communicators, host staging, and MPI errors surfacing as CommError.
+// byte accounting, the engine's sum in rank order, sub-communicators, host staging, and MPI
+// errors surfacing as CommError.
 #include "test_mpi.h"
+
+#include "comm/rank_order_sum.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -100,6 +103,37 @@ TEST(Comm, AllReduceSumAndAverage) {
   world->all_reduce(i, ReduceOp::Sum);
   EXPECT_EQ(i[0].item<int64_t>(), int64_t(P) * (P - 1) / 2);
   EXPECT_THROW(world->all_reduce(i, ReduceOp::Avg), std::invalid_argument);
+}
+
+// sum_in_rank_order: each element is ((x_0 + x_1) + x_2) + ... in float32, x_r rank r's, on every
+// rank, at sizes under one element a rank, uneven and large; inputs of mixed magnitudes, so that
+// another order rounds otherwise (checked: the reverse order differs somewhere). Bytes: a ring
+// all-reduce's where the size divides evenly.
+TEST(Comm, SumInRankOrderAddsRankZeroFirst) {
+  auto world = test_world();
+  auto group = world->split(0, world->rank());  // fresh counters
+  const int P = group->size(), r = group->rank();
+  auto input = [](int64_t n, int rank) {  // (1 + i/n) scaled by 2^((3 i + 5 rank) mod 29 - 14)
+    const at::Tensor i = at::arange(n, at::kLong);
+    const at::Tensor scale = at::pow(2.0, ((3 * i + 5 * rank).remainder(29) - 14).to(at::kDouble));
+    return ((1 + i.to(at::kDouble) / double(n)) * scale).to(at::kFloat);
+  };
+  for (int64_t n : {int64_t(1), int64_t(3), int64_t(1001), int64_t(100003)}) {
+    at::Tensor t = input(n, r);
+    flexdemo::comm::sum_in_rank_order(*group, t);
+    at::Tensor forward = input(n, 0), backward = input(n, P - 1);
+    for (int q = 1; q < P; ++q) {
+      forward.add_(input(n, q));
+      backward.add_(input(n, P - 1 - q));
+    }
+    EXPECT_TRUE(at::equal(t, forward)) << n;
+    if (n > 1000 && P > 2) EXPECT_FALSE(at::equal(forward, backward)) << n;
+  }
+  group->reset_stats();
+  at::Tensor even = at::ones({64 * int64_t(P)});
+  flexdemo::comm::sum_in_rank_order(*group, even);
+  EXPECT_TRUE(at::all(even == float(P)).item<bool>());
+  EXPECT_EQ(group->stats().bytes_sent, uint64_t(2 * (P - 1) * 64 * 4));
 }
 
 TEST(Comm, ReduceScatter) {

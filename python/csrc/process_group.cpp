@@ -92,7 +92,8 @@ class GroupCommunicator final : public comm::Communicator {
     check(counts[size_t(rank())] == input.numel(), "all-gather-v: this rank's count");
     const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t(0));
     check(output.numel() == total, "all-gather-v: output is not the counts' sum");
-    at::Tensor repeated = input.reshape({1, -1}).expand({size(), input.numel()}).contiguous();
+    at::Tensor repeated =
+        input.reshape({1, input.numel()}).expand({size(), input.numel()}).contiguous();
     repeated = repeated.reshape({-1});
     std::vector<int64_t> send(size_t(size()), input.numel());
     return all_to_all(repeated, send, output, counts);

@@ -1,6 +1,7 @@
 // SharedSecondMoment (second_moment.h): the factored second moment the replicas share.
 #include "second_moment.h"
 
+#include "comm/rank_order_sum.h"
 #include "flexdemo/comm.h"
 
 #include <ATen/ATen.h>
@@ -169,12 +170,13 @@ void SharedSecondMoment::sum_over_replicas() {
       }
       place += s.cols;
     }
-    group.all_reduce(cols, comm::ReduceOp::Sum);
+    comm::sum_in_rank_order(group, cols);
     for (const auto& [where, s] : placed) {
       sums.narrow(0, where, s->cols).copy_(cols.narrow(0, offset[size_t(s->given)], s->cols));
     }
   }
-  if (replicas_ && replicas_->size() > 1) replicas_->all_reduce(sums, comm::ReduceOp::Sum);
+  // Added in rank order: the same bits whatever the transport (both doors agree at any count).
+  if (replicas_ && replicas_->size() > 1) comm::sum_in_rank_order(*replicas_, sums);
   // A replica's non-finite statistics (a corrupt peer: the sum cannot say whose) are left out of
   // the shared ones on every replica alike, as the step's own are; the screening of payloads
   // does not see this sum.
