@@ -377,6 +377,7 @@ TEST(DemoMpi, PreconditionedNormalizedStepResumesExactlyAndKeepsReplicasEqual) {
   o.sign = false;
   o.normalize = true;
   o.precondition = true;
+  o.second_moment = optim::SecondMoment::Own;  // auto would share it on these 4 replicas
   o.chunk = 16;
   o.topk = 8;
   o.values = compress::ValueEncoding::Bf16;

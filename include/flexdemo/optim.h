@@ -51,7 +51,21 @@ enum class SecondMoment {
   Shared,  // the replicas' running mean of each tensor's row and column sums of g^2, factored as
            // Adafactor's (rows + cols floats a tensor summed over the replicas every
            // second_moment_every steps; docs/results/many-nodes.md)
+  Auto,    // shared from kSharedSecondMomentReplicas replicas on, own below
 };
+
+// From this many replicas on, second_moment auto shares the second moment: each replica's own
+// comes from 1/R of the batch, and the gap to AdamW-HSDP grows with R (gpt-micro, 500 steps: own
+// +0.47% at 4 replicas and +2.66% at 8, shared -0.60% and +0.38%; at 2 replicas both within
+// 0.3%, where shared would cost about 0.6 payloads a node a step more: docs/results/
+// many-nodes.md).
+inline constexpr int64_t kSharedSecondMomentReplicas = 4;
+
+// What `chosen` means on `replicas` replicas: auto resolved, the others as they are.
+constexpr SecondMoment resolved_second_moment(SecondMoment chosen, int64_t replicas) {
+  if (chosen != SecondMoment::Auto) return chosen;
+  return replicas >= kSharedSecondMomentReplicas ? SecondMoment::Shared : SecondMoment::Own;
+}
 
 // The per-chunk transform DeMo's residual is kept and selected in.
 enum class Transform {
@@ -159,13 +173,14 @@ constexpr Range open_closed(double low, double high) {  // (low, high]
     "divide each gradient by the root of its running mean square (AdamW's second moment: "       \
     "{beta2}, bias-corrected) before it enters DeMo's residual, each replica's own or shared "   \
     "({second_moment}; the flexdemo step's default: on without {inner_steps})")                  \
-  X(second_moment, SecondMoment, SecondMoment::Own, optim::unbounded(),                          \
-    "{precondition}: whose second moment divides a gradient: own (each replica's, per element) " \
-    "or shared (the replicas' mean, factored into each tensor's row and column mean squares as " \
-    "Adafactor's and taken over the whole tensor: rows + cols floats a tensor between replicas)") \
+  X(second_moment, SecondMoment, SecondMoment::Auto, optim::unbounded(),                         \
+    "{precondition}: whose second moment divides a gradient: own (each replica's, per element), " \
+    "shared (the replicas' mean, factored into each tensor's row and column mean squares as "    \
+    "Adafactor's and taken over the whole tensor: rows + cols floats a tensor between replicas)," \
+    " or auto (shared from 4 replicas on, own below)")                                          \
   X(second_moment_every, int64_t, 1, optim::at_least(1),                                         \
-    "{second_moment} shared: sum the statistics over the replicas every this many steps (each "  \
-    "replica adds its own in between)")                                                          \
+    "{second_moment} shared (or auto, where it shares): sum the statistics over the replicas "   \
+    "every this many steps (each replica adds its own in between)")                              \
   X(topk, int64_t, 112, optim::at_least(1),                                                      \
     "DCT coefficients kept per chunk (at most a chunk's)")                                       \
   X(transform, Transform, Transform::Dct, optim::unbounded(),                                    \
@@ -494,7 +509,9 @@ template <>
 struct NameTable<optim::SecondMoment> {
   static constexpr const char* what = "second moment";
   static constexpr std::pair<optim::SecondMoment, const char*> entries[] = {
-      {optim::SecondMoment::Own, "own"}, {optim::SecondMoment::Shared, "shared"}};
+      {optim::SecondMoment::Own, "own"},
+      {optim::SecondMoment::Shared, "shared"},
+      {optim::SecondMoment::Auto, "auto"}};
 };
 
 template <>

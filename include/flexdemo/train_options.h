@@ -170,7 +170,7 @@ struct OptionSpec {
     optim::declared::fold_lr.range, optim::declared::fold_lr.help)                                 \
   X(precondition, std::optional<bool>, std::nullopt, State,                                        \
     optim::declared::precondition.range, optim::declared::precondition.help)                       \
-  X(second_moment, optim::SecondMoment, optim::SecondMoment::Own, State,                           \
+  X(second_moment, optim::SecondMoment, optim::SecondMoment::Auto, Run,                           \
     optim::declared::second_moment.range, optim::declared::second_moment.help)                     \
   X(second_moment_every, int64_t, 1, State,                                                        \
     optim::declared::second_moment_every.range, optim::declared::second_moment_every.help)         \

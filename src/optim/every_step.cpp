@@ -6,6 +6,7 @@
 #include "stepping.h"
 
 #include "demo/kernels.h"
+#include "flexdemo/comm.h"
 
 #include <ATen/ATen.h>
 
@@ -29,7 +30,8 @@ class ExchangeEveryStep final : public Stepping {
         schedule_{options.topk, options.values, options.replicate_every} {
     if (!options.precondition) return;
     started_.resize(plans.size());
-    if (options.second_moment == SecondMoment::Shared) {
+    const int64_t replicas = group ? group->size() : 1;
+    if (resolved_second_moment(options.second_moment, replicas) == SecondMoment::Shared) {
       shared_ = std::make_unique<SharedSecondMoment>(plans, options, shards, group, device);
       return;
     }

@@ -88,8 +88,8 @@ void OptimizerOptions::validate() const {
   if (second_moment == SecondMoment::Shared && !precondition) {
     fail("{second_moment} shared needs {precondition}");
   }
-  if (second_moment_every != 1 && second_moment != SecondMoment::Shared) {
-    fail("{second_moment_every} needs {second_moment} shared");
+  if (second_moment_every != 1 && second_moment == SecondMoment::Own) {
+    fail("{second_moment_every} needs {second_moment} shared or auto");
   }
   if (inner_steps > 1 && overlap_step) fail("{inner_steps} and {overlap_step} exclude each other");
   if (peer_scale_bound > 0.0 && !(peer_scale_bound > 1.0)) {

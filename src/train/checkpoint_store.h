@@ -37,6 +37,10 @@ int64_t load_checkpoint(Session& s, const std::filesystem::path& dir, bool with_
 // ====== Inside src/train (elastic_state.cpp) ======
 // Rank `rank`'s optimizer-rank<rank>.safetensors of checkpoint folder `dir`, by name.
 std::map<std::string, at::Tensor> read_state_file(const std::filesystem::path& dir, int64_t rank);
+// Refuses, in one line, a checkpoint (one of its rank's state, written by `replicas` replicas)
+// whose second moment (own or shared) is not this run's.
+void check_second_moment(const Session& s, const std::map<std::string, at::Tensor>& saved,
+                         const std::filesystem::path& dir, int64_t replicas);
 // This rank's optimizer state from a checkpoint (its manifest, its step) written on another
 // topology. Throws std::invalid_argument when the checkpoint lacks its table of ranks.
 void load_state_elastic(Session& s, const std::filesystem::path& dir,

@@ -6,12 +6,16 @@
 
 #include "flexdemo/comm.h"
 #include "flexdemo/elastic.h"
+#include "flexdemo/optim.h"
 #include "flexdemo/safetensors.h"
 #include "flexdemo/shard.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
+#include <fmt/core.h>
+
+#include <algorithm>
 #include <map>
 #include <vector>
 
@@ -62,6 +66,29 @@ std::vector<std::pair<int64_t, int64_t>> rank_places(const nlohmann::json& manif
 
 }  // namespace
 
+// --second-moment may change on resume (auto keeps the checkpoint's kind: trainer.cpp), so a
+// checkpoint can hold the other kind's state than the one asked for. Said in one line, with the
+// way on.
+void check_second_moment(const Session& s, const std::map<std::string, at::Tensor>& saved,
+                         const fs::path& dir, int64_t replicas) {
+  const auto holds = [&saved](const std::string& prefix) {
+    return std::any_of(saved.begin(), saved.end(),
+                       [&](const auto& named) { return named.first.rfind(prefix, 0) == 0; });
+  };
+  bool wants_own = false, wants_shared = false;
+  for (const auto& [name, t] : s.optimizer->state_tensors()) {
+    wants_own = wants_own || name.rfind("grad_sq.", 0) == 0;
+    wants_shared = wants_shared || name.rfind("moment_cols.", 0) == 0;
+  }
+  if ((wants_own && holds("moment_cols.")) || (wants_shared && holds("grad_sq."))) {
+    const char* had = wants_own ? "shared" : "own";
+    throw std::invalid_argument(fmt::format(
+        "--resume: {} holds the {} second moment of {} replicas, this run's is {} ({} "
+        "replicas): pass --second-moment {} or auto to keep the checkpoint's",
+        dir.string(), had, replicas, wants_own ? "own" : "shared", s.topo.replicas, had));
+  }
+}
+
 // The optimizer state of a checkpoint written on another topology, by one rule
 // (docs/reliability.md, "Elastic resume"): this rank's replica r takes the state of the
 // checkpoint's replica r mod R (R: the checkpoint's replicas), each tensor's state put together
@@ -96,6 +123,7 @@ void load_state_elastic(Session& s, const fs::path& dir, const nlohmann::json& m
   for (const auto& unit : s.lm->units()) {
     for (const shard::ShardSpec& spec : unit->specs()) specs.push_back(&spec);
   }
+  if (!shards.empty()) check_second_moment(s, shards.front(), dir, replicas);
   at::NoGradGuard no_grad;
   for (auto& [name, t] : s.optimizer->state_tensors()) {
     if (name == "pending") {  // --overlap-step's exchange in flight: its preview stands for it

@@ -119,9 +119,20 @@ RunLog::RunLog(const Session& s, int64_t start_step)
   }
   metrics_.open(metrics_path, std::ios::trunc);
   metrics_ << kept;
-  fmt::print("flexdemo train: {}; {}; {} + {} replicator; global batch {} x {} tokens\n",
+  // Whose second moment preconditions, where one does: auto's choice said with its reason.
+  const optim::OptimizerOptions o = optimizer_options(cfg);
+  std::string moment;
+  if (o.precondition) {
+    const optim::SecondMoment m = optim::resolved_second_moment(o.second_moment, s.topo.replicas);
+    moment = fmt::format(", {} second moment", name_of(m));
+    if (o.second_moment == optim::SecondMoment::Auto) {
+      moment += fmt::format(" (auto: {} replicas, shared from {})", s.topo.replicas,
+                            optim::kSharedSecondMomentReplicas);
+    }
+  }
+  fmt::print("flexdemo train: {}; {}; {} + {} replicator{}; global batch {} x {} tokens\n",
              s.topo.describe(), s.lm->describe(), name_of(cfg.optimizer), name_of(*cfg.replicator),
-             cfg.batch, cfg.seq);
+             moment, cfg.batch, cfg.seq);
   fmt::print("blas: {}\n", blas_description());
   std::fflush(stdout);
 }

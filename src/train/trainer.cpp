@@ -298,6 +298,34 @@ std::filesystem::path checked_resume(const TrainConfig& config, const comm::Comm
   return from;
 }
 
+// --second-moment auto on a resume keeps the kind of second moment the checkpoint holds (its
+// run's setting, auto resolved on the replicas that wrote it), so that a run resized across
+// auto's choice (4 replicas) continues its statistics: where that is not the kind auto chose
+// here, the session's optimizer is made again with it (collective). Returns the line that says
+// so, or nothing.
+std::string keep_checkpoint_second_moment(Session& s, const std::filesystem::path& from) {
+  if (from.empty() || s.cfg.second_moment != optim::SecondMoment::Auto) return "";
+  const nlohmann::json manifest = read_manifest(from);
+  if (!manifest.contains("ranks")) return "";  // older: its state is checked on loading
+  int64_t written_by = 0;
+  for (const auto& place : manifest.at("ranks")) {
+    written_by = std::max(written_by, place.at(0).get<int64_t>() + 1);
+  }
+  const nlohmann::json& saved = manifest.at("config");
+  const optim::SecondMoment chosen =  // a run from before the option: each replica's own
+      saved.contains("second_moment")
+          ? parse_name<optim::SecondMoment>(saved.at("second_moment").get<std::string>())
+          : optim::SecondMoment::Own;
+  const optim::SecondMoment held = optim::resolved_second_moment(chosen, written_by);
+  if (held == optim::resolved_second_moment(optim::SecondMoment::Auto, s.topo.replicas)) return "";
+  s.cfg.second_moment = held;  // and so in the checkpoints this run writes
+  s.optimizer = std::make_unique<optim::Optimizer>(s.params, optimizer_options(s.cfg),
+                                                   s.topo.replica_group, s.topo.shard_group);
+  return fmt::format("--second-moment auto: the checkpoint's {} second moment kept (written by {} "
+                     "replicas; auto chooses by the replicas a run starts on: shared from {})",
+                     name_of(held), written_by, optim::kSharedSecondMomentReplicas);
+}
+
 // Collective: the line of a run stopped by a signal. It counts the ranks that caught one by now:
 // a signal forwarded to every rank (mpirun does) can reach some after they voted, while others
 // waited in the vote.
@@ -323,12 +351,14 @@ int run_training(const TrainConfig& config, std::shared_ptr<comm::Communicator> 
   const std::unique_ptr<Session> session = open_session(config, world);
   Session& s = *session;
   const TrainConfig& cfg = s.cfg;
+  const std::string kept_moment = keep_checkpoint_second_moment(s, resume_from);
   int64_t step = resume_from.empty() ? 0 : load_checkpoint(s, resume_from, true);
   const Injection inject = Injection::from_env("FLEXDEMO_INJECT_NONFINITE");
   const Injection inject_signal = Injection::from_env("FLEXDEMO_INJECT_SIGNAL");
   const PayloadInjection inject_payload = PayloadInjection::from_env();
   const PeerNames peer_names(s);
   RunLog log(s, step);
+  if (!kept_moment.empty() && world->rank() == 0) fmt::print("{}\n", kept_moment);
   optim::LinkBudget link({s.optimizer.get()}, {s.topo.world}, s.topo.replica_group, step);
   comm::TrafficMeter meter(s.topo);
   int64_t skipped_steps = 0;
