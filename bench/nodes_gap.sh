@@ -3,14 +3,15 @@
 # corpus, 1 rank a node, the global batch fixed (--batch 16: each node's share shrinks as nodes
 # are added), the same seed, STEPS steps (default 1000), at each node count of NODES (default
 # "2 4 8"). First AdamW-HSDP's rate bracket (RATES, default "5e-4 1e-3 2e-3") at the first node
-# count; then at every node count AdamW-HSDP at the best of it, FlexDeMo's default step
+# count; then at every node count AdamW-HSDP at the best of it and FlexDeMo's default step
 # (`--optimizer flexdemo`, whatever it resolves to there: from 4 replicas on the shared second
-# moment) with the all-gather and with the owners' exchange. Each node count is one
-# bench/tune.sh sweep (a finished run is kept and not trained again). Writes, under OUT (default
-# runs/studies/nodes-gap/<model>-<steps>/): <nodes>x1/ (the sweep: its runs, table.md, gaps.md,
-# gaps.png), table.md (final validation loss, the gap, bytes a node a step and in payloads: one
-# payload is what a node sends another a step with the all-gather at the first node count), rows.csv (every run's
-# validation rows) and gap.png (the gap against node count, gnuplot).
+# moment) with the all-gather and, from 4 nodes on, with the owners' exchange. Each node count
+# is one bench/tune.sh sweep (a finished run is kept and not trained again). Writes, under OUT
+# (default runs/studies/nodes-gap/<model>-<steps>/): <nodes>x1/ (the sweep: its runs, table.md,
+# gaps.md, gaps.png), table.md (final validation loss, the gap, bytes a node a step in
+# payloads: one payload is what a node sends another a step with the all-gather at the first
+# node count), rows.csv (every run's validation rows) and gap.png (the gap against node count,
+# gnuplot).
 #   bash bench/nodes_gap.sh    (about 10 minutes a run on 2 cores at 1,000 steps)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,9 +50,9 @@ done
 echo "AdamW-HSDP's best rate at ${nodes[0]} nodes: $best ($best_loss)"
 for n in "${nodes[@]}"; do
   echo "== $n nodes x 1 rank =="
-  lines=("adamw-lr$best --optimizer adamw --lr $best"
-         "flexdemo --optimizer flexdemo"
-         "flexdemo-owners --optimizer flexdemo --demo-exchange owners")
+  lines=("adamw-lr$best --optimizer adamw --lr $best" "flexdemo --optimizer flexdemo")
+  # The owners' exchange is for many nodes: at 2 it sends what the all-gather sends.
+  [ "$n" -lt 4 ] || lines+=("flexdemo-owners --optimizer flexdemo --demo-exchange owners")
   [ "$n" != "${nodes[0]}" ] || lines+=("${bracket[@]}")
   sweep "$n" "${lines[@]}"
 done
@@ -78,6 +79,10 @@ for n in nodes:
     ref = summary(n, adamw)["final_val_loss"]
     row, gap_row = [str(n), f"{ref:.4f}"], [n]
     for name, _ in runs:
+        if not os.path.isfile(os.path.join(run_dir(n, name), "summary.json")):
+            row += ["", "", ""]
+            gap_row.append(float("nan"))
+            continue
         s = summary(n, name)
         gap = 100 * (s["final_val_loss"] / ref - 1)
         row += [f"{s['final_val_loss']:.4f}", f"{gap:+.2f}%",
