@@ -304,7 +304,10 @@ std::filesystem::path checked_resume(const TrainConfig& config, const comm::Comm
 // here, the session's optimizer is made again with it (collective). Returns the line that says
 // so, or nothing.
 std::string keep_checkpoint_second_moment(Session& s, const std::filesystem::path& from) {
-  if (from.empty() || s.cfg.second_moment != optim::SecondMoment::Auto) return "";
+  if (from.empty() || s.cfg.second_moment != optim::SecondMoment::Auto ||
+      !optimizer_options(s.cfg).precondition) {
+    return "";  // no second moment to keep (AdamW's own moments are not this option's)
+  }
   const nlohmann::json manifest = read_manifest(from);
   if (!manifest.contains("ranks")) return "";  // older: its state is checked on loading
   int64_t written_by = 0;
@@ -319,6 +322,9 @@ std::string keep_checkpoint_second_moment(Session& s, const std::filesystem::pat
   const optim::SecondMoment held = optim::resolved_second_moment(chosen, written_by);
   if (held == optim::resolved_second_moment(optim::SecondMoment::Auto, s.topo.replicas)) return "";
   s.cfg.second_moment = held;  // and so in the checkpoints this run writes
+  // Each replica's own takes no interval (below 4 replicas auto left it unused).
+  if (held == optim::SecondMoment::Own) s.cfg.second_moment_every = 1;
+  s.optimizer.reset();  // one optimizer's state in memory at a time
   s.optimizer = std::make_unique<optim::Optimizer>(s.params, optimizer_options(s.cfg),
                                                    s.topo.replica_group, s.topo.shard_group);
   return fmt::format("--second-moment auto: the checkpoint's {} second moment kept (written by {} "

@@ -75,11 +75,12 @@ def test_cpp_api_and_python_take_bit_identical_steps(tmp_path):
 
 def test_owners_bytes_a_node_equal_the_cpp_doors_at_4_replicas(tmp_path):
     """4 replicas x 1: the owners' exchange through Python sends what it sends through the C++
-    door (bytes and results), and less than the all-gather's 3 payloads a node. With the second
-    moment shared, summed every step: its sum over 4 replicas adds in rank order on MPI and gloo
-    alike (src/comm/rank_order_sum.h), so both doors still agree bit for bit."""
-    configs = ["flexdemo chunk=16 demo_exchange=owners", "flexdemo chunk=16",
-               "flexdemo chunk=16 demo_exchange=owners second_moment=shared"]
+    door (bytes and results), and less than the all-gather's 3 payloads a node (each replica's
+    own second moment in both). Then the default at 4 replicas, the shared second moment summed
+    every step: its sum adds in rank order on MPI and gloo alike (src/comm/rank_order_sum.h), so
+    both doors still agree bit for bit."""
+    configs = ["flexdemo chunk=16 demo_exchange=owners second_moment=own",
+               "flexdemo chunk=16 second_moment=own", "flexdemo chunk=16 demo_exchange=owners"]
     cpp, py = run_both(tmp_path, configs, shards=1, replicas=4)
     sent = {}
     for line, config in enumerate(configs):
