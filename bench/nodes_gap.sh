@@ -111,7 +111,8 @@ with open(os.path.join(out, "gap.dat"), "w") as f:
 plot = ["set terminal pngcairo size 900,550", "set output 'gap.png'",
         f"set title 'final validation loss against AdamW-HSDP ({os.path.basename(out)})'",
         "set xlabel 'nodes (1 rank a node, the global batch fixed)'", "set ylabel 'gap (%)'",
-        "set logscale x 2", f"set xtics ({', '.join(str(n) for n in nodes)})", "set grid",
+        "set logscale x 2", f"set xrange [{nodes[0] * 0.8}:{nodes[-1] * 1.25}]",
+        f"set xtics ({', '.join(str(n) for n in nodes)})", "set grid",
         "set key top left", "plot 0 with lines dt 2 lc 'black' title 'AdamW-HSDP', " + ", ".join(
             f"'gap.dat' using 1:{i + 2} with linespoints pt 7 title \"{label}\""
             for i, (_, label) in enumerate(runs))]
