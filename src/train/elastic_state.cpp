@@ -66,6 +66,14 @@ std::vector<std::pair<int64_t, int64_t>> rank_places(const nlohmann::json& manif
 
 }  // namespace
 
+int64_t checkpoint_replicas(const nlohmann::json& manifest, const fs::path& dir) {
+  int64_t replicas = 0;
+  for (const auto& place : rank_places(manifest, dir)) {
+    replicas = std::max(replicas, place.first + 1);
+  }
+  return replicas;
+}
+
 // --second-moment may change on resume (auto keeps the checkpoint's kind: trainer.cpp), so a
 // checkpoint can hold the other kind's state than the one asked for. Said in one line, with the
 // way on.
@@ -109,8 +117,7 @@ void load_state_elastic(Session& s, const fs::path& dir, const nlohmann::json& m
   }
   // [replica, shard] per world rank: every place of a replicas x shards grid exactly once.
   const std::vector<std::pair<int64_t, int64_t>> places = rank_places(manifest, dir);
-  int64_t replicas = 0;
-  for (const auto& place : places) replicas = std::max(replicas, place.first + 1);
+  const int64_t replicas = checkpoint_replicas(manifest, dir);
   const int64_t source = optim::resumed_from_replica(s.topo.replica_rank, replicas);
   std::vector<std::map<std::string, at::Tensor>> shards;  // the source replica's, by shard
   for (size_t w = 0; w < places.size(); ++w) {

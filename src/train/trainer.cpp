@@ -310,10 +310,7 @@ std::string keep_checkpoint_second_moment(Session& s, const std::filesystem::pat
   }
   const nlohmann::json manifest = read_manifest(from);
   if (!manifest.contains("ranks")) return "";  // older: its state is checked on loading
-  int64_t written_by = 0;
-  for (const auto& place : manifest.at("ranks")) {
-    written_by = std::max(written_by, place.at(0).get<int64_t>() + 1);
-  }
+  const int64_t written_by = checkpoint_replicas(manifest, from);
   const nlohmann::json& saved = manifest.at("config");
   const optim::SecondMoment chosen =  // a run from before the option: each replica's own
       saved.contains("second_moment")
