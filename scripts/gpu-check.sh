@@ -23,6 +23,7 @@
 #                    64, bf16: demo_step_ms and each kernel's time beside the model's prediction,
 #                    and torch's fused AdamW in the same run
 #   train_gpu        2 nodes x 1 rank sharing the GPU (MPI), 20 steps, the replicas checked
+#   train_gpu_owners the same with the owners' exchange (buckets of some tensors decoded)
 #   python_ops       the package's engine on the GPU equals the CPU's portable kernels bit for
 #                    bit, every encoding, and FlexDeMo trains there (tests/python/test_gpu_ops.py)
 #   python_bench     python -m flexdemo.bench --scale 1: DeMo.step and FlexDeMo.step against torch
@@ -223,6 +224,13 @@ if $built; then
     --tokenizer bytes --data "$corpus" --seq 64 --batch 16 --steps 20 --eval-seqs 16 \
     --check-replicas 10 --progress lines --ranks-per-node 1 --comm-timeout 120 \
     --device "$device" --intra-backend mpi --inter-backend mpi --out "$work/$device"
+  # The same with the owners' exchange: each owner's share of the payloads and every owner's
+  # return are buckets of some of the tensors, screened and decoded by the kernels.
+  step train_gpu_owners 180 "${mpirun[@]}" -np 2 "$build/flexdemo" train --model gpt-nano \
+    --tokenizer bytes --data "$corpus" --seq 64 --batch 16 --steps 20 --eval-seqs 16 \
+    --check-replicas 10 --progress lines --ranks-per-node 1 --comm-timeout 120 \
+    --demo-exchange owners --device "$device" --intra-backend mpi --inter-backend mpi \
+    --out "$work/$device-owners"
 fi
 if passed python_build; then
   step python_ops 300 env PYTHONPATH="$work/python" $python tests/python/test_gpu_ops.py

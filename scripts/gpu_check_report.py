@@ -81,6 +81,9 @@ def main():
         "params": bench.get("params"),
         "gpu_2_nodes": {"replicas_identical": ok("train_gpu"),
                         "final_val_loss": load(device, "summary.json").get("final_val_loss")},
+        "gpu_2_nodes_owners": {
+            "replicas_identical": ok("train_gpu_owners"),
+            "final_val_loss": load(device + "-owners", "summary.json").get("final_val_loss")},
         "nccl_smoke": ok("nccl_smoke"),
         "tokens_per_s": load("speed", "summary.json").get("tokens_per_s"),
         "pytorch_tokens_per_s": load("pytorch.json").get("tokens_per_s"),
@@ -97,10 +100,13 @@ def main():
     if device == "cuda":
         report["passed"] = bool(report["payload_identical_cpu_gpu"] and
                                 report["python_gpu_ops_identical"] and
-                                report["replicas_identical"] and report["nccl_smoke"])
+                                report["replicas_identical"] and
+                                report["gpu_2_nodes_owners"]["replicas_identical"] and
+                                report["nccl_smoke"])
     else:  # a rehearsal passes when every step ran and none failed
         needed = ["probe", "python_build", "python_ops", "python_bench", "unpack", "configure",
-                  "build", "test_gpu", "bench", "train_gpu", "speed", "pytorch"]
+                  "build", "test_gpu", "bench", "train_gpu", "train_gpu_owners", "speed",
+                  "pytorch"]
         report["passed"] = all(ok(n) for n in needed) and not report["failed_steps"]
     # Written aside (a dot file, removed at the check's start), then renamed: the two builds'
     # steps report at once.

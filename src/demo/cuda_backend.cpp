@@ -21,7 +21,9 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
+#include <vector>
 
 namespace flexdemo::demo {
 namespace {
@@ -42,7 +44,7 @@ class CudaBackend final : public Backend {
     int64_t largest = 1;
     for (const dct::ChunkPlan& plan : plans) largest = std::max(largest, plan.padded_numel());
     scratch_ = at::empty({largest}, at::dtype(at::kFloat).device(device));
-    kernels_for(options.topk, options.values);  // the tables and bases on the device, once
+    kernels_for(every_tensor(), options.topk, options.values);  // the tables on the device, once
   }
 
   at::Tensor buffer(int64_t bytes) const override {
@@ -52,7 +54,9 @@ class CudaBackend final : public Backend {
     return at::empty({bytes}, at::dtype(at::kByte).pinned_memory(true));
   }
 
-  bool partial_buckets() const override { return false; }  // one launch for every tensor
+  // It encodes every tensor in one launch; it screens and decodes a bucket of any of them (the
+  // owners' exchange decodes each owner's share).
+  bool partial_buckets() const override { return false; }
 
   // The kernels' verdict, then what the host's screening (screen_payloads) makes of it: a payload
   // the kernels flag is copied to the host and checked there alone, for the host's own finding
@@ -60,15 +64,12 @@ class CudaBackend final : public Backend {
   // scale check by the kernels' sums, which are the host's bits.
   std::vector<optim::PeerFault> screen(const Bucket& b, const at::Tensor& gathered, int replicas,
                                        double scale_bound) const override {
-    if (b.tensors.size() != plans_.size()) {  // the kernels' layout is every tensor's
-      return screen_on_host(plans_, b, gathered, replicas, scale_bound);
-    }
-    const kernels::GpuStep& gpu = kernels_for(b.topk, b.values);
+    const kernels::GpuStep& gpu = kernels_for(b.tensors, b.topk, b.values);
     staged_ = on_device(gathered);  // the decode that follows reads this copy
     staged_from_ = gathered;
     const kernels::GpuStep::Screened verdict = gpu.screen_on_device(staged_, replicas);
     std::vector<optim::PeerFault> found;
-    const size_t tensors = plans_.size();
+    const size_t tensors = b.tensors.size();
     std::vector<double> norms(static_cast<size_t>(replicas), 0.0);
     std::vector<char> judged(static_cast<size_t>(replicas), 0);
     for (size_t i = 0; i < tensors; ++i) {
@@ -77,11 +78,12 @@ class CudaBackend final : public Backend {
         judged[r] = 1;
         norms[r] = std::sqrt(verdict.squares[e]);
         if (verdict.errors[e] == 0) continue;
-        const int64_t size = int64_t(compress::wire_payload_bytes(plans_[i], b.topk, b.values));
+        const dct::ChunkPlan& plan = plans_[b.tensors[i]];
+        const int64_t size = int64_t(compress::wire_payload_bytes(plan, b.topk, b.values));
         const at::Tensor payload =
             gathered.narrow(0, int64_t(size_t(r) * b.bytes + b.offsets[i]), size).to(at::kCPU);
         const std::optional<optim::PeerFault> fault = check_payload(
-            payload.data_ptr<uint8_t>(), plans_[i], b.topk, b.values, r, i, &norms[r]);
+            payload.data_ptr<uint8_t>(), plan, b.topk, b.values, r, i, &norms[r]);
         judged[r] = !fault;
         if (fault) found.push_back(*fault);
       }
@@ -102,7 +104,7 @@ class CudaBackend final : public Backend {
     if (b.tensors.size() != plans_.size()) {
       throw std::logic_error("DeMo on a GPU: one bucket of every tensor a step");
     }
-    const kernels::GpuStep& gpu = kernels_for(b.topk, b.values);
+    const kernels::GpuStep& gpu = kernels_for(b.tensors, b.topk, b.values);
     const bool in_place = b.send.device() == device_;  // NCCL: the bucket lies on this GPU
     const at::Tensor encoded =
         in_place ? b.send : at::empty({int64_t(b.bytes)}, at::dtype(at::kByte).device(device_));
@@ -111,45 +113,61 @@ class CudaBackend final : public Backend {
     if (!in_place) b.send.copy_(encoded);  // MPI: to the pinned host bucket (waits for it)
   }
 
+  // A bucket of some of the tensors (the owners' exchange decodes each owner's share) runs the
+  // kernels of a layout of those tensors alone: its payloads lie in the bucket as that layout's.
   void decode(const Bucket& b, const at::Tensor& gathered, int replicas,
               const Updates& updates) override {
-    const kernels::GpuStep& gpu = kernels_for(b.topk, b.values);
+    const kernels::GpuStep& gpu = kernels_for(b.tensors, b.topk, b.values);
     // The screening's copy when it screened these very bytes (an MPI bucket lies on the host).
     const bool screened = staged_.defined() && staged_from_.is_same(gathered);
     const at::Tensor on_device = screened ? staged_ : this->on_device(gathered);
     staged_ = at::Tensor();
     staged_from_ = at::Tensor();
-    if (plans_.empty()) return;
-    const bool fused = std::all_of(
-        updates.fused.begin(), updates.fused.end(),
-        [](const std::optional<Update>& u) { return u.has_value() && !u->measured; });
+    if (b.tensors.empty()) return;
+    const bool fused = std::all_of(b.tensors.begin(), b.tensors.end(), [&](size_t i) {
+      const std::optional<Update>& u = updates.fused.at(i);
+      return u.has_value() && !u->measured;
+    });
     if (!fused) {  // a rule the kernels do not fuse: each tensor's direction, then apply()
       std::vector<at::Tensor> directions;
-      for (const dct::ChunkPlan& plan : plans_) {
-        directions.push_back(
-            at::zeros({plan.rows, plan.cols}, at::dtype(at::kFloat).device(device_)));
+      for (size_t i : b.tensors) {
+        directions.push_back(at::zeros({plans_[i].rows, plans_[i].cols},
+                                       at::dtype(at::kFloat).device(device_)));
       }
       gpu.decode_step(on_device, replicas, directions, {}, {}, kernels::direction_hyper());
-      for (size_t i = 0; i < directions.size(); ++i) updates.apply(i, directions[i]);
+      for (size_t k = 0; k < b.tensors.size(); ++k) updates.apply(b.tensors[k], directions[k]);
       return;
     }
     std::vector<at::Tensor> params, exp_avg, exp_avg_sq;
-    for (const std::optional<Update>& u : updates.fused) {
-      params.push_back(u->param);
-      if (u->rule == Update::Rule::AdamW) {
-        exp_avg.push_back(u->exp_avg);
-        exp_avg_sq.push_back(u->exp_avg_sq);
+    for (size_t i : b.tensors) {
+      const Update& u = *updates.fused[i];
+      params.push_back(u.param);
+      if (u.rule == Update::Rule::AdamW) {
+        exp_avg.push_back(u.exp_avg);
+        exp_avg_sq.push_back(u.exp_avg_sq);
       }
     }
-    gpu.decode_step(on_device, replicas, params, exp_avg, exp_avg_sq, updates.fused.front()->hyper);
+    gpu.decode_step(on_device, replicas, params, exp_avg, exp_avg_sq,
+                    updates.fused[b.tensors.front()]->hyper);
   }
 
  private:
-  // The kernels' tables for a layout, built once per layout used.
-  const kernels::GpuStep& kernels_for(int64_t topk, compress::ValueEncoding values) const {
-    auto& slot = kernels_[{topk, values}];
-    if (!slot) slot = std::make_unique<kernels::GpuStep>(plans_, topk, values, device_);
+  // The kernels' tables for a layout (these tensors, in this order, at this top-k and values),
+  // built once per layout used.
+  const kernels::GpuStep& kernels_for(const std::vector<size_t>& tensors, int64_t topk,
+                                      compress::ValueEncoding values) const {
+    auto& slot = kernels_[{tensors, topk, values}];
+    if (!slot) {
+      std::vector<dct::ChunkPlan> plans;
+      for (size_t i : tensors) plans.push_back(plans_.at(i));
+      slot = std::make_unique<kernels::GpuStep>(plans, topk, values, device_);
+    }
     return *slot;
+  }
+  std::vector<size_t> every_tensor() const {
+    std::vector<size_t> all(plans_.size());
+    for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+    return all;
   }
   at::Tensor on_device(const at::Tensor& gathered) const {
     return gathered.device() == device_ ? gathered : gathered.to(device_, /*non_blocking=*/true);
@@ -163,7 +181,8 @@ class CudaBackend final : public Backend {
   // The gathered bucket screen() last copied to the device, and what it copied: the decode of
   // the same tensor reuses it (one copy a step, not two), then lets it go.
   mutable at::Tensor staged_, staged_from_;
-  mutable std::map<std::pair<int64_t, compress::ValueEncoding>, std::unique_ptr<kernels::GpuStep>>
+  mutable std::map<std::tuple<std::vector<size_t>, int64_t, compress::ValueEncoding>,
+                   std::unique_ptr<kernels::GpuStep>>
       kernels_;
 };
 
