@@ -459,6 +459,48 @@ TEST(FlexDemo, SharedSecondMomentStartsEarlyAndResumesMidInterval) {
   EXPECT_GT(max_relative_difference({reference[0]}, {initial_params()[0][0]}), 1e-4);  // trained
 }
 
+// What the link budget weighs (Optimizer::link_bytes) against what crossed the replicas' link:
+// 4 replicas of one rank, the default step with the shared second moment summed every step. The
+// bytes the replica group's communicator counted over one step are (R - 1) x link_bytes: the
+// all-gather's payloads plus the statistics' rank-order sum (8n / R bytes as an all-gather's),
+// within its uneven slices (at most 4 bytes a slice when the n floats do not divide by R: two
+// collectives of R - 1 slices each). With each replica's own second moment, link_bytes is the
+// payloads' alone.
+TEST(FlexDemo, LinkBytesCountTheSharedSecondMomentsSum) {
+  const comm::Topology four = comm::make_topology(test_world(), {1, 1});
+  for (const auto kind : {optim::SecondMoment::Shared, optim::SecondMoment::Own}) {
+    optim::OptimizerOptions o = optim::options_for(optim::Preset::FlexDemo, {});
+    o.topk = 4;
+    o.chunk = 8;
+    o.second_moment = kind;
+    ShardedMlp model(four, o);
+    optim::Optimizer optimizer(model.optim_params(), o, four.replica_group, four.shard_group);
+    four.replica_group->reset_stats();
+    auto [x, y] = global_batch(0);
+    optimizer.zero_grad();
+    model.loss(rank_rows(x, four), rank_rows(y, four)).backward();
+    optimizer.step();
+    const double sent = double(four.replica_group->stats().bytes_sent);
+    const optim::ExchangeSchedule schedule{o.topk, o.values, 1};
+    const double wire = double(optimizer.wire_bytes(schedule));
+    const double link = optimizer.link_bytes(schedule);
+    const int R = four.replicas;
+    if (kind == optim::SecondMoment::Own) {
+      EXPECT_EQ(link, wire);
+      EXPECT_EQ(sent, (R - 1) * wire);
+      continue;
+    }
+    EXPECT_GT(link - wire, 0.0);
+    EXPECT_NEAR(sent, (R - 1) * link, 2.0 * (R - 1) * 4.0);
+    // Summed every 2 steps, a schedule of 3 steps carries one and a half sums.
+    o.second_moment_every = 2;
+    optim::Optimizer every_two(model.optim_params(), o, four.replica_group, four.shard_group);
+    const optim::ExchangeSchedule three{o.topk, o.values, 3};
+    EXPECT_DOUBLE_EQ(every_two.link_bytes(three) - double(every_two.wire_bytes(three)),
+                     1.5 * (link - wire));
+  }
+}
+
 TEST(FlexDemo, FullWithAdamWEqualsSingleProcessAdamW) {
   optim::OptimizerOptions o = demo_options();
   o.replicator = optim::ReplicatorKind::Full;

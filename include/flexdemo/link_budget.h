@@ -64,8 +64,9 @@ struct LinkMeasure {
 // How long an exchange of a schedule exchanging every `every` steps may take (see above).
 double exchange_budget_s(bool overlap, double compute_s, int64_t every);
 
-// The index in `ladder` of the first schedule whose exchange (wire_bytes[i] per rank) fits its
-// budget; the last one when none does.
+// The index in `ladder` of the first schedule whose exchange (wire_bytes[i] per rank:
+// Optimizer::link_bytes, the payloads and the shared second moment's sums) fits its budget; the
+// last one when none does.
 size_t choose_schedule(const std::vector<ExchangeSchedule>& ladder,
                        const std::vector<double>& wire_bytes, const LinkMeasure& measure,
                        bool overlap);
@@ -76,7 +77,7 @@ struct LinkChoice {
   ExchangeSchedule schedule;
   LinkMeasure measure;             // the slowest rank's
   int replicas = 1;                // in the replica group
-  double wire_bytes = 0.0;         // of the schedule, the rank that sends most
+  double wire_bytes = 0.0;         // of the schedule (link_bytes), the rank that sends most
   double exchange_s = 0.0;         // predicted
   double budget_s = 0.0;
   double rank_bytes_per_s() const;  // what a rank's probe moved per second: (R - 1) probes in

@@ -239,9 +239,10 @@ constexpr Range open_closed(double low, double high) {  // (low, high]
   X(link_budget, LinkBudgetMode, LinkBudgetMode::Off, optim::unbounded(),                        \
     "auto: measure the link between nodes and a step's compute, and choose top-k, values and "   \
     "the exchange interval (within the {link_min_topk}, {link_max_topk}, {link_values} and "     \
-    "{link_max_every} bounds) so that the exchange stays hidden behind compute (under "          \
-    "{overlap_step}) or costs at most a tenth of a step; re-measured every {link_probe_every} "  \
-    "steps (demo replicator; off: the fixed {topk}, {values}, {replicate_every})")               \
+    "{link_max_every} bounds) so that the exchange (its payloads, and with the shared "          \
+    "{second_moment} the statistics' sums) stays hidden behind compute (under {overlap_step}) "   \
+    "or costs at most a tenth of a step; re-measured every {link_probe_every} steps (demo "      \
+    "replicator; off: the fixed {topk}, {values}, {replicate_every})")                           \
   X(link_min_topk, int64_t, 8, optim::at_least(1), "{link_budget} auto: the smallest top-k chosen") \
   X(link_max_topk, int64_t, 128, optim::at_least(1), "{link_budget} auto: the largest top-k chosen") \
   X(link_values, std::string, "bf16,2bit", optim::unbounded(),                                   \
@@ -448,6 +449,10 @@ class Optimizer {
   void tamper_next_exchange(compress::Tamper how, double factor = 1.0);
   // What one exchange of `schedule` would put on the wire from this rank (headers included).
   uint64_t wire_bytes(const ExchangeSchedule& schedule) const;
+  // What the link between replicas carries for one exchange of `schedule`, as the bytes a rank
+  // of an all-gather sends each other rank: wire_bytes, plus the shared second moment's sums
+  // over the schedule's steps (SecondMoment::Shared). What the link budget weighs.
+  double link_bytes(const ExchangeSchedule& schedule) const;
   // This rank's optimizer state (residuals, accumulators, AdamW moments) by name; the tensors
   // share storage with the optimizer, so a checkpoint loads by copying into them, then calls
   // restore_steps with the number of steps taken. A tensor's state is named "what.i", i the

@@ -128,6 +128,10 @@ class ExchangeEveryStep final : public Stepping {
   ExchangeCounters counters() const override { return counters_; }
   Replicator& replicator() const override { return *replicator_; }
 
+  double statistics_link_bytes() const override {
+    return shared_ ? shared_->link_bytes_per_step() : 0.0;
+  }
+
  private:
   // The scale of a gradient entering the replicator's residual.
   double folded(double lr) const { return options_.fold_lr ? lr : 1.0; }

@@ -195,7 +195,7 @@ std::optional<LinkChoice> LinkBudget::before_step(int64_t step) {
     return std::nullopt;
   }
   const LinkMeasure mine = measure((step - kWarmSteps) / probe_every_);
-  // Every rank's measures and wire bytes (all its optimizers'), so that every rank chooses
+  // Every rank's measures and link bytes (all its optimizers'), so that every rank chooses
   // from the slowest's.
   const size_t n = 3 + ladder_.size();
   at::Tensor local = at::empty({int64_t(n)}, at::kDouble);
@@ -205,7 +205,7 @@ std::optional<LinkChoice> LinkBudget::before_step(int64_t step) {
   l[2] = mine.compute_s;
   for (size_t i = 0; i < ladder_.size(); ++i) {
     double bytes = 0.0;
-    for (const Optimizer* o : optimizers_) bytes += double(o->wire_bytes(ladder_[i]));
+    for (const Optimizer* o : optimizers_) bytes += o->link_bytes(ladder_[i]);
     l[3 + i] = bytes;
   }
   at::Tensor slowest = local;

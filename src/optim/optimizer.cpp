@@ -349,6 +349,11 @@ uint64_t Optimizer::wire_bytes(const ExchangeSchedule& schedule) const {
   }
   return bytes;
 }
+double Optimizer::link_bytes(const ExchangeSchedule& schedule) const {
+  return double(wire_bytes(schedule)) +
+         impl_->stepping->statistics_link_bytes() * double(schedule.every);
+}
+
 std::vector<std::pair<std::string, at::Tensor>> Optimizer::state_tensors() const {
   const Impl& s = *impl_;
   NamedTensors state = s.stepping->state_tensors();

@@ -141,6 +141,14 @@ std::vector<at::Tensor> SharedSecondMoment::precondition_all(const std::vector<a
   return out;
 }
 
+double SharedSecondMoment::link_bytes_per_step() const {
+  const int replicas = replicas_ ? replicas_->size() : 1;
+  if (replicas < 2) return 0.0;
+  int64_t floats = 0;  // what sum_over_replicas sums
+  for (const Moment& s : tensors_) floats += s.matrix ? s.rows + s.cols : s.cols;
+  return 8.0 * double(floats) / double(replicas) / double(every_);
+}
+
 void SharedSecondMoment::sum_over_replicas() {
   // The own statistics in one buffer: per tensor its row sums (matrices), then its column sums
   // (a vector: its elements).

@@ -52,6 +52,11 @@ class SharedSecondMoment {
   NamedTensors state_tensors() const;
   // After loading state written after step `steps`.
   void restore(int64_t steps) { since_ = steps % every_; }
+  // What its sums put on the link between replicas a step, on average, as the bytes a rank of an
+  // all-gather sends each other rank: a rank-order sum of n floats over R replicas sends what an
+  // all-gather of 8n / R bytes does (2 (R - 1) / R of the floats, as a ring all-reduce), every
+  // `every` steps.
+  double link_bytes_per_step() const;
 
  private:
   void accumulate(size_t i, const at::Tensor& grad);  // own = beta2 * own + (1 - beta2) g^2

@@ -33,6 +33,9 @@ class Stepping {
   virtual void set_schedule(const ExchangeSchedule& schedule) = 0;
   virtual ExchangeCounters counters() const = 0;
   virtual Replicator& replicator() const = 0;
+  // Bytes on the replicas' link a step besides the exchange's payloads (the shared second
+  // moment's sum), as the bytes a rank of an all-gather sends each other rank.
+  virtual double statistics_link_bytes() const { return 0.0; }
 };
 
 // shards: where the tensors are shards (the shared second moment sums a matrix's columns there).
