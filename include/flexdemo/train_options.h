@@ -201,7 +201,8 @@ struct OptionSpec {
     optim::declared::link_probe_every.range, optim::declared::link_probe_every.help)               \
   X(exchange_in_backward, bool, false, Run, anything(),                                            \
     "start each unit's exchange between nodes during the backward, as soon as its gradients are "  \
-    "final (the same result as without; needs --clip 0 and --on-nonfinite stop)")                  \
+    "final (the same result as without; needs --clip 0 and --on-nonfinite stop; none starts on a " \
+    "step that sums the shared --second-moment: by default from 4 replicas, every step)")          \
   /* ====== Topology ====== */                                                                     \
   X(ranks_per_node, int, 0, Run,                                                                   \
     Accepts(at_least(0, " (0: from MPI)")).from_env("FLEXDEMO_RANKS_PER_NODE"),                             \

@@ -129,6 +129,15 @@ RunLog::RunLog(const Session& s, int64_t start_step)
       moment += fmt::format(" (auto: {} replicas, shared from {})", s.topo.replicas,
                             optim::kSharedSecondMomentReplicas);
     }
+    // A step that sums the shared statistics preconditions every gradient at once: no exchange
+    // of it starts in the backward.
+    if (m == optim::SecondMoment::Shared && cfg.exchange_in_backward) {
+      moment += o.second_moment_every == 1
+                    ? ", summed every step, so --exchange-in-backward starts nothing early"
+                    : fmt::format(", summed every {} steps, on which --exchange-in-backward "
+                                  "starts nothing early",
+                                  o.second_moment_every);
+    }
   }
   fmt::print("flexdemo train: {}; {}; {} + {} replicator{}; global batch {} x {} tokens\n",
              s.topo.describe(), s.lm->describe(), name_of(cfg.optimizer), name_of(*cfg.replicator),
