@@ -134,6 +134,21 @@ TEST(Comm, SumInRankOrderAddsRankZeroFirst) {
   flexdemo::comm::sum_in_rank_order(*group, even);
   EXPECT_TRUE(at::all(even == float(P)).item<bool>());
   EXPECT_EQ(group->stats().bytes_sent, uint64_t(2 * (P - 1) * 64 * 4));
+  // bf16 on the wire: every copy rounded to bfloat16, added in float32 in rank order, the sum
+  // rounded again; half the bytes.
+  auto bf16 = [](const at::Tensor& t) { return t.to(at::kBFloat16).to(at::kFloat); };
+  for (int64_t n : {int64_t(3), int64_t(1001)}) {
+    at::Tensor t = input(n, r);
+    flexdemo::comm::sum_in_rank_order(*group, t, at::kBFloat16);
+    at::Tensor forward = bf16(input(n, 0));
+    for (int q = 1; q < P; ++q) forward.add_(bf16(input(n, q)));
+    EXPECT_TRUE(at::equal(t, bf16(forward))) << n;
+    if (n > 1000) EXPECT_FALSE(at::equal(t, forward)) << n;  // the sum was rounded too
+  }
+  group->reset_stats();
+  flexdemo::comm::sum_in_rank_order(*group, even, at::kBFloat16);
+  EXPECT_TRUE(at::all(even == float(P * P)).item<bool>());
+  EXPECT_EQ(group->stats().bytes_sent, uint64_t(2 * (P - 1) * 64 * 2));
 }
 
 TEST(Comm, ReduceScatter) {

@@ -464,8 +464,8 @@ TEST(FlexDemo, SharedSecondMomentStartsEarlyAndResumesMidInterval) {
 // bytes the replica group's communicator counted over one step are (R - 1) x link_bytes: the
 // all-gather's payloads plus the statistics' rank-order sum (8n / R bytes as an all-gather's),
 // within its uneven slices (at most 4 bytes a slice when the n floats do not divide by R: two
-// collectives of R - 1 slices each). With each replica's own second moment, link_bytes is the
-// payloads' alone.
+// collectives of R - 1 slices each); at bf16 half the statistics' bytes. With each replica's
+// own second moment, link_bytes is the payloads' alone.
 TEST(FlexDemo, LinkBytesCountTheSharedSecondMomentsSum) {
   const comm::Topology four = comm::make_topology(test_world(), {1, 1});
   for (const auto kind : {optim::SecondMoment::Shared, optim::SecondMoment::Own}) {
@@ -498,6 +498,18 @@ TEST(FlexDemo, LinkBytesCountTheSharedSecondMomentsSum) {
     const optim::ExchangeSchedule three{o.topk, o.values, 3};
     EXPECT_DOUBLE_EQ(every_two.link_bytes(three) - double(every_two.wire_bytes(three)),
                      1.5 * (link - wire));
+    // The statistics at bf16: half their bytes, counted and sent.
+    o.second_moment_every = 1;
+    o.second_moment_values = optim::StatisticsEncoding::Bf16;
+    optim::Optimizer halved(model.optim_params(), o, four.replica_group, four.shard_group);
+    four.replica_group->reset_stats();
+    halved.zero_grad();
+    model.loss(rank_rows(x, four), rank_rows(y, four)).backward();
+    halved.step();
+    const double half = halved.link_bytes(schedule);
+    EXPECT_DOUBLE_EQ(half - wire, 0.5 * (link - wire));
+    EXPECT_NEAR(double(four.replica_group->stats().bytes_sent), (R - 1) * half,
+                2.0 * (R - 1) * 2.0);
   }
 }
 

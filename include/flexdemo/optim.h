@@ -54,6 +54,12 @@ enum class SecondMoment {
   Auto,    // shared from kSharedSecondMomentReplicas replicas on, own below
 };
 
+// How the shared second moment's statistics cross between replicas.
+enum class StatisticsEncoding {
+  Fp32,  // as they are
+  Bf16,  // each replica's and their sum rounded to bfloat16: half the bytes
+};
+
 // From this many replicas on, second_moment auto shares the second moment: each replica's own
 // comes from 1/R of the batch, and the gap to AdamW-HSDP grows with R (gpt-micro, 500 steps: own
 // +0.47% at 4 replicas and +2.66% at 8, shared -0.60% and +0.38%; at 2 replicas both within
@@ -181,6 +187,10 @@ constexpr Range open_closed(double low, double high) {  // (low, high]
   X(second_moment_every, int64_t, 1, optim::at_least(1),                                         \
     "{second_moment} shared (or auto, where it shares): sum the statistics over the replicas "   \
     "every this many steps (each replica adds its own in between)")                              \
+  X(second_moment_values, StatisticsEncoding, StatisticsEncoding::Fp32, optim::unbounded(),     \
+    "{second_moment} shared (or auto, where it shares): the statistics' encoding between "       \
+    "replicas: fp32, or bf16 (half the bytes: each replica's statistics and their sum rounded "  \
+    "to bfloat16)")                                                                              \
   X(topk, int64_t, 112, optim::at_least(1),                                                      \
     "DCT coefficients kept per chunk (at most a chunk's)")                                       \
   X(transform, Transform, Transform::Dct, optim::unbounded(),                                    \
@@ -517,6 +527,13 @@ struct NameTable<optim::SecondMoment> {
       {optim::SecondMoment::Own, "own"},
       {optim::SecondMoment::Shared, "shared"},
       {optim::SecondMoment::Auto, "auto"}};
+};
+
+template <>
+struct NameTable<optim::StatisticsEncoding> {
+  static constexpr const char* what = "statistics encoding";
+  static constexpr std::pair<optim::StatisticsEncoding, const char*> entries[] = {
+      {optim::StatisticsEncoding::Fp32, "fp32"}, {optim::StatisticsEncoding::Bf16, "bf16"}};
 };
 
 template <>

@@ -12,6 +12,11 @@ namespace flexdemo::comm {
 // round apart). Each rank sums its slice (n / size() elements, the first n % size() ranks one
 // more) from every rank's copy (an all-to-all), then the slices are gathered: a ring all-reduce's
 // bytes, in two collectives. Collective over `group`; `tensor` contiguous.
-void sum_in_rank_order(Communicator& group, const at::Tensor& tensor);
+// wire: a narrower dtype on the wire (bf16 for a float32 tensor: half the bytes), or Undefined
+// for the tensor's own. Each rank's copy is rounded to it before it is sent, the owner adds the
+// copies in the tensor's dtype and rounds the sum to it: every rank ends with the same widened
+// sums.
+void sum_in_rank_order(Communicator& group, const at::Tensor& tensor,
+                       at::ScalarType wire = at::ScalarType::Undefined);
 
 }  // namespace flexdemo::comm

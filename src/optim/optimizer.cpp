@@ -91,6 +91,9 @@ void OptimizerOptions::validate() const {
   if (second_moment_every != 1 && second_moment == SecondMoment::Own) {
     fail("{second_moment_every} needs {second_moment} shared or auto");
   }
+  if (second_moment_values != StatisticsEncoding::Fp32 && second_moment == SecondMoment::Own) {
+    fail("{second_moment_values} needs {second_moment} shared or auto");
+  }
   if (inner_steps > 1 && overlap_step) fail("{inner_steps} and {overlap_step} exclude each other");
   if (peer_scale_bound > 0.0 && !(peer_scale_bound > 1.0)) {
     fail("{peer_scale_bound} must be 0 (off) or > 1, got " + str(peer_scale_bound));

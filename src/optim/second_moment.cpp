@@ -67,6 +67,7 @@ SharedSecondMoment::SharedSecondMoment(const std::vector<dct::ChunkPlan>& plans,
     : beta2_(options.beta2),
       eps_(options.eps),
       every_(options.second_moment_every),
+      wire_(options.second_moment_values == StatisticsEncoding::Bf16 ? at::kBFloat16 : at::kFloat),
       shards_(shards),
       replicas_(std::move(replicas)) {
   const bool sharded = shards_.group && shards_.group->size() > 1;
@@ -146,7 +147,8 @@ double SharedSecondMoment::link_bytes_per_step() const {
   if (replicas < 2) return 0.0;
   int64_t floats = 0;  // what sum_over_replicas sums
   for (const Moment& s : tensors_) floats += s.matrix ? s.rows + s.cols : s.cols;
-  return 8.0 * double(floats) / double(replicas) / double(every_);
+  return 2.0 * double(c10::elementSize(wire_)) * double(floats) / double(replicas) /
+         double(every_);
 }
 
 void SharedSecondMoment::sum_over_replicas() {
@@ -184,7 +186,7 @@ void SharedSecondMoment::sum_over_replicas() {
     }
   }
   // Added in rank order: the same bits whatever the transport (both doors agree at any count).
-  if (replicas_ && replicas_->size() > 1) comm::sum_in_rank_order(*replicas_, sums);
+  if (replicas_ && replicas_->size() > 1) comm::sum_in_rank_order(*replicas_, sums, wire_);
   // A replica's non-finite statistics (a corrupt peer: the sum cannot say whose) are left out of
   // the shared ones on every replica alike, as the step's own are; the screening of payloads
   // does not see this sum.

@@ -53,9 +53,9 @@ class SharedSecondMoment {
   // After loading state written after step `steps`.
   void restore(int64_t steps) { since_ = steps % every_; }
   // What its sums put on the link between replicas a step, on average, as the bytes a rank of an
-  // all-gather sends each other rank: a rank-order sum of n floats over R replicas sends what an
-  // all-gather of 8n / R bytes does (2 (R - 1) / R of the floats, as a ring all-reduce), every
-  // `every` steps.
+  // all-gather sends each other rank: a rank-order sum of n values of b bytes over R replicas
+  // sends what an all-gather of 2bn / R bytes does (2 (R - 1) / R of the values, as a ring
+  // all-reduce), every `every` steps.
   double link_bytes_per_step() const;
 
  private:
@@ -75,6 +75,7 @@ class SharedSecondMoment {
   std::vector<Moment> tensors_;
   double beta2_, eps_;
   int64_t every_;
+  at::ScalarType wire_;  // of the sum over the replicas (second_moment_values)
   ShardSums shards_;
   std::vector<int64_t> shard_cols_;  // per given tensor: its columns summed over shards (0: none)
   std::shared_ptr<comm::Communicator> replicas_;

@@ -364,6 +364,7 @@ optim::OptimizerOptions optimizer_options(const TrainConfig& c) {
   o.precondition = c.precondition.value();
   o.second_moment = c.second_moment;
   o.second_moment_every = c.second_moment_every;
+  o.second_moment_values = c.second_moment_values;
   o.values = c.values.value();
   o.replicate_every = c.replicate_every;
   o.inner_steps = c.inner_steps;

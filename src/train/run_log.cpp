@@ -129,6 +129,10 @@ RunLog::RunLog(const Session& s, int64_t start_step)
       moment += fmt::format(" (auto: {} replicas, shared from {})", s.topo.replicas,
                             optim::kSharedSecondMomentReplicas);
     }
+    if (m == optim::SecondMoment::Shared &&
+        o.second_moment_values != optim::StatisticsEncoding::Fp32) {
+      moment += fmt::format(", its statistics at {}", name_of(o.second_moment_values));
+    }
     // A step that sums the shared statistics preconditions every gradient at once: no exchange
     // of it starts in the backward.
     if (m == optim::SecondMoment::Shared && cfg.exchange_in_backward) {
