@@ -146,7 +146,7 @@ double SharedSecondMoment::link_bytes_per_step() const {
   const int replicas = replicas_ ? replicas_->size() : 1;
   if (replicas < 2) return 0.0;
   int64_t floats = 0;  // what sum_over_replicas sums
-  for (const Moment& s : tensors_) floats += s.matrix ? s.rows + s.cols : s.cols;
+  for (const Moment& s : tensors_) floats += s.matrix ? s.rows + s.cols : s.own.numel();
   return 2.0 * double(c10::elementSize(wire_)) * double(floats) / double(replicas) /
          double(every_);
 }

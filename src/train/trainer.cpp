@@ -319,8 +319,11 @@ std::string keep_checkpoint_second_moment(Session& s, const std::filesystem::pat
   const optim::SecondMoment held = optim::resolved_second_moment(chosen, written_by);
   if (held == optim::resolved_second_moment(optim::SecondMoment::Auto, s.topo.replicas)) return "";
   s.cfg.second_moment = held;  // and so in the checkpoints this run writes
-  // Each replica's own takes no interval (below 4 replicas auto left it unused).
-  if (held == optim::SecondMoment::Own) s.cfg.second_moment_every = 1;
+  // Each replica's own takes no interval or encoding (below 4 replicas auto left them unused).
+  if (held == optim::SecondMoment::Own) {
+    s.cfg.second_moment_every = 1;
+    s.cfg.second_moment_values = optim::StatisticsEncoding::Fp32;
+  }
   s.optimizer.reset();  // one optimizer's state in memory at a time
   s.optimizer = std::make_unique<optim::Optimizer>(s.params, optimizer_options(s.cfg),
                                                    s.topo.replica_group, s.topo.shard_group);
