@@ -8,6 +8,12 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+#include <vector>
+
 using flexdemo::comm::CommError;
 using flexdemo::comm::ReduceOp;
 
@@ -139,16 +145,88 @@ TEST(Comm, SumInRankOrderAddsRankZeroFirst) {
   auto bf16 = [](const at::Tensor& t) { return t.to(at::kBFloat16).to(at::kFloat); };
   for (int64_t n : {int64_t(3), int64_t(1001)}) {
     at::Tensor t = input(n, r);
-    flexdemo::comm::sum_in_rank_order(*group, t, at::kBFloat16);
+    flexdemo::comm::sum_in_rank_order(*group, t, flexdemo::comm::SumWire::Bf16);
     at::Tensor forward = bf16(input(n, 0));
     for (int q = 1; q < P; ++q) forward.add_(bf16(input(n, q)));
     EXPECT_TRUE(at::equal(t, bf16(forward))) << n;
     if (n > 1000) EXPECT_FALSE(at::equal(t, forward)) << n;  // the sum was rounded too
   }
   group->reset_stats();
-  flexdemo::comm::sum_in_rank_order(*group, even, at::kBFloat16);
+  flexdemo::comm::sum_in_rank_order(*group, even, flexdemo::comm::SumWire::Bf16);
   EXPECT_TRUE(at::all(even == float(P * P)).item<bool>());
   EXPECT_EQ(group->stats().bytes_sent, uint64_t(2 * (P - 1) * 64 * 2));
+  // log8 on the wire, against log8 written out in float64 here: every slice's copy rounded to
+  // eighths of an octave below its largest, added in float32 in rank order, the sum rounded so
+  // again; a byte a value and 4 a slice.
+  auto slices = [P](int64_t n) {  // (offset, count) of each rank's slice
+    std::vector<std::pair<int64_t, int64_t>> out;
+    int64_t at = 0;
+    for (int q = 0; q < P; ++q) {
+      const int64_t count = n / P + (q < n % P ? 1 : 0);
+      out.push_back({at, count});
+      at += count;
+    }
+    return out;
+  };
+  auto log8 = [&](const at::Tensor& t) {  // each slice: E, then 2^(E - d/8), d = 8 (E - log2 x)
+    at::Tensor out = t.to(at::kDouble).clone();
+    double* o = out.data_ptr<double>();
+    for (const auto& [offset, count] : slices(t.numel())) {
+      double largest = 0.0;
+      for (int64_t i = offset; i < offset + count; ++i) largest = std::max(largest, o[i]);
+      int E = 0;
+      std::frexp(largest, &E);
+      for (int64_t i = offset; i < offset + count; ++i) {
+        if (o[i] <= 0.0) continue;
+        const double d = std::min(253.0, std::nearbyint(8.0 * (E - std::log2(o[i]))));
+        o[i] = std::exp2(double(E) - d / 8.0);
+      }
+    }
+    return out.to(at::kFloat);
+  };
+  const double bound = std::exp2(1.0 / 8.0) * (1.0 + 1e-6) - 1.0;  // two roundings of 2^(1/16)
+  for (int64_t n : {int64_t(3), int64_t(1001)}) {
+    at::Tensor t = input(n, r);
+    flexdemo::comm::sum_in_rank_order(*group, t, flexdemo::comm::SumWire::Log8);
+    at::Tensor forward = log8(input(n, 0));
+    at::Tensor exact = input(n, 0).to(at::kDouble);
+    for (int q = 1; q < P; ++q) {
+      forward.add_(log8(input(n, q)));
+      exact.add_(input(n, q).to(at::kDouble));
+    }
+    EXPECT_TRUE(at::equal(t, log8(forward))) << n;
+    const double worst = ((t.to(at::kDouble) - exact).abs() / exact).max().item<double>();
+    EXPECT_LE(worst, bound) << n;
+    if (n > 1000) {
+      EXPECT_GT(worst, 0.02) << n;  // rounded, not carried exactly
+    }
+  }
+  group->reset_stats();
+  flexdemo::comm::sum_in_rank_order(*group, even, flexdemo::comm::SumWire::Log8);
+  EXPECT_TRUE(at::all(even == float(P * P * P)).item<bool>());  // powers of two: exact
+  EXPECT_EQ(group->stats().bytes_sent, uint64_t(2 * (P - 1) * (64 + 4)));
+}
+
+TEST(Comm, Log8KeepsZeroPositiveAndNonFinite) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  // The largest 3; 2^-40 lies more than the code's 31.6 octaves below it.
+  const at::Tensor x = at::tensor({3.0f, 0.0f, -2.0f, std::ldexp(1.0f, -40), nan, inf, 1.0f});
+  const auto [exponent, codes] = flexdemo::comm::log8_encode(x);
+  EXPECT_EQ(exponent.item<int>(), 2);  // 3 < 2^2
+  EXPECT_EQ(codes.numel(), x.numel());
+  const at::Tensor back = flexdemo::comm::log8_decode(exponent, codes);
+  const float* b = back.data_ptr<float>();
+  EXPECT_NEAR(b[0], 3.0f, 3.0 * (std::exp2(1.0 / 16.0) - 1.0));
+  EXPECT_EQ(b[1], 0.0f);
+  EXPECT_EQ(b[2], 0.0f);  // a negative value has no code: zero
+  EXPECT_GT(b[3], 0.0f);  // the lowest code: positive stays positive
+  EXPECT_FLOAT_EQ(b[3], float(std::exp2(2.0 - 253.0 / 8.0)));
+  EXPECT_TRUE(std::isnan(b[4]));
+  EXPECT_TRUE(std::isnan(b[5]));
+  EXPECT_EQ(b[6], 1.0f);  // a power of two: exact
+  const auto [zero_exponent, zero_codes] = flexdemo::comm::log8_encode(at::zeros({4}));
+  EXPECT_TRUE(at::all(flexdemo::comm::log8_decode(zero_exponent, zero_codes) == 0).item<bool>());
 }
 
 TEST(Comm, ReduceScatter) {

@@ -510,6 +510,17 @@ TEST(FlexDemo, LinkBytesCountTheSharedSecondMomentsSum) {
     EXPECT_DOUBLE_EQ(half - wire, 0.5 * (link - wire));
     EXPECT_NEAR(double(four.replica_group->stats().bytes_sent), (R - 1) * half,
                 2.0 * (R - 1) * 2.0);
+    // At log8: a quarter of their bytes and a 4-byte header a slice each way, counted and sent.
+    o.second_moment_values = optim::StatisticsEncoding::Log8;
+    optim::Optimizer quartered(model.optim_params(), o, four.replica_group, four.shard_group);
+    four.replica_group->reset_stats();
+    quartered.zero_grad();
+    model.loss(rank_rows(x, four), rank_rows(y, four)).backward();
+    quartered.step();
+    const double quarter = quartered.link_bytes(schedule);
+    EXPECT_DOUBLE_EQ(quarter - wire, 0.25 * (link - wire) + 2.0 * 4.0);
+    EXPECT_NEAR(double(four.replica_group->stats().bytes_sent), (R - 1) * quarter,
+                2.0 * (R - 1) * 1.0);
   }
 }
 

@@ -58,6 +58,7 @@ enum class SecondMoment {
 enum class StatisticsEncoding {
   Fp32,  // as they are
   Bf16,  // each replica's and their sum rounded to bfloat16: half the bytes
+  Log8,  // each replica's and their sum as 8-bit logarithms: a quarter (comm/rank_order_sum.h)
 };
 
 // From this many replicas on, second_moment auto shares the second moment: each replica's own
@@ -189,8 +190,9 @@ constexpr Range open_closed(double low, double high) {  // (low, high]
     "every this many steps (each replica adds its own in between)")                              \
   X(second_moment_values, StatisticsEncoding, StatisticsEncoding::Fp32, optim::unbounded(),     \
     "{second_moment} shared (or auto, where it shares): the statistics' encoding between "       \
-    "replicas: fp32, or bf16 (half the bytes: each replica's statistics and their sum rounded "  \
-    "to bfloat16)")                                                                              \
+    "replicas: fp32, bf16 (half the bytes: each replica's statistics and their sum rounded to "  \
+    "bfloat16) or log8 (a quarter: each as a byte, eighths of an octave below the largest of "   \
+    "its slice, within 4.4%)")                                                                   \
   X(topk, int64_t, 112, optim::at_least(1),                                                      \
     "DCT coefficients kept per chunk (at most a chunk's)")                                       \
   X(transform, Transform, Transform::Dct, optim::unbounded(),                                    \
@@ -533,7 +535,9 @@ template <>
 struct NameTable<optim::StatisticsEncoding> {
   static constexpr const char* what = "statistics encoding";
   static constexpr std::pair<optim::StatisticsEncoding, const char*> entries[] = {
-      {optim::StatisticsEncoding::Fp32, "fp32"}, {optim::StatisticsEncoding::Bf16, "bf16"}};
+      {optim::StatisticsEncoding::Fp32, "fp32"},
+      {optim::StatisticsEncoding::Bf16, "bf16"},
+      {optim::StatisticsEncoding::Log8, "log8"}};
 };
 
 template <>

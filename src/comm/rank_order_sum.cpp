@@ -1,42 +1,145 @@
-// sum_in_rank_order (rank_order_sum.h): two collectives and a sum in rank order between them.
+// sum_in_rank_order (rank_order_sum.h): two collectives and a sum in rank order between them;
+// the log8 codec its statistics may travel in.
 #include "rank_order_sum.h"
 
 #include <ATen/ATen.h>
 
+#include <limits>
 #include <stdexcept>
 #include <vector>
 
 namespace flexdemo::comm {
+namespace {
 
-void sum_in_rank_order(Communicator& group, const at::Tensor& tensor, at::ScalarType wire) {
+// log8's constants, float32 written out so that no device computes them: 2^(-(j + 1/2) / 8),
+// the mantissas (of [1/2, 1)) below which a value rounds j + 1 eighths further down, and
+// 2^(-k / 8), the mantissa of k eighths below a power of two.
+constexpr float kThresholds[8] = {0x1.ea4afap-1f, 0x1.c199bep-1f, 0x1.9c4918p-1f, 0x1.7a1148p-1f,
+                                  0x1.5ab07ep-1f, 0x1.3dea64p-1f, 0x1.2387a6p-1f, 0x1.0b5586p-1f};
+constexpr float kEighths[8] = {0x1p+0f,         0x1.d5818ep-1f, 0x1.ae89fap-1f, 0x1.8ace54p-1f,
+                               0x1.6a09e6p-1f, 0x1.4bfdaep-1f, 0x1.306fe0p-1f, 0x1.172b84p-1f};
+constexpr int kTop = 254, kNonFinite = 255, kLeast = -125;  // kLeast: decoded exponents' floor
+
+// A slice of `count` values on the wire: elements of the tensor's dtype (Native), else bytes.
+int64_t wire_size(SumWire wire, int64_t count) {
+  switch (wire) {
+    case SumWire::Native: return count;
+    case SumWire::Bf16: return count * 2;
+    case SumWire::Log8: return count + 4;
+  }
+  throw std::logic_error("sum_in_rank_order: unknown wire");
+}
+
+at::Tensor encoded(SumWire wire, const at::Tensor& values) {  // bytes (Native: the values)
+  switch (wire) {
+    case SumWire::Native: return values;
+    case SumWire::Bf16: return values.to(at::kBFloat16).view(at::kByte);
+    case SumWire::Log8: {
+      const auto [exponent, codes] = log8_encode(values);
+      return at::cat({exponent.view(at::kByte), codes});
+    }
+  }
+  throw std::logic_error("sum_in_rank_order: unknown wire");
+}
+
+at::Tensor decoded(SumWire wire, const at::Tensor& bytes) {  // float32 (Native: as they are)
+  switch (wire) {
+    case SumWire::Native: return bytes;
+    case SumWire::Bf16: return bytes.view(at::kBFloat16).to(at::kFloat);
+    case SumWire::Log8:
+      return log8_decode(bytes.narrow(0, 0, 4).clone().view(at::kInt),
+                         bytes.narrow(0, 4, bytes.numel() - 4));
+  }
+  throw std::logic_error("sum_in_rank_order: unknown wire");
+}
+
+}  // namespace
+
+std::pair<at::Tensor, at::Tensor> log8_encode(const at::Tensor& values) {
+  if (values.scalar_type() != at::kFloat) {
+    throw std::invalid_argument("log8_encode: float32 values only");
+  }
+  const at::Tensor x = values.reshape({-1});
+  const at::Tensor finite = at::isfinite(x);
+  const at::Tensor positive = at::where(finite & (x > 0), x, at::zeros({}, x.options()));
+  const at::Tensor largest = x.numel() ? positive.max().reshape({1}) : at::zeros({1}, x.options());
+  const at::Tensor exponent = std::get<1>(at::frexp(largest)).to(at::kInt);  // 0 for zeros
+  const auto [mantissa, e] = at::frexp(positive);
+  at::Tensor eighths = at::zeros_like(e);  // k: round(-8 log2 mantissa), 0..8
+  for (const float t : kThresholds) eighths.add_((mantissa < t).to(at::kInt));
+  const at::Tensor below = (exponent - e) * 8 + eighths;  // d, >= 0
+  at::Tensor codes = (kTop - below).clamp(1, kTop);
+  codes = at::where(positive > 0, codes, at::zeros_like(codes));
+  codes = at::where(finite, codes, at::full_like(codes, kNonFinite));
+  return {exponent, codes.to(at::kByte)};
+}
+
+at::Tensor log8_decode(const at::Tensor& exponent, const at::Tensor& codes) {
+  const at::Tensor c = codes.to(at::kInt);
+  const at::Tensor below = kTop - c.clamp_max(kTop);  // d; code 0 and 255 masked below
+  const at::Tensor table = at::tensor(at::ArrayRef<float>(kEighths, 8), at::kFloat)
+                               .to(codes.device());
+  const at::Tensor mantissa = table.index_select(0, below.remainder(8).reshape({-1}).to(at::kLong))
+                                  .reshape(c.sizes());
+  // 2^(E - d/8) from its bits: exact, the same on every device.
+  const at::Tensor power = at::bitwise_left_shift(
+      (exponent.to(codes.device()) - below.div(8, "floor")).clamp_min(kLeast) + 127, 23);
+  at::Tensor out = mantissa * power.to(at::kInt).view(at::kFloat);
+  out = at::where(c == 0, at::zeros_like(out), out);
+  return at::where(c == kNonFinite, at::full_like(out, std::numeric_limits<float>::quiet_NaN()),
+                   out);
+}
+
+double sum_in_rank_order_gathered_bytes(int64_t n, int ranks, SumWire wire,
+                                        int64_t native_bytes) {
+  if (ranks < 2) return 0.0;
+  const double value = wire == SumWire::Native ? double(native_bytes)
+                       : wire == SumWire::Bf16 ? 2.0
+                                               : 1.0;
+  return 2.0 * (value * double(n) / double(ranks) + (wire == SumWire::Log8 ? 4.0 : 0.0));
+}
+
+void sum_in_rank_order(Communicator& group, const at::Tensor& tensor, SumWire wire) {
   const int ranks = group.size();
   const int64_t n = tensor.numel();
   if (ranks == 1 || n == 0) return;
   if (!tensor.is_contiguous()) {
     throw std::invalid_argument("sum_in_rank_order: the tensor must be contiguous");
   }
-  if (wire == at::ScalarType::Undefined) wire = tensor.scalar_type();
+  if (wire != SumWire::Native && tensor.scalar_type() != at::kFloat) {
+    throw std::invalid_argument("sum_in_rank_order: a narrower wire takes float32 tensors only");
+  }
   // Rank r owns counts[r] elements, back to back in rank order.
   std::vector<int64_t> counts(size_t(ranks), n / ranks);
   for (int64_t r = 0; r < n % ranks; ++r) ++counts[size_t(r)];
-  const int64_t mine = counts[size_t(group.rank())];
+  const int me = group.rank();
   const at::Tensor flat = tensor.view({-1});
-  const at::Tensor sent = flat.to(wire);  // the tensor itself where the wire is its dtype
-  // pieces[r]: rank r's copy of this rank's slice.
-  const at::Tensor pieces = at::empty({ranks, mine}, sent.options());
-  const at::Tensor whole = at::empty_like(sent);
-  // A narrower dtype travels as its bytes, which every transport takes.
-  const bool narrowed = wire != tensor.scalar_type();
-  const int64_t size = narrowed ? int64_t(sent.element_size()) : 1;
-  auto on_wire = [&](const at::Tensor& t) { return narrowed ? t.view(at::kByte) : t; };
-  std::vector<int64_t> sizes = counts;
-  for (int64_t& s : sizes) s *= size;
-  group.all_to_all_v(on_wire(sent), sizes, on_wire(pieces.view({-1})),
-                     std::vector<int64_t>(size_t(ranks), mine * size));
-  const at::Tensor sum = pieces[0].to(tensor.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
-  for (int r = 1; r < ranks; ++r) sum.add_(pieces[r].to(tensor.scalar_type()));
-  group.all_gather_v(on_wire(sum.to(wire)), on_wire(whole), sizes);
-  flat.copy_(whole);
+  // Each slice in the wire's bytes (a narrower wire travels as bytes, which every transport
+  // takes; Native as the tensor itself), in rank order.
+  std::vector<int64_t> sizes(size_t(ranks), 0), offsets(size_t(ranks), 0);
+  std::vector<at::Tensor> slices;
+  for (int r = 0; r < ranks; ++r) {
+    if (r > 0) offsets[size_t(r)] = offsets[size_t(r - 1)] + counts[size_t(r - 1)];
+    sizes[size_t(r)] = wire_size(wire, counts[size_t(r)]);
+    slices.push_back(encoded(wire, flat.narrow(0, offsets[size_t(r)], counts[size_t(r)])));
+  }
+  const at::Tensor sent = at::cat(slices);
+  const int64_t piece = sizes[size_t(me)];
+  // Rank r's copy of this rank's slice at r * piece (narrowed, not indexed: an empty slice's
+  // views start at 0, which a narrower dtype's view needs).
+  const at::Tensor pieces = at::empty({ranks * piece}, sent.options());
+  group.all_to_all_v(sent, sizes, pieces, std::vector<int64_t>(size_t(ranks), piece));
+  auto copy = [&](int r) { return decoded(wire, pieces.narrow(0, r * piece, piece)); };
+  const at::Tensor sum = copy(0).to(tensor.scalar_type(), false, /*copy=*/true);
+  for (int r = 1; r < ranks; ++r) sum.add_(copy(r));
+  const at::Tensor whole = at::empty({sent.numel()}, sent.options());
+  group.all_gather_v(encoded(wire, sum).contiguous(), whole, sizes);
+  int64_t place = 0;
+  for (int r = 0; r < ranks; ++r) {
+    flat.narrow(0, offsets[size_t(r)], counts[size_t(r)])
+        .copy_(decoded(wire, whole.narrow(0, place, sizes[size_t(r)])));
+    place += sizes[size_t(r)];
+  }
 }
 
 }  // namespace flexdemo::comm

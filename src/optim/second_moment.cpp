@@ -1,7 +1,6 @@
 // SharedSecondMoment (second_moment.h): the factored second moment the replicas share.
 #include "second_moment.h"
 
-#include "comm/rank_order_sum.h"
 #include "flexdemo/comm.h"
 
 #include <ATen/ATen.h>
@@ -13,6 +12,15 @@
 
 namespace flexdemo::optim {
 namespace {
+
+comm::SumWire sum_wire(StatisticsEncoding values) {
+  switch (values) {
+    case StatisticsEncoding::Fp32: return comm::SumWire::Native;
+    case StatisticsEncoding::Bf16: return comm::SumWire::Bf16;
+    case StatisticsEncoding::Log8: return comm::SumWire::Log8;
+  }
+  throw std::logic_error("SharedSecondMoment: unknown statistics encoding");
+}
 
 constexpr double kTiny = std::numeric_limits<float>::min();  // a total of zero divides nothing
 
@@ -67,7 +75,7 @@ SharedSecondMoment::SharedSecondMoment(const std::vector<dct::ChunkPlan>& plans,
     : beta2_(options.beta2),
       eps_(options.eps),
       every_(options.second_moment_every),
-      wire_(options.second_moment_values == StatisticsEncoding::Bf16 ? at::kBFloat16 : at::kFloat),
+      wire_(sum_wire(options.second_moment_values)),
       shards_(shards),
       replicas_(std::move(replicas)) {
   const bool sharded = shards_.group && shards_.group->size() > 1;
@@ -147,8 +155,7 @@ double SharedSecondMoment::link_bytes_per_step() const {
   if (replicas < 2) return 0.0;
   int64_t floats = 0;  // what sum_over_replicas sums
   for (const Moment& s : tensors_) floats += s.matrix ? s.rows + s.cols : s.own.numel();
-  return 2.0 * double(c10::elementSize(wire_)) * double(floats) / double(replicas) /
-         double(every_);
+  return comm::sum_in_rank_order_gathered_bytes(floats, replicas, wire_) / double(every_);
 }
 
 void SharedSecondMoment::sum_over_replicas() {

@@ -15,6 +15,7 @@
 // shard's plan cannot tell it from a vector's piece: it keeps its elements' g^2).
 #pragma once
 
+#include "comm/rank_order_sum.h"
 #include "replicator.h"
 #include "step_rule.h"
 
@@ -75,7 +76,7 @@ class SharedSecondMoment {
   std::vector<Moment> tensors_;
   double beta2_, eps_;
   int64_t every_;
-  at::ScalarType wire_;  // of the sum over the replicas (second_moment_values)
+  comm::SumWire wire_;  // of the sum over the replicas (second_moment_values)
   ShardSums shards_;
   std::vector<int64_t> shard_cols_;  // per given tensor: its columns summed over shards (0: none)
   std::shared_ptr<comm::Communicator> replicas_;

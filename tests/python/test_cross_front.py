@@ -78,10 +78,12 @@ def test_owners_bytes_a_node_equal_the_cpp_doors_at_4_replicas(tmp_path):
     door (bytes and results), and less than the all-gather's 3 payloads a node (each replica's
     own second moment in both). Then the default at 4 replicas, the shared second moment summed
     every step: its sum adds in rank order on MPI and gloo alike (src/comm/rank_order_sum.h), so
-    both doors still agree bit for bit; also with the statistics at bf16 (half their bytes)."""
+    both doors still agree bit for bit; also with the statistics at bf16 (half their bytes) and
+    at log8 (a quarter)."""
     configs = ["flexdemo chunk=16 demo_exchange=owners second_moment=own",
                "flexdemo chunk=16 second_moment=own", "flexdemo chunk=16 demo_exchange=owners",
-               "flexdemo chunk=16 demo_exchange=owners second_moment_values=bf16"]
+               "flexdemo chunk=16 demo_exchange=owners second_moment_values=bf16",
+               "flexdemo chunk=16 demo_exchange=owners second_moment_values=log8"]
     cpp, py = run_both(tmp_path, configs, shards=1, replicas=4)
     sent = {}
     for line, config in enumerate(configs):
@@ -95,3 +97,4 @@ def test_owners_bytes_a_node_equal_the_cpp_doors_at_4_replicas(tmp_path):
     owners, all_gather = sum(sent[0]), sum(sent[1])
     assert owners < all_gather * 2 / 3 + 1, (owners, all_gather)
     assert sum(sent[3]) < sum(sent[2]), (sent[3], sent[2])  # the statistics at half the bytes
+    assert sum(sent[4]) < sum(sent[3]), (sent[4], sent[3])  # and at a quarter
