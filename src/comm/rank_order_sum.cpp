@@ -16,24 +16,30 @@ namespace {
 // 2^(-k / 8), the mantissa of k eighths below a power of two.
 constexpr float kThresholds[8] = {0x1.ea4afap-1f, 0x1.c199bep-1f, 0x1.9c4918p-1f, 0x1.7a1148p-1f,
                                   0x1.5ab07ep-1f, 0x1.3dea64p-1f, 0x1.2387a6p-1f, 0x1.0b5586p-1f};
-constexpr float kEighths[8] = {0x1p+0f,         0x1.d5818ep-1f, 0x1.ae89fap-1f, 0x1.8ace54p-1f,
+constexpr float kEighths[8] = {0x1p+0f,        0x1.d5818ep-1f, 0x1.ae89fap-1f, 0x1.8ace54p-1f,
                                0x1.6a09e6p-1f, 0x1.4bfdaep-1f, 0x1.306fe0p-1f, 0x1.172b84p-1f};
-constexpr int kTop = 254, kNonFinite = 255, kLeast = -125;  // kLeast: decoded exponents' floor
+// kLeast, kMost: the decoded powers of two's exponents, kept normal and finite
+constexpr int kTop = 254, kNonFinite = 255, kLeast = -125, kMost = 127;
 
 // A slice of `count` values on the wire: elements of the tensor's dtype (Native), else bytes.
 int64_t wire_size(SumWire wire, int64_t count) {
   switch (wire) {
-    case SumWire::Native: return count;
-    case SumWire::Bf16: return count * 2;
-    case SumWire::Log8: return count + 4;
+    case SumWire::Native:
+      return count;
+    case SumWire::Bf16:
+      return count * 2;
+    case SumWire::Log8:
+      return count + 4;
   }
   throw std::logic_error("sum_in_rank_order: unknown wire");
 }
 
 at::Tensor encoded(SumWire wire, const at::Tensor& values) {  // bytes (Native: the values)
   switch (wire) {
-    case SumWire::Native: return values;
-    case SumWire::Bf16: return values.to(at::kBFloat16).view(at::kByte);
+    case SumWire::Native:
+      return values;
+    case SumWire::Bf16:
+      return values.to(at::kBFloat16).view(at::kByte);
     case SumWire::Log8: {
       const auto [exponent, codes] = log8_encode(values);
       return at::cat({exponent.view(at::kByte), codes});
@@ -44,8 +50,10 @@ at::Tensor encoded(SumWire wire, const at::Tensor& values) {  // bytes (Native: 
 
 at::Tensor decoded(SumWire wire, const at::Tensor& bytes) {  // float32 (Native: as they are)
   switch (wire) {
-    case SumWire::Native: return bytes;
-    case SumWire::Bf16: return bytes.view(at::kBFloat16).to(at::kFloat);
+    case SumWire::Native:
+      return bytes;
+    case SumWire::Bf16:
+      return bytes.view(at::kBFloat16).to(at::kFloat);
     case SumWire::Log8:
       return log8_decode(bytes.narrow(0, 0, 4).clone().view(at::kInt),
                          bytes.narrow(0, 4, bytes.numel() - 4));
@@ -77,21 +85,20 @@ std::pair<at::Tensor, at::Tensor> log8_encode(const at::Tensor& values) {
 at::Tensor log8_decode(const at::Tensor& exponent, const at::Tensor& codes) {
   const at::Tensor c = codes.to(at::kInt);
   const at::Tensor below = kTop - c.clamp_max(kTop);  // d; code 0 and 255 masked below
-  const at::Tensor table = at::tensor(at::ArrayRef<float>(kEighths, 8), at::kFloat)
-                               .to(codes.device());
-  const at::Tensor mantissa = table.index_select(0, below.remainder(8).reshape({-1}).to(at::kLong))
-                                  .reshape(c.sizes());
+  const at::Tensor table =
+      at::tensor(at::ArrayRef<float>(kEighths, 8), at::kFloat).to(codes.device());
+  const at::Tensor mantissa =
+      table.index_select(0, below.remainder(8).reshape({-1}).to(at::kLong)).reshape(c.sizes());
   // 2^(E - d/8) from its bits: exact, the same on every device.
   const at::Tensor power = at::bitwise_left_shift(
-      (exponent.to(codes.device()) - below.div(8, "floor")).clamp_min(kLeast) + 127, 23);
+      (exponent.to(codes.device()) - below.div(8, "floor")).clamp(kLeast, kMost) + 127, 23);
   at::Tensor out = mantissa * power.to(at::kInt).view(at::kFloat);
   out = at::where(c == 0, at::zeros_like(out), out);
   return at::where(c == kNonFinite, at::full_like(out, std::numeric_limits<float>::quiet_NaN()),
                    out);
 }
 
-double sum_in_rank_order_gathered_bytes(int64_t n, int ranks, SumWire wire,
-                                        int64_t native_bytes) {
+double sum_in_rank_order_gathered_bytes(int64_t n, int ranks, SumWire wire, int64_t native_bytes) {
   if (ranks < 2) return 0.0;
   const double value = wire == SumWire::Native ? double(native_bytes)
                        : wire == SumWire::Bf16 ? 2.0

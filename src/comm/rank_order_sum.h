@@ -41,8 +41,8 @@ double sum_in_rank_order_gathered_bytes(int64_t n, int ranks, SumWire wire,
 // is zero (and a negative value), 255 a non-finite one (decoded as NaN, so a sum can still tell),
 // and a positive value further below the largest travels as the lowest code: positive stays
 // positive. Every step is exact float arithmetic and comparisons (frexp, a table of eight
-// constants, exponent bits), so every device decodes the same bits. Decoded values below 2^-125
-// travel as 2^-125 times the table's constant.
+// constants, exponent bits), so every device decodes the same bits. The power of two a code
+// decodes to is clamped to float32's normal range, 2^-125 to 2^127.
 std::pair<at::Tensor, at::Tensor> log8_encode(const at::Tensor& values);  // (E int32 [1], uint8)
 at::Tensor log8_decode(const at::Tensor& exponent, const at::Tensor& codes);  // float32
 

@@ -15,9 +15,12 @@ namespace {
 
 comm::SumWire sum_wire(StatisticsEncoding values) {
   switch (values) {
-    case StatisticsEncoding::Fp32: return comm::SumWire::Native;
-    case StatisticsEncoding::Bf16: return comm::SumWire::Bf16;
-    case StatisticsEncoding::Log8: return comm::SumWire::Log8;
+    case StatisticsEncoding::Fp32:
+      return comm::SumWire::Native;
+    case StatisticsEncoding::Bf16:
+      return comm::SumWire::Bf16;
+    case StatisticsEncoding::Log8:
+      return comm::SumWire::Log8;
   }
   throw std::logic_error("SharedSecondMoment: unknown statistics encoding");
 }
