@@ -202,8 +202,9 @@ TEST(Comm, SumInRankOrderAddsRankZeroFirst) {
     }
   }
   group->reset_stats();
-  flexdemo::comm::sum_in_rank_order(*group, even, flexdemo::comm::SumWire::Log8);
-  EXPECT_TRUE(at::all(even == float(P * P * P)).item<bool>());  // powers of two: exact
+  at::Tensor ones = at::ones({64 * int64_t(P)});
+  flexdemo::comm::sum_in_rank_order(*group, ones, flexdemo::comm::SumWire::Log8);
+  EXPECT_TRUE(at::equal(ones, log8(at::full({64 * int64_t(P)}, float(P)))));  // 1 is exact
   EXPECT_EQ(group->stats().bytes_sent, uint64_t(2 * (P - 1) * (64 + 4)));
 }
 
@@ -225,6 +226,17 @@ TEST(Comm, Log8KeepsZeroPositiveAndNonFinite) {
   EXPECT_TRUE(std::isnan(b[4]));
   EXPECT_TRUE(std::isnan(b[5]));
   EXPECT_EQ(b[6], 1.0f);  // a power of two: exact
+  // The largest binade float32 has (E = 128), and the least normal ones (2^-126 and below, some
+  // decoded as subnormals): still the nearest eighth of an octave.
+  const float top = std::ldexp(1.4f, 127), low = std::ldexp(1.4f, -124);
+  for (const float v : {top, low}) {
+    const auto [e, c] = flexdemo::comm::log8_encode(at::tensor({v, v / 3.0f, v / 7.0f}));
+    const at::Tensor d = flexdemo::comm::log8_decode(e, c).to(at::kDouble);
+    const at::Tensor want = at::tensor({double(v), v / 3.0, v / 7.0}, at::kDouble);
+    EXPECT_LE(((d - want).abs() / want).max().item<double>(), std::exp2(1.0 / 16.0) - 1.0 + 1e-6)
+        << v;
+    EXPECT_TRUE(std::isfinite(d[0].item<double>())) << v;
+  }
   const auto [zero_exponent, zero_codes] = flexdemo::comm::log8_encode(at::zeros({4}));
   EXPECT_TRUE(at::all(flexdemo::comm::log8_decode(zero_exponent, zero_codes) == 0).item<bool>());
 }

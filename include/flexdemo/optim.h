@@ -191,8 +191,8 @@ constexpr Range open_closed(double low, double high) {  // (low, high]
   X(second_moment_values, StatisticsEncoding, StatisticsEncoding::Fp32, optim::unbounded(),     \
     "{second_moment} shared (or auto, where it shares): the statistics' encoding between "       \
     "replicas: fp32, bf16 (half the bytes: each replica's statistics and their sum rounded to "  \
-    "bfloat16) or log8 (a quarter: each as a byte, eighths of an octave below the largest of "   \
-    "its slice, within 4.4%)")                                                                   \
+    "bfloat16) or log8 (a quarter: each as a byte, the nearest eighth of an octave below the "   \
+    "largest of its slice, within 4.4% each rounding)")                                          \
   X(topk, int64_t, 112, optim::at_least(1),                                                      \
     "DCT coefficients kept per chunk (at most a chunk's)")                                       \
   X(transform, Transform, Transform::Dct, optim::unbounded(),                                    \

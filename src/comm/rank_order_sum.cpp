@@ -11,15 +11,24 @@
 namespace flexdemo::comm {
 namespace {
 
-// log8's constants, float32 written out so that no device computes them: 2^(-(j + 1/2) / 8),
-// the mantissas (of [1/2, 1)) below which a value rounds j + 1 eighths further down, and
-// 2^(-k / 8), the mantissa of k eighths below a power of two.
+// log8's constants, float32 written out so that no device computes them: 2^(-(j + 1/2) / 8)
+// (each the float nearest it), the mantissas (of [1/2, 1)) below which a value rounds j + 1
+// eighths further down, and 2^(-k / 8), the mantissa of k eighths below a power of two.
 constexpr float kThresholds[8] = {0x1.ea4afap-1f, 0x1.c199bep-1f, 0x1.9c4918p-1f, 0x1.7a1148p-1f,
                                   0x1.5ab07ep-1f, 0x1.3dea64p-1f, 0x1.2387a6p-1f, 0x1.0b5586p-1f};
 constexpr float kEighths[8] = {0x1p+0f,        0x1.d5818ep-1f, 0x1.ae89fap-1f, 0x1.8ace54p-1f,
                                0x1.6a09e6p-1f, 0x1.4bfdaep-1f, 0x1.306fe0p-1f, 0x1.172b84p-1f};
-// kLeast, kMost: the decoded powers of two's exponents, kept normal and finite
-constexpr int kTop = 254, kNonFinite = 255, kLeast = -125, kMost = 127;
+constexpr int kTop = 254, kNonFinite = 255;
+// A decoded value's power of two, 2^p, is applied as two factors 2^a 2^b (each a normal float
+// built from its bits), so that every p a float32 slice can have is exact (an underflow rounds as
+// float multiplication does); p is first kept within what two such factors reach, so that a
+// corrupt exponent decodes to infinity or zero rather than to other bits.
+constexpr int kLeastPower = -252, kMostPower = 254;
+
+// 2^e from its bits, e (int32) within a normal float's exponents [-126, 127].
+at::Tensor power_of_two(const at::Tensor& e) {
+  return at::bitwise_left_shift(e + 127, 23).to(at::kInt).view(at::kFloat);
+}
 
 // A slice of `count` values on the wire: elements of the tensor's dtype (Native), else bytes.
 int64_t wire_size(SumWire wire, int64_t count) {
@@ -85,14 +94,15 @@ std::pair<at::Tensor, at::Tensor> log8_encode(const at::Tensor& values) {
 at::Tensor log8_decode(const at::Tensor& exponent, const at::Tensor& codes) {
   const at::Tensor c = codes.to(at::kInt);
   const at::Tensor below = kTop - c.clamp_max(kTop);  // d; code 0 and 255 masked below
-  const at::Tensor table =
-      at::tensor(at::ArrayRef<float>(kEighths, 8), at::kFloat).to(codes.device());
-  const at::Tensor mantissa =
-      table.index_select(0, below.remainder(8).reshape({-1}).to(at::kLong)).reshape(c.sizes());
-  // 2^(E - d/8) from its bits: exact, the same on every device.
-  const at::Tensor power = at::bitwise_left_shift(
-      (exponent.to(codes.device()) - below.div(8, "floor")).clamp(kLeast, kMost) + 127, 23);
-  at::Tensor out = mantissa * power.to(at::kInt).view(at::kFloat);
+  // 2^(-(d mod 8) / 8) from the table, picked by comparisons (no table to copy to a device).
+  const at::Tensor eighth = below.remainder(8);
+  at::Tensor mantissa = at::full(c.sizes(), kEighths[0], c.options().dtype(at::kFloat));
+  for (int k = 1; k < 8; ++k) mantissa = at::where(eighth == k, at::Scalar(kEighths[k]), mantissa);
+  // Times 2^(E - floor(d / 8)), exactly.
+  const at::Tensor p =
+      (exponent.to(codes.device()) - below.div(8, "floor")).clamp(kLeastPower, kMostPower);
+  const at::Tensor a = p.div(2, "floor");
+  at::Tensor out = mantissa * power_of_two(a) * power_of_two(p - a);
   out = at::where(c == 0, at::zeros_like(out), out);
   return at::where(c == kNonFinite, at::full_like(out, std::numeric_limits<float>::quiet_NaN()),
                    out);
@@ -128,9 +138,11 @@ void sum_in_rank_order(Communicator& group, const at::Tensor& tensor, SumWire wi
   for (int r = 0; r < ranks; ++r) {
     if (r > 0) offsets[size_t(r)] = offsets[size_t(r - 1)] + counts[size_t(r - 1)];
     sizes[size_t(r)] = wire_size(wire, counts[size_t(r)]);
-    slices.push_back(encoded(wire, flat.narrow(0, offsets[size_t(r)], counts[size_t(r)])));
+    if (wire != SumWire::Native) {
+      slices.push_back(encoded(wire, flat.narrow(0, offsets[size_t(r)], counts[size_t(r)])));
+    }
   }
-  const at::Tensor sent = at::cat(slices);
+  const at::Tensor sent = wire == SumWire::Native ? flat : at::cat(slices);
   const int64_t piece = sizes[size_t(me)];
   // Rank r's copy of this rank's slice at r * piece (narrowed, not indexed: an empty slice's
   // views start at 0, which a narrower dtype's view needs).

@@ -36,13 +36,15 @@ double sum_in_rank_order_gathered_bytes(int64_t n, int ranks, SumWire wire,
                                         int64_t native_bytes = 4);
 
 // log8: a slice of non-negative float32 values as one int32 exponent E (max < 2^E, the largest
-// finite value's binade) and a byte a value, value ~ 2^(E - d/8) at d = 254 - code: eighths of an
-// octave (a rounding within 2^(1/16), 4.4%) over 31.6 octaves below the slice's largest. Code 0
-// is zero (and a negative value), 255 a non-finite one (decoded as NaN, so a sum can still tell),
-// and a positive value further below the largest travels as the lowest code: positive stays
-// positive. Every step is exact float arithmetic and comparisons (frexp, a table of eight
-// constants, exponent bits), so every device decodes the same bits. The power of two a code
-// decodes to is clamped to float32's normal range, 2^-125 to 2^127.
+// finite value's binade; the machine's byte order) and a byte a value, value ~ 2^(E - d/8) at
+// d = 254 - code: the nearest eighth of an octave (a rounding within 2^(1/16), 4.4%; a sum of
+// rounded copies rounded again is within 2^(1/8)) over 31.6 octaves below the slice's largest.
+// Code 0 is zero (and a negative value), 255 a non-finite one (decoded as NaN, so a sum can
+// still tell), and a positive value further below the largest travels as the lowest code: it
+// stays positive, decoded larger than it was (a statistic the preconditioner divides by: that
+// element's step smaller, never larger). Every step is exact float arithmetic and comparisons
+// (frexp, a table of eight constants, powers of two from their bits), so every device decodes
+// the same bits; a decoded value below float32's least normal rounds as float multiplication does.
 std::pair<at::Tensor, at::Tensor> log8_encode(const at::Tensor& values);  // (E int32 [1], uint8)
 at::Tensor log8_decode(const at::Tensor& exponent, const at::Tensor& codes);  // float32
 
