@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <tuple>
 
 using namespace flexdemo;
 
@@ -498,29 +499,23 @@ TEST(FlexDemo, LinkBytesCountTheSharedSecondMomentsSum) {
     const optim::ExchangeSchedule three{o.topk, o.values, 3};
     EXPECT_DOUBLE_EQ(every_two.link_bytes(three) - double(every_two.wire_bytes(three)),
                      1.5 * (link - wire));
-    // The statistics at bf16: half their bytes, counted and sent.
+    // The statistics at bf16 (half their bytes) and at log8 (a quarter, and a 4-byte header a
+    // slice each way): counted, and sent within a value a slice (the slices are uneven).
     o.second_moment_every = 1;
-    o.second_moment_values = optim::StatisticsEncoding::Bf16;
-    optim::Optimizer halved(model.optim_params(), o, four.replica_group, four.shard_group);
-    four.replica_group->reset_stats();
-    halved.zero_grad();
-    model.loss(rank_rows(x, four), rank_rows(y, four)).backward();
-    halved.step();
-    const double half = halved.link_bytes(schedule);
-    EXPECT_DOUBLE_EQ(half - wire, 0.5 * (link - wire));
-    EXPECT_NEAR(double(four.replica_group->stats().bytes_sent), (R - 1) * half,
-                2.0 * (R - 1) * 2.0);
-    // At log8: a quarter of their bytes and a 4-byte header a slice each way, counted and sent.
-    o.second_moment_values = optim::StatisticsEncoding::Log8;
-    optim::Optimizer quartered(model.optim_params(), o, four.replica_group, four.shard_group);
-    four.replica_group->reset_stats();
-    quartered.zero_grad();
-    model.loss(rank_rows(x, four), rank_rows(y, four)).backward();
-    quartered.step();
-    const double quarter = quartered.link_bytes(schedule);
-    EXPECT_DOUBLE_EQ(quarter - wire, 0.25 * (link - wire) + 2.0 * 4.0);
-    EXPECT_NEAR(double(four.replica_group->stats().bytes_sent), (R - 1) * quarter,
-                2.0 * (R - 1) * 1.0);
+    for (const auto& [values, share, header, value_bytes] :
+         {std::tuple{optim::StatisticsEncoding::Bf16, 0.5, 0.0, 2.0},
+          std::tuple{optim::StatisticsEncoding::Log8, 0.25, 4.0, 1.0}}) {
+      o.second_moment_values = values;
+      optim::Optimizer narrowed(model.optim_params(), o, four.replica_group, four.shard_group);
+      four.replica_group->reset_stats();
+      narrowed.zero_grad();
+      model.loss(rank_rows(x, four), rank_rows(y, four)).backward();
+      narrowed.step();
+      const double counted = narrowed.link_bytes(schedule);
+      EXPECT_DOUBLE_EQ(counted - wire, share * (link - wire) + 2.0 * header);
+      EXPECT_NEAR(double(four.replica_group->stats().bytes_sent), (R - 1) * counted,
+                  2.0 * (R - 1) * value_bytes);
+    }
   }
 }
 
