@@ -11,6 +11,13 @@ Python does not yet: a different size is refused in one line), and so does the n
 of a checkpoint taken with ``overlap_step`` (its exchange in flight is the old nodes' payloads;
 the trainer settles it, Python refuses).
 
+The second moment's kind may differ too: ``second_moment="auto"`` shares it from 4 replicas on,
+so a run resized across 4 finds the other kind's state in its checkpoint (``grad_sq``: each
+replica's own; ``moment_rows``/``moment_cols``/``moment_own``: the shared one). The planner then
+loads the checkpoint's kind in place of this run's, and ``FlexDeMo.load_state_dict`` keeps it
+(under ``second_moment="auto"``, saying so in a line, as ``flexdemo train --resume`` does) or
+refuses in one line naming the ``second_moment`` to pass.
+
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     dcp.load(state, checkpoint_id=path, planner=flexdemo.ElasticLoadPlanner())
     set_model_state_dict(model, state["model"])
@@ -26,6 +33,19 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 _PER_REPLICA = re.compile(r"^(?P<what>.*)\.replica(?P<replica>\d+)\.shard(?P<shard>\d+)$")
+# The second moment's state by kind (the engine's names: src/optim/every_step.cpp,
+# src/optim/second_moment.cpp).
+SECOND_MOMENT_STATE = {"own": ("grad_sq",),
+                       "shared": ("moment_rows", "moment_cols", "moment_own")}
+
+
+def _kind_of(name: str):
+    return next((kind for kind, names in SECOND_MOMENT_STATE.items() if name in names), None)
+
+
+def second_moment_kinds(keys) -> Set[str]:
+    """The second moment's kinds among FlexDeMo's state keys (``grad_sq.replica0.shard0``, ...)."""
+    return {_kind_of(key.partition(".")[0]) for key in keys} - {None}
 
 
 class ElasticLoadPlanner(DefaultLoadPlanner):
@@ -40,6 +60,7 @@ class ElasticLoadPlanner(DefaultLoadPlanner):
             m = _PER_REPLICA.match(key)
             if m:
                 replicas.setdefault((m["what"], int(m["shard"])), set()).add(int(m["replica"]))
+        self._load_saved_second_moment(replicas)
         for key in list(self.state_dict):
             m = _PER_REPLICA.match(key)
             if not m:
@@ -68,3 +89,50 @@ class ElasticLoadPlanner(DefaultLoadPlanner):
                 self.state_dict[source] = self.state_dict.pop(key)
                 if self.flatten_state_dict:
                     self.mappings[source] = self.mappings.pop(key)
+
+    def _load_saved_second_moment(self, replicas: Dict[tuple, Set[int]]) -> None:
+        """Where this run's second moment is of the other kind than the checkpoint's, its keys
+        in the state to load are replaced by the checkpoint's kind's (fresh tensors of their
+        shapes, under this rank's replica and shard), so that the load brings the checkpoint's
+        statistics and ``FlexDeMo.load_state_dict`` decides whether to keep them."""
+        def kind_and_name(what):
+            prefix, _, name = what.rpartition(".")
+            return _kind_of(name), prefix, name
+
+        saved_kinds = {kind_and_name(what)[0] for what, _ in replicas} - {None}
+        wanted = {}  # key -> (prefix, replica, shard) of this run's second moment
+        for key in self.state_dict:
+            m = _PER_REPLICA.match(key)
+            kind, prefix, _ = kind_and_name(m["what"]) if m else (None, "", "")
+            if kind is not None:
+                wanted[key] = (kind, prefix, int(m["replica"]), int(m["shard"]))
+        wanted_kinds = {kind for kind, *_ in wanted.values()}
+        if len(saved_kinds) != 1 or not wanted_kinds or wanted_kinds == saved_kinds:
+            return
+        (saved_kind,) = saved_kinds
+        if not self.flatten_state_dict:
+            raise ValueError("flexdemo: the checkpoint holds the {} second moment and this run's "
+                             "is the other kind: load it with flatten_state_dict=True (the "
+                             "default) or pass second_moment=\"{}\"".format(saved_kind,
+                                                                         saved_kind))
+        for key, (_, prefix, replica, shard) in wanted.items():
+            template = self.state_dict.pop(key)
+            path = self.mappings.pop(key)
+            parent = self.original_state_dict
+            for step in path[:-1]:
+                parent = parent[step]
+            parent.pop(path[-1], None)
+            for name in SECOND_MOMENT_STATE[saved_kind]:
+                found = replicas.get((prefix + "." + name, shard))
+                new_key = "{}.{}.replica{}.shard{}".format(prefix, name, replica, shard)
+                if not found or new_key in self.state_dict:
+                    continue
+                source = "{}.{}.replica{}.shard{}".format(prefix, name, max(found), shard)
+                saved = self.metadata.state_dict_metadata[source]
+                tensor = torch.empty(tuple(saved.size), dtype=saved.properties.dtype,
+                                     device=template.device)
+                new_path = tuple(path[:-1]) + ("{}.replica{}.shard{}".format(name, replica,
+                                                                           shard),)
+                parent[new_path[-1]] = tensor
+                self.state_dict[new_key] = tensor
+                self.mappings[new_key] = new_path

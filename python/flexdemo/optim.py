@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import options as _options
+from .checkpoint import second_moment_kinds
 
 try:
     from torch.distributed.tensor import DTensor
@@ -272,7 +273,16 @@ class FlexDeMo(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict) -> None:
         """torch's, then every engine tensor loaded from it and bound again (under link_budget
-        auto after the schedule that sized the exchange in flight)."""
+        auto after the schedule that sized the exchange in flight). A second moment of the other
+        kind than this optimizer's (``ElasticLoadPlanner`` loads the checkpoint's) is kept under
+        ``second_moment="auto"``, as ``flexdemo train --resume`` keeps it, and refused in one line
+        under an explicit kind."""
+        # torch.distributed.checkpoint's set_optimizer_state_dict hands over this optimizer's own
+        # per-parameter dicts, loaded in place: held apart from self.state, which binding anew
+        # overwrites.
+        state_dict = dict(state_dict, state={index: dict(state)
+                                             for index, state in state_dict["state"].items()})
+        self._keep_saved_second_moment(state_dict)
         super().load_state_dict(state_dict)
         steps = [self.state[p]["step"] for g in self.param_groups for p in g["params"]
                  if p.requires_grad]
@@ -306,6 +316,37 @@ class FlexDeMo(torch.optim.Optimizer):
             for p in g["params"]:
                 if p.requires_grad:
                     self.state[p]["step"].fill_(self._steps)
+
+    def _keep_saved_second_moment(self, state_dict) -> None:
+        """second_moment auto chooses by the replicas a run starts on (shared from 4 on), so a
+        checkpoint written on another number of nodes can hold the other kind: under auto the
+        engines are made again with the checkpoint's kind, which stays this optimizer's (and so
+        its checkpoints')."""
+        saved = second_moment_kinds(key for state in state_dict.get("state", {}).values()
+                                    for key in state)
+        here = second_moment_kinds(key for _, key, _ in self._handles)
+        if len(saved) != 1 or not here or saved == here:
+            return
+        (held,), (ours,) = saved, here
+        if self.given.get("second_moment", "auto") != "auto":
+            raise ValueError(
+                "flexdemo: the checkpoint holds the {} second moment, this optimizer's is {}: "
+                "pass second_moment=\"{}\" or \"auto\" to keep the checkpoint's".format(
+                    held, ours, held))
+        given = dict(self.given, second_moment=held)
+        if held == "own":  # each replica's own takes no interval or encoding
+            given.pop("second_moment_every", None)
+            given.pop("second_moment_values", None)
+        self.given = given
+        for name, value in _options.resolve(self.preset, self.given).items():
+            setattr(self, name, value)
+        self._engines = [self._engine(g, params) if params else None
+                         for g, params in zip(self.param_groups, self._trained_params)]
+        self._bind_state()
+        self.bucket_bytes = sum(e.wire_bytes() for e in self._engines if e is not None)
+        log.warning("flexdemo: second_moment auto: the checkpoint's %s second moment kept (auto "
+                 "chooses by the replicas a run starts on; this run alone would take %s)", held,
+                 ours)
 
     # ====== Counters ======
     @property

@@ -1,15 +1,16 @@
 """Run by test_elastic.py under torchrun (gloo, CPU), 2 ranks a node: one leg of an elastic
 run, or the uninterrupted run.
 
-    dist_elastic.py FIRST LAST LOAD SAVE OUT [RANKS_PER_NODE]
+    dist_elastic.py FIRST LAST LOAD SAVE OUT [RANKS_PER_NODE [SECOND_MOMENT]]
 
 Trains steps [FIRST, LAST) of one job (the same global batch each step whatever the number of
 nodes: node n takes its share of the step's rows, each of its ranks (2 by default) its share of
 that), FSDP2 inside
 the node and FlexDeMo's default step between nodes; LOAD (or "-"): a DCP checkpoint to start
 from, loaded with flexdemo.ElasticLoadPlanner; SAVE (or "-"): where to write the last step's.
-Rank 0 writes the global mean loss of every step to OUT (JSON), and each rank's per-replica state
-(a sum of norms) as loaded and as left.
+SECOND_MOMENT: FlexDeMo's second_moment (default: its own default, auto). Rank 0 writes the
+global mean loss of every step to OUT (JSON), each rank's per-replica state (a sum of norms) as
+loaded and as left, and the second moment's kind after the load.
 """
 
 import json
@@ -50,6 +51,12 @@ def residual_norms(opt):
     return total
 
 
+def kind(opt):
+    """The second moment's kind the engines keep, read from their state's names."""
+    return "/".join(sorted(flexdemo.checkpoint.second_moment_kinds(
+        key for state in opt.state.values() for key in state)))
+
+
 def by_rank(value):
     values = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
@@ -59,6 +66,7 @@ def by_rank(value):
 def main():
     first, last, load, save, out = int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:6]
     per_node = int(sys.argv[6]) if len(sys.argv) > 6 else 2
+    options = {"second_moment": sys.argv[7]} if len(sys.argv) > 7 else {}
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -69,7 +77,8 @@ def main():
                                        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
     mesh = flexdemo.hybrid_mesh(ranks_per_node=per_node, device_type="cpu")
     flexdemo.shard_model(model, mesh, blocks=model.transformer.h)
-    opt = flexdemo.FlexDeMo(model.parameters(), mesh=mesh, lr=1e-3, compression_chunk=16)
+    opt = flexdemo.FlexDeMo(model.parameters(), mesh=mesh, lr=1e-3, compression_chunk=16,
+                             **options)
     if load != "-":
         state = {"model": get_model_state_dict(model),
                  "optim": get_optimizer_state_dict(model, opt)}
@@ -94,7 +103,7 @@ def main():
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"losses": losses, "steps": opt._steps, "loaded_state": loaded,
-                       "saved_state": saved}, f)
+                       "saved_state": saved, "second_moment": kind(opt)}, f)
     dist.barrier()
     # Leave without the interpreter's teardown: on 1 node (a replicate dimension of one rank)
     # one rank of two aborted there in about a third of the runs ("terminate called without an

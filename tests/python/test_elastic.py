@@ -18,18 +18,18 @@ from torchrun import torchrun
 STOPS = (0, 6, 12, 18)
 
 
-def run_leg(tmp, ranks, first, last, load, save, name, per_node=2):
+def run_leg(tmp, ranks, first, last, load, save, name, per_node=2, *options):
     out = tmp / "{}.json".format(name)
     run = torchrun(ranks, "dist_elastic.py", first, last, load or "-", save or "-", out,
-                   per_node)
+                   per_node, *options)
     return run, out
 
 
-def leg(tmp, ranks, first, last, load, save, name):
-    run, out = run_leg(tmp, ranks, first, last, load, save, name)
+def leg(tmp, ranks, first, last, load, save, name, per_node=2, *options):
+    run, out = run_leg(tmp, ranks, first, last, load, save, name, per_node, *options)
     errors = [line for line in run.stderr.splitlines() if "Error" in line or "error:" in line]
     assert run.returncode == 0, "\n".join([name] + errors[:20]) + run.stderr[-2000:]
-    return json.loads(out.read_text())
+    return dict(json.loads(out.read_text()), stderr=run.stderr)
 
 
 def test_dcp_resumes_on_another_number_of_nodes(tmp_path):
@@ -57,3 +57,31 @@ def test_another_shard_size_is_refused_in_one_line(tmp_path):
     assert run.returncode != 0
     assert "resume with shard groups of the same size" in run.stdout + run.stderr, (
         run.stderr[-4000:])
+
+
+def test_auto_keeps_the_checkpoints_second_moment(tmp_path):
+    """second_moment auto shares the second moment from 4 replicas on: a run resized across 4
+    keeps the checkpoint's kind (1 rank a node), as `flexdemo train --resume` does
+    (tests/islands.sh), says so, and steps as a run given that kind explicitly does."""
+    own = leg(tmp_path, 2, 0, 3, None, tmp_path / "own", "own", 1)  # 2 x 1: each its own
+    shared = leg(tmp_path, 4, 0, 3, None, tmp_path / "shared", "shared", 1)  # 4 x 1: shared
+    assert (own["second_moment"], shared["second_moment"]) == ("own", "shared")
+    # Up: 2 x 1 -> 4 x 1 keeps each replica's own, replica r taking replica r mod 2's.
+    up = leg(tmp_path, 4, 3, 6, tmp_path / "own", None, "up", 1)
+    assert up["second_moment"] == "own"
+    assert "the checkpoint's own second moment kept" in up["stderr"], up["stderr"][-3000:]
+    assert up["loaded_state"] == own["saved_state"] * 2
+    given = leg(tmp_path, 4, 3, 6, tmp_path / "own", None, "up_given", 1, "own")
+    assert up["losses"] == given["losses"]  # auto's choice is the explicit kind's step
+    # Down: 4 x 1 -> 2 x 1 keeps the shared one.
+    down = leg(tmp_path, 2, 3, 6, tmp_path / "shared", None, "down", 1)
+    assert down["second_moment"] == "shared"
+    assert down["loaded_state"] == shared["saved_state"][:2]
+    given = leg(tmp_path, 2, 3, 6, tmp_path / "shared", None, "down_given", 1, "shared")
+    assert down["losses"] == given["losses"]
+    assert all(loss == loss and loss < own["losses"][0] for loss in up["losses"] + down["losses"])
+    # An explicit other kind is refused in one line naming the one to pass.
+    run, _ = run_leg(tmp_path, 4, 3, 4, tmp_path / "own", None, "refused", 1, "shared")
+    assert run.returncode != 0
+    assert ('the checkpoint holds the own second moment, this optimizer\'s is shared: pass '
+            'second_moment="own"') in run.stderr, run.stderr[-3000:]
