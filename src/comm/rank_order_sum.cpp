@@ -30,17 +30,31 @@ at::Tensor power_of_two(const at::Tensor& e) {
   return at::bitwise_left_shift(e + 127, 23).to(at::kInt).view(at::kFloat);
 }
 
-// A slice of `count` values on the wire: elements of the tensor's dtype (Native), else bytes.
-int64_t wire_size(SumWire wire, int64_t count) {
+// A log8 slice's header: its exponent, an int32 in the machine's byte order.
+constexpr int64_t kLog8HeaderBytes = sizeof(int32_t);
+
+// A value's bytes on the wire (Native: the tensor's, native_bytes) and a slice's header's.
+struct WireFormat {
+  int64_t value_bytes = 0;
+  int64_t header_bytes = 0;
+};
+WireFormat wire_format(SumWire wire, int64_t native_bytes) {
   switch (wire) {
     case SumWire::Native:
-      return count;
+      return {native_bytes, 0};
     case SumWire::Bf16:
-      return count * 2;
+      return {2, 0};
     case SumWire::Log8:
-      return count + 4;
+      return {1, kLog8HeaderBytes};
   }
   throw std::logic_error("sum_in_rank_order: unknown wire");
+}
+
+// A slice of `count` values on the wire: elements of the tensor's dtype (Native), else bytes.
+int64_t wire_size(SumWire wire, int64_t count) {
+  if (wire == SumWire::Native) return count;
+  const WireFormat f = wire_format(wire, 0);
+  return count * f.value_bytes + f.header_bytes;
 }
 
 at::Tensor encoded(SumWire wire, const at::Tensor& values) {  // bytes (Native: the values)
@@ -64,8 +78,8 @@ at::Tensor decoded(SumWire wire, const at::Tensor& bytes) {  // float32 (Native:
     case SumWire::Bf16:
       return bytes.view(at::kBFloat16).to(at::kFloat);
     case SumWire::Log8:
-      return log8_decode(bytes.narrow(0, 0, 4).clone().view(at::kInt),
-                         bytes.narrow(0, 4, bytes.numel() - 4));
+      return log8_decode(bytes.narrow(0, 0, kLog8HeaderBytes).clone().view(at::kInt),
+                         bytes.narrow(0, kLog8HeaderBytes, bytes.numel() - kLog8HeaderBytes));
   }
   throw std::logic_error("sum_in_rank_order: unknown wire");
 }
@@ -110,10 +124,8 @@ at::Tensor log8_decode(const at::Tensor& exponent, const at::Tensor& codes) {
 
 double sum_in_rank_order_gathered_bytes(int64_t n, int ranks, SumWire wire, int64_t native_bytes) {
   if (ranks < 2) return 0.0;
-  const double value = wire == SumWire::Native ? double(native_bytes)
-                       : wire == SumWire::Bf16 ? 2.0
-                                               : 1.0;
-  return 2.0 * (value * double(n) / double(ranks) + (wire == SumWire::Log8 ? 4.0 : 0.0));
+  const WireFormat f = wire_format(wire, native_bytes);
+  return 2.0 * (double(f.value_bytes) * double(n) / double(ranks) + double(f.header_bytes));
 }
 
 void sum_in_rank_order(Communicator& group, const at::Tensor& tensor, SumWire wire) {
