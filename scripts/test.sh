@@ -6,7 +6,8 @@
 #   scripts/test.sh --sanitize   instead: clang with AddressSanitizer + UndefinedBehaviorSanitizer
 #                                (build-sanitize/): the unit tests, then each libFuzzer target
 #                                for FLEXDEMO_FUZZ_SECONDS (default 60)
-#   scripts/test.sh --cuda       instead: the same suite (less docs/errors.md's rows) built
+#   scripts/test.sh --cuda       instead: the same suite (less docs/errors.md's rows and the
+#                                CUDA kernels' emulation, which the CPU build runs) built
 #                                against the CUDA LibTorch of .venv-cuda/ (build-cuda/), run
 #                                on the CPU; then the Python package (python/) installed into
 #                                .venv-cuda and its tests (tests/python/: the ops, the

@@ -110,11 +110,17 @@ class ElasticLoadPlanner(DefaultLoadPlanner):
         if len(saved_kinds) != 1 or not wanted_kinds or wanted_kinds == saved_kinds:
             return
         (saved_kind,) = saved_kinds
-        if not self.flatten_state_dict:
+        # The swap renames a state entry within its parameter's dict: the nested optimizer state
+        # (DCP's flattening, the default), not get_optimizer_state_dict's flattened one
+        # (StateDictOptions(flatten_optimizer_state_dict=True)), whose keys name the parameter.
+        nested = self.flatten_state_dict and all(
+            self.mappings[key][-1] == key[len(prefix) + 1:]
+            for key, (_, prefix, _, _) in wanted.items())
+        if not nested:
             raise ValueError("flexdemo: the checkpoint holds the {} second moment and this run's "
-                             "is the other kind: load it with flatten_state_dict=True (the "
-                             "default) or pass second_moment=\"{}\"".format(saved_kind,
-                                                                         saved_kind))
+                             "is the other kind, which a load can swap in a nested optimizer "
+                             "state only (flatten_state_dict=True, flatten_optimizer_state_dict="
+                             "False): pass second_moment=\"{}\"".format(saved_kind, saved_kind))
         for key, (_, prefix, replica, shard) in wanted.items():
             template = self.state_dict.pop(key)
             path = self.mappings.pop(key)

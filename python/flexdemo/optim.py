@@ -117,6 +117,7 @@ class FlexDeMo(torch.optim.Optimizer):
             raise _bad("step {!r}; accepted: {}".format(step, ", ".join(_options.STEPS)))
         self.preset = step or self._preset or ""  # "": the engine's, by the inner rule
         self.given = _options.given(given)  # option -> value, as the user gave them
+        self._second_moment_auto = self.given.get("second_moment", "auto") == "auto"
         self._spelling = _options.spelling(given)
         resolved = _options.resolve(self.preset, self.given, given)
         defaults = dict(lr=resolved["lr"], weight_decay=resolved["weight_decay"],
@@ -282,7 +283,7 @@ class FlexDeMo(torch.optim.Optimizer):
         # overwrites.
         state_dict = dict(state_dict, state={index: dict(state)
                                              for index, state in state_dict["state"].items()})
-        self._keep_saved_second_moment(state_dict)
+        remade = self._keep_saved_second_moment(state_dict)
         super().load_state_dict(state_dict)
         steps = [self.state[p]["step"] for g in self.param_groups for p in g["params"]
                  if p.requires_grad]
@@ -303,6 +304,11 @@ class FlexDeMo(torch.optim.Optimizer):
             if key.startswith("pending_payloads.") and value.numel() > t.numel():
                 value = value[:t.numel()]  # given at the most any schedule takes (state_dict)
             t.copy_(value.reshape(t.shape))
+            if remade and value.numel() == t.numel():
+                # The loaded tensors belong to the engines made before (the caller's state dict
+                # holds them): pointed at the new engines' instead, so that one copy of the
+                # state stays in memory.
+                value.set_(t.view(value.shape))
         for engine, schedule in zip(self._engines, schedules):
             if engine is None:
                 continue
@@ -317,36 +323,57 @@ class FlexDeMo(torch.optim.Optimizer):
                 if p.requires_grad:
                     self.state[p]["step"].fill_(self._steps)
 
-    def _keep_saved_second_moment(self, state_dict) -> None:
+    def _keep_saved_second_moment(self, state_dict) -> bool:
         """second_moment auto chooses by the replicas a run starts on (shared from 4 on), so a
         checkpoint written on another number of nodes can hold the other kind: under auto the
         engines are made again with the checkpoint's kind, which stays this optimizer's (and so
-        its checkpoints')."""
-        saved = second_moment_kinds(key for state in state_dict.get("state", {}).values()
-                                    for key in state)
+        its checkpoints'). Whether they were made again."""
+        saved_keys = [key for state in state_dict.get("state", {}).values() for key in state]
+        saved = second_moment_kinds(saved_keys)
         here = second_moment_kinds(key for _, key, _ in self._handles)
         if len(saved) != 1 or not here or saved == here:
-            return
+            return False
         (held,), (ours,) = saved, here
-        if self.given.get("second_moment", "auto") != "auto":
-            raise ValueError(
-                "flexdemo: the checkpoint holds the {} second moment, this optimizer's is {}: "
-                "pass second_moment=\"{}\" or \"auto\" to keep the checkpoint's".format(
-                    held, ours, held))
         given = dict(self.given, second_moment=held)
         if held == "own":  # each replica's own takes no interval or encoding
             given.pop("second_moment_every", None)
             given.pop("second_moment_values", None)
+        resolved = _options.resolve(self.preset, given)
+        summed_apart = any(key.startswith("moment_own.") for key in saved_keys)
+        if not self._second_moment_auto:
+            self._refuse_loaded_second_moment(
+                "flexdemo: the checkpoint holds the {} second moment, this optimizer's is {}: "
+                "pass second_moment=\"{}\" or \"auto\" to keep the checkpoint's".format(
+                    held, ours, held))
+        if held == "shared" and summed_apart != (resolved["second_moment_every"] > 1):
+            self._refuse_loaded_second_moment(
+                "flexdemo: the checkpoint's shared second moment was summed {}, this optimizer's "
+                "second_moment_every is {}: pass the checkpoint's run's".format(
+                    "every few steps" if summed_apart else "every step",
+                    resolved["second_moment_every"]))
         self.given = given
-        for name, value in _options.resolve(self.preset, self.given).items():
+        for name, value in resolved.items():
             setattr(self, name, value)
+        self._link = None  # one engine's state in memory at a time
+        self._engines = [None] * len(self._engines)
         self._engines = [self._engine(g, params) if params else None
                          for g, params in zip(self.param_groups, self._trained_params)]
         self._bind_state()
         self.bucket_bytes = sum(e.wire_bytes() for e in self._engines if e is not None)
-        log.warning("flexdemo: second_moment auto: the checkpoint's %s second moment kept (auto "
-                 "chooses by the replicas a run starts on; this run alone would take %s)", held,
-                 ours)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            log.warning("flexdemo: second_moment auto: the checkpoint's %s second moment kept "
+                        "(auto chooses by the replicas a run starts on; this run alone would "
+                        "take %s)", held, ours)
+        return True
+
+    def _refuse_loaded_second_moment(self, message: str) -> None:
+        """Raises, with this optimizer's state as its engines hold it (ElasticLoadPlanner put
+        the checkpoint's kind into the dicts DCP loads, which are this optimizer's own)."""
+        for state in self.state.values():
+            for key in [k for k in state if second_moment_kinds([k])]:
+                del state[key]
+        self._bind_state()
+        raise ValueError(message)
 
     # ====== Counters ======
     @property

@@ -1,14 +1,14 @@
 """Run by test_elastic.py under torchrun (gloo, CPU), 2 ranks a node: one leg of an elastic
 run, or the uninterrupted run.
 
-    dist_elastic.py FIRST LAST LOAD SAVE OUT [RANKS_PER_NODE [SECOND_MOMENT]]
+    dist_elastic.py FIRST LAST LOAD SAVE OUT [RANKS_PER_NODE [OPTION=VALUE ...]]
 
 Trains steps [FIRST, LAST) of one job (the same global batch each step whatever the number of
 nodes: node n takes its share of the step's rows, each of its ranks (2 by default) its share of
 that), FSDP2 inside
 the node and FlexDeMo's default step between nodes; LOAD (or "-"): a DCP checkpoint to start
 from, loaded with flexdemo.ElasticLoadPlanner; SAVE (or "-"): where to write the last step's.
-SECOND_MOMENT: FlexDeMo's second_moment (default: its own default, auto). Rank 0 writes the
+OPTION=VALUE: FlexDeMo's options (second_moment=own, second_moment_every=2). Rank 0 writes the
 global mean loss of every step to OUT (JSON), each rank's per-replica state (a sum of norms) as
 loaded and as left, and the second moment's kind after the load.
 """
@@ -66,7 +66,10 @@ def by_rank(value):
 def main():
     first, last, load, save, out = int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:6]
     per_node = int(sys.argv[6]) if len(sys.argv) > 6 else 2
-    options = {"second_moment": sys.argv[7]} if len(sys.argv) > 7 else {}
+    options = {}
+    for word in sys.argv[7:]:
+        name, _, value = word.partition("=")
+        options[name] = int(value) if value.isdigit() else value
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -71,17 +71,25 @@ def test_auto_keeps_the_checkpoints_second_moment(tmp_path):
     assert up["second_moment"] == "own"
     assert "the checkpoint's own second moment kept" in up["stderr"], up["stderr"][-3000:]
     assert up["loaded_state"] == own["saved_state"] * 2
-    given = leg(tmp_path, 4, 3, 6, tmp_path / "own", None, "up_given", 1, "own")
+    given = leg(tmp_path, 4, 3, 6, tmp_path / "own", None, "up_given", 1, "second_moment=own")
     assert up["losses"] == given["losses"]  # auto's choice is the explicit kind's step
     # Down: 4 x 1 -> 2 x 1 keeps the shared one.
     down = leg(tmp_path, 2, 3, 6, tmp_path / "shared", None, "down", 1)
     assert down["second_moment"] == "shared"
     assert down["loaded_state"] == shared["saved_state"][:2]
-    given = leg(tmp_path, 2, 3, 6, tmp_path / "shared", None, "down_given", 1, "shared")
+    given = leg(tmp_path, 2, 3, 6, tmp_path / "shared", None, "down_given", 1,
+                "second_moment=shared")
     assert down["losses"] == given["losses"]
     assert all(loss == loss and loss < own["losses"][0] for loss in up["losses"] + down["losses"])
-    # An explicit other kind is refused in one line naming the one to pass.
-    run, _ = run_leg(tmp_path, 4, 3, 4, tmp_path / "own", None, "refused", 1, "shared")
+    # An explicit other kind is refused in one line naming the one to pass, and so is a shared
+    # second moment summed at another interval.
+    run, _ = run_leg(tmp_path, 4, 3, 4, tmp_path / "own", None, "refused", 1,
+                     "second_moment=shared")
     assert run.returncode != 0
     assert ('the checkpoint holds the own second moment, this optimizer\'s is shared: pass '
             'second_moment="own"') in run.stderr, run.stderr[-3000:]
+    run, _ = run_leg(tmp_path, 2, 3, 4, tmp_path / "shared", None, "every", 1,
+                     "second_moment_every=2")
+    assert run.returncode != 0
+    assert ("the checkpoint's shared second moment was summed every step, this optimizer's "
+            "second_moment_every is 2") in run.stderr, run.stderr[-3000:]
