@@ -17,6 +17,8 @@
 #   EVAL_EVERY (validation every N steps, default 50), OUT (the sweep's folder, default
 #   runs/studies/tune/<model>-<steps>; give each corpus its own when --data changes).
 #   Extra arguments go to every `flexdemo train`.
+# It builds build/ from the working tree first: a patch under study stays applied until its
+# runs are over (reverted earlier, the next sweep trains without it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model="${MODEL:-gpt-micro}"
