@@ -132,10 +132,7 @@ class FlexDeMo(torch.optim.Optimizer):
         # Per param group, the tensors a step updates (fixed: the engine's layout follows them)
         # and its engine; the group's lr is read at every step.
         self._trained_params = [self._trained(g) for g in self.param_groups]
-        self._engines = [self._engine(g, params) if params else None
-                         for g, params in zip(self.param_groups, self._trained_params)]
-        self._bind_state()
-        self.bucket_bytes = sum(e.wire_bytes() for e in self._engines if e is not None)
+        self._make_engines()
         self._pending: Optional[_Exchange] = None
         self._steps = 0
         self.link_choices: List[Dict] = []  # link_budget auto: each choice (step, topk, ...)
@@ -168,6 +165,13 @@ class FlexDeMo(torch.optim.Optimizer):
                                "shards over (flexdemo.shard_model: mesh['shard'])".format(
                                    sharded_over, tuple(p.device_mesh.mesh.shape),
                                    _group_ranks(self.shard_group)))
+
+    def _make_engines(self) -> None:
+        """Per param group its engine (None: no tensor it trains), its state bound."""
+        self._engines = [self._engine(g, params) if params else None
+                         for g, params in zip(self.param_groups, self._trained_params)]
+        self._bind_state()
+        self.bucket_bytes = sum(e.wire_bytes() for e in self._engines if e is not None)
 
     def _engine(self, group, params):
         given = dict(self.given, weight_decay=group["weight_decay"], beta1=group["betas"][0],
@@ -356,10 +360,7 @@ class FlexDeMo(torch.optim.Optimizer):
             setattr(self, name, value)
         self._link = None  # one engine's state in memory at a time
         self._engines = [None] * len(self._engines)
-        self._engines = [self._engine(g, params) if params else None
-                         for g, params in zip(self.param_groups, self._trained_params)]
-        self._bind_state()
-        self.bucket_bytes = sum(e.wire_bytes() for e in self._engines if e is not None)
+        self._make_engines()
         if not dist.is_initialized() or dist.get_rank() == 0:
             log.warning("flexdemo: second_moment auto: the checkpoint's %s second moment kept "
                         "(auto chooses by the replicas a run starts on; this run alone would "
