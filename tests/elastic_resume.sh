@@ -36,8 +36,9 @@
 #   4. FlexDeMo, 2 x 2 -> 1 x 2 -> 2 x 2, with --check-replicas 10 (the regrown replicas must
 #      stay identical): the final loss within 1% of the uninterrupted run's.
 #   5. The same with --overlap-step (the exchange in flight settled by its preview): within 1%.
-#   6. The same with --demo-exchange owners (the owners' leftovers are in their residuals, so
-#      the residuals map as the all-gather's do, and the owners are cut again): within 1%.
+#   6. The same with --demo-exchange owners (the residuals map as the all-gather's do; what each
+#      owner kept of what it left out, kept among another number of replicas, goes into its
+#      residual at the resume, and the owners are cut again): within 1%.
 #   7. Islands of 2 nodes, 2 islands -> 1 -> 2 (shards spanning an island's nodes): leg 4's
 #      arithmetic on another layout, so leg 4's losses bit for bit.
 #   tests/elastic_resume.sh BUILD_DIR

@@ -733,9 +733,10 @@ optim::OptimizerOptions owners_options(compress::ValueEncoding values) {
 // replica's residual in the DCT domain (per chunk, direct-formula bases), the tensors' chunk
 // rows cut into R runs of about equal payload bytes (run r: replica r's), each replica's top-k
 // per chunk out of its residual, the owner's mean of the replicas that chose a coefficient, its
-// own top owner_topk of that mean, what it leaves out back into its senders' residuals, and the
-// step by the inverse DCT of what it kept (sign off, no weight decay, fp32 values both ways).
-// Divisor chunks only (no padding).
+// own top owner_topk of that mean (owner_feedback senders: what it leaves out back into its
+// senders' residuals) or of the mean added to the owner's decayed residual (owner: what it
+// leaves out kept there), and the step by the inverse DCT of what it kept (sign off, no weight
+// decay, fp32 values both ways). Divisor chunks only (no padding).
 struct NaiveOwners {
   std::vector<dct::ChunkPlan> plans;
   optim::OptimizerOptions o = optim::preset(optim::Preset::DeMo);
@@ -743,6 +744,7 @@ struct NaiveOwners {
   std::vector<std::vector<at::Tensor>> residual;  // [replica][tensor] float64 coefficients
   std::vector<std::vector<int>> owner;            // [tensor][chunk row]
   std::vector<at::Tensor> params;                 // float64 [rows, cols]
+  std::vector<at::Tensor> owner_residual;         // [tensor]: every owner's rows together
 
   NaiveOwners(const std::vector<dct::ChunkPlan>& p, const optim::OptimizerOptions& options,
               int replicas, const std::vector<at::Tensor>& init)
@@ -758,6 +760,7 @@ struct NaiveOwners {
       }
       params.push_back(init[t].detach().to(at::kDouble).reshape({plans[t].rows, plans[t].cols}));
       for (int q = 0; q < R; ++q) residual[q].push_back(at::zeros_like(params.back()));
+      owner_residual.push_back(at::zeros_like(params.back()));
     }
   }
 
@@ -819,19 +822,49 @@ struct NaiveOwners {
         count += where;
       }
       const at::Tensor mean = at::where(count > 0, sum / count.clamp_min(1), at::zeros_like(sum));
+      if (o.owner_feedback == optim::OwnerFeedback::Owner) {
+        owner_residual[t] = o.decay * owner_residual[t] + mean;
+        const at::Tensor kept = topk(owner_residual[t], plan, o.owner_topk).first;
+        owner_residual[t] -= kept;
+        params[t] -= o.lr * transform(kept, plan, true);
+        continue;
+      }
       const auto [kept, taken] = topk(mean, plan, o.owner_topk);
       for (int q = 0; q < R; ++q) residual[q][t] += sent[q] * (1 - taken);
       params[t] -= o.lr * transform(kept, plan, true);
     }
   }
+
+  // Replica q's share of the owners' residual: its rows of owner_residual[t], zero elsewhere.
+  at::Tensor owned_by(int q, size_t t) const {
+    at::Tensor out = at::zeros_like(owner_residual[t]);
+    const int64_t rows = plans[t].chunk_rows;
+    for (int64_t i = 0; i < plans[t].row_chunks(); ++i) {
+      if (owner[t][i] == q) {
+        out.narrow(0, i * rows, rows).copy_(owner_residual[t].narrow(0, i * rows, rows));
+      }
+    }
+    return out;
+  }
 };
+
+at::Tensor state_named(const optim::Optimizer& demo, const std::string& name) {
+  for (const auto& [n, t] : demo.state_tensors()) {
+    if (n == name) return t;
+  }
+  ADD_FAILURE() << "no optimizer state " << name;
+  return {};
+}
 
 }  // namespace
 
 TEST(DemoMpi, OwnersEqualFloat64Reference) {
-  // Every rank replays every replica in float64 and compares its own parameters and residuals
-  // with the reference's after each step: the owners' mean, their top-6 (more than a replica's
-  // top-4, fewer than the replicas send together) and what they leave out included.
+  // Every rank replays every replica in float64 and compares its own parameters, residuals and
+  // share of the owners' residual with the reference's after each step: the owners' mean, their
+  // top-6 (more than a replica's top-4, fewer than the replicas send together) and what they
+  // leave out included, for either feedback.
+  for (auto feedback : values_of<optim::OwnerFeedback>()) {
+  SCOPED_TRACE(name_of(feedback));
   auto world = test_world();
   const int R = world->size(), me = world->rank();
   optim::OptimizerOptions o = owners_options(compress::ValueEncoding::Fp32);
@@ -841,6 +874,7 @@ TEST(DemoMpi, OwnersEqualFloat64Reference) {
   o.topk = 4;
   o.owner_topk = 6;
   o.owner_values = compress::ValueEncoding::Fp32;
+  o.owner_feedback = feedback;
   o.chunk = 8;
   std::vector<at::Tensor> params = make_params();
   optim::Optimizer demo(params, o, world->split(0, me));
@@ -867,7 +901,18 @@ TEST(DemoMpi, OwnersEqualFloat64Reference) {
       const at::Tensor residual = demo.residual(t).to(at::kDouble);
       EXPECT_LT((residual - naive.residual[me][t]).abs().max().item<double>(), 1e-5)
           << "residual " << t << " step " << step + 1;
+      if (feedback == optim::OwnerFeedback::Owner) {
+        const at::Tensor held =
+            state_named(demo, "owner_residual." + std::to_string(t)).to(at::kDouble);
+        EXPECT_LT((held - naive.owned_by(me, t)).abs().max().item<double>(), 1e-5)
+            << "owner residual " << t << " step " << step + 1;
+      }
     }
+  }
+  // (The chunks of 8 x 8 hold more than the owners' 6; the smaller ones may not.)
+  if (feedback == optim::OwnerFeedback::Owner) {
+    EXPECT_GT(naive.owner_residual[0].abs().max().item<double>(), 0.0) << "an owner left some out";
+  }
   }
 }
 
@@ -890,12 +935,95 @@ TEST(DemoMpi, OwnersKeepReplicasBitIdenticalWithinTwoPayloads) {
 }
 
 TEST(DemoMpi, OwnersResumeExactlyFromTheirState) {
-  // The owners' state is the residuals alone (what they leave out is in them): a run stopped after
-  // step 4 and continued by a fresh optimizer equals the run that never stopped, bit for bit.
+  // The owners' state: the residuals, and with owner_feedback owner the owner's residual and the
+  // replicas it was kept among. A run stopped after step 4 and continued by a fresh optimizer
+  // from it equals the run that never stopped, bit for bit.
   auto world = test_world();
-  const auto names =
-      expect_exact_resume(*world, owners_options(compress::ValueEncoding::TwoBit), 4, 8, "owners")
-          .first;
-  EXPECT_EQ(names.count("residual.0"), 1u);
-  EXPECT_EQ(names.size(), kShapes.size());
+  for (auto feedback : values_of<optim::OwnerFeedback>()) {
+    optim::OptimizerOptions o = owners_options(compress::ValueEncoding::TwoBit);
+    o.owner_feedback = feedback;
+    const auto names = expect_exact_resume(*world, o, 4, 8, name_of(feedback)).first;
+    EXPECT_EQ(names.count("residual.0"), 1u);
+    const bool owner = feedback == optim::OwnerFeedback::Owner;
+    EXPECT_EQ(names.count("owner_residual.0") + names.count("owner_replicas"), owner ? 2u : 0u);
+    EXPECT_EQ(names.size(), owner ? 2 * kShapes.size() + 1 : kShapes.size());
+  }
+}
+
+TEST(DemoMpi, OwnersResidualGoesToTheSendersWhereOwnersChange) {
+  // What an owner holds in rows it does not own after a load goes into its own residual, R times
+  // over, where R is the number of replicas it was kept among: all of it when the state says
+  // another number than this run's (a checkpoint of other replicas), and the rows another
+  // replica owns when the top-k re-cuts the pieces (the link budget). Either way the replicas'
+  // mean of their residuals plus the owners' residuals (one quantity, in the mean's units) is
+  // kept, and afterwards every owner holds only its own rows.
+  auto world = test_world();
+  const int R = world->size(), me = world->rank();
+  optim::OptimizerOptions o = owners_options(compress::ValueEncoding::Fp32);
+  o.owner_values = compress::ValueEncoding::Fp32;
+  o.chunk = 8;
+  o.topk = 4;
+  std::vector<at::Tensor> params = make_params();
+  optim::Optimizer demo(params, o, world->split(0, me));
+  for (int step = 0; step < 4; ++step) {
+    set_gradients(params, me, step);
+    demo.step();
+  }
+  const size_t T = kShapes.size();
+  auto residual = [&](size_t t) { return state_named(demo, "residual." + std::to_string(t)); };
+  auto held = [&](size_t t) { return state_named(demo, "owner_residual." + std::to_string(t)); };
+  // The mean's quantity, summed over every replica (float64: the folds add in float32).
+  auto total = [&](size_t t) {
+    at::Tensor mine = (residual(t).to(at::kDouble) / R + held(t).to(at::kDouble)).contiguous();
+    world->all_reduce(mine, comm::ReduceOp::Sum);
+    return mine;
+  };
+  auto expect_kept = [&](const std::vector<at::Tensor>& before, const std::string& what) {
+    for (size_t t = 0; t < T; ++t) {
+      const at::Tensor after = total(t);
+      const double scale = before[t].abs().max().item<double>();
+      EXPECT_LE((after - before[t]).abs().max().item<double>(), 4 * R * 1.2e-7 * scale)
+          << what << ": tensor " << t;
+    }
+  };
+  // 1. The top-k re-cuts the pieces: rows whose owner changed go to their senders.
+  std::vector<at::Tensor> before;
+  for (size_t t = 0; t < T; ++t) before.push_back(total(t));
+  optim::OptimizerOptions recut = o;
+  recut.topk = 40;
+  const NaiveOwners was(plans_of(o), o, R, make_params()), now(plans_of(recut), recut, R, make_params());
+  ASSERT_NE(was.owner, now.owner) << "top-k 40 must move some rows to another owner";
+  demo.set_schedule({recut.topk, recut.values, 1});
+  expect_kept(before, "re-cut");
+  for (size_t t = 0; t < T; ++t) {
+    const dct::ChunkPlan& plan = now.plans[t];
+    for (int64_t i = 0; i < plan.row_chunks(); ++i) {
+      if (now.owner[t][i] == me) continue;
+      EXPECT_EQ(held(t).narrow(0, i * plan.chunk_rows, plan.chunk_rows).abs().max().item<double>(),
+                0.0)
+          << "tensor " << t << " chunk row " << i << " (another's) after the re-cut";
+    }
+  }
+  // 2. State kept among R + 1 replicas (an elastic checkpoint's): all of it, R + 1 times over.
+  for (int step = 4; step < 6; ++step) {
+    set_gradients(params, me, step);
+    demo.step();
+  }
+  std::vector<at::Tensor> residuals, helds;
+  for (size_t t = 0; t < T; ++t) {
+    residuals.push_back(residual(t).clone());
+    helds.push_back(held(t).clone());
+  }
+  at::Tensor most = at::zeros({1}, at::kDouble);  // over every replica
+  for (const at::Tensor& h : helds) most += h.abs().max().to(at::kDouble);
+  world->all_reduce(most, comm::ReduceOp::Sum);
+  EXPECT_GT(most.item<double>(), 0.0) << "some owner left some out";
+  state_named(demo, "owner_replicas").fill_(R + 1);
+  demo.restore_steps(6);
+  for (size_t t = 0; t < T; ++t) {
+    EXPECT_TRUE(at::allclose(residual(t), residuals[t] + double(R + 1) * helds[t], 1e-6, 1e-7))
+        << "tensor " << t;
+    EXPECT_EQ(held(t).abs().max().item<double>(), 0.0) << "tensor " << t;
+  }
+  EXPECT_EQ(state_named(demo, "owner_replicas").item<double>(), double(R));
 }

@@ -8,6 +8,7 @@
 #include "flexdemo/safetensors.h"
 #include "flexdemo/text.h"
 #include "flexdemo/train.h"
+#include "train/checkpoint_store.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -18,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 
 using namespace flexdemo;
 namespace fs = std::filesystem;
@@ -357,6 +359,98 @@ TEST(Checkpoint, ResumeRefusesWhatItCannotContinue) {
   EXPECT_NE(refusal().find("was written with --width 16, this run has 32"), std::string::npos);
   world->barrier();
   EXPECT_FALSE(fs::exists(dir / "refused"));
+}
+
+TEST(Checkpoint, OwnersResidualGoesWhereTheResumeKeepsIt) {
+  // --demo-exchange owners keeps what an owner leaves out in a residual of its own
+  // (owner_residual.i, with owner_replicas: --owner-feedback owner, the default), one replica a
+  // rank here: R = the ranks. Its checkpoint loaded (a) by the owners' exchange: as it is;
+  // (b) by the all-gather, which keeps none: each residual takes R times the owner's; (c) by the
+  // owners' exchange on one node of every rank (one replica, elastic): the same, the engine's
+  // rule for another number of replicas. (d) An all-gather's checkpoint: the owners' start at 0.
+  auto world = test_world();
+  const int R = world->size();
+  const fs::path dir = fs::temp_directory_path() / "flexdemo-owner-residual-test";
+  train::TrainConfig c = checkpointed(tiny_run(dir), dir, "owners", 10);
+  c.ranks_per_node = 1;
+  c.demo_exchange = optim::DemoExchange::Owners;
+  c.second_moment = optim::SecondMoment::Own;  // (auto's kind would change with the replicas)
+  train::TrainConfig plain = checkpointed(c, dir, "plain", 10);
+  plain.demo_exchange = optim::DemoExchange::AllGather;
+  ASSERT_EQ(train::run_training(c, world), 0);
+  ASSERT_EQ(train::run_training(plain, world), 0);
+  world->barrier();
+  const auto saved_by = [&](const std::string& run) {
+    std::map<std::string, at::Tensor> saved;
+    const fs::path file = dir / run / "checkpoints/step-10" /
+                          ("optimizer-rank" + std::to_string(world->rank()) + ".safetensors");
+    for (auto& [name, t] : train::read_safetensors(file.string())) saved[name] = t;
+    return saved;
+  };
+  const auto loaded = [&](const train::TrainConfig& config, const std::string& run) {
+    const std::unique_ptr<train::Session> s = train::open_session(config, world);
+    train::load_checkpoint(*s, dir / run / "checkpoints/step-10", true);
+    std::map<std::string, at::Tensor> state;
+    for (const auto& [name, t] : s->optimizer->state_tensors()) state[name] = t.clone();
+    return state;
+  };
+  const auto tensors = saved_by("owners");
+  ASSERT_EQ(tensors.count("owner_replicas"), 1u);
+  EXPECT_EQ(tensors.at("owner_replicas").item<double>(), double(R));
+  size_t T = 0;  // the optimizer's tensors
+  while (tensors.count("residual." + std::to_string(T))) ++T;
+  ASSERT_GT(T, 0u);
+  // (a)
+  at::Tensor held = at::zeros({1}, at::kDouble);
+  for (const auto& [name, t] : loaded(c, "owners")) {
+    ASSERT_EQ(tensors.count(name), 1u) << name;
+    EXPECT_TRUE(at::equal(t, tensors.at(name))) << name;
+    if (name.rfind("owner_residual.", 0) == 0) held += t.abs().sum().to(at::kDouble);
+  }
+  world->all_reduce(held, comm::ReduceOp::Sum);
+  EXPECT_GT(held.item<double>(), 0.0) << "the owners left some out";
+  // (b)
+  train::TrainConfig gather = c;
+  gather.demo_exchange = optim::DemoExchange::AllGather;
+  const auto gathered = loaded(gather, "owners");
+  for (size_t i = 0; i < T; ++i) {
+    const std::string n = std::to_string(i);
+    EXPECT_EQ(gathered.count("owner_residual." + n), 0u);
+    EXPECT_TRUE(at::allclose(gathered.at("residual." + n),
+                             tensors.at("residual." + n) + R * tensors.at("owner_residual." + n),
+                             1e-6, 1e-7))
+        << "residual." << n;
+  }
+  // (c) Every residual's entries summed over the shards (a shard's tensors are numbered among
+  // its own): rank 0's (replica 0's), folded.
+  train::TrainConfig one = c;
+  one.ranks_per_node = R;
+  at::Tensor sums = at::zeros({3}, at::kDouble);  // got, wanted, the owners' left
+  for (const auto& [name, t] : loaded(one, "owners")) {
+    if (name.rfind("residual.", 0) == 0) sums[0] += t.sum().to(at::kDouble);
+    if (name.rfind("owner_residual.", 0) == 0) sums[2] += t.abs().sum().to(at::kDouble);
+  }
+  for (size_t i = 0; world->rank() == 0 && i < T; ++i) {
+    const std::string n = std::to_string(i);
+    sums[1] += (tensors.at("residual." + n).to(at::kDouble) +
+                R * tensors.at("owner_residual." + n).to(at::kDouble))
+                   .sum();
+  }
+  world->all_reduce(sums, comm::ReduceOp::Sum);
+  const double got = sums[0].item<double>(), want = sums[1].item<double>();
+  EXPECT_NEAR(got, want, 1e-5 * (1 + std::fabs(want))) << "one node";
+  EXPECT_EQ(sums[2].item<double>(), 0.0) << "one node: the owners' residual folded";
+  // (d)
+  const auto plain_saved = saved_by("plain");
+  for (const auto& [name, t] : loaded(c, "plain")) {
+    if (name == "owner_replicas") {
+      EXPECT_EQ(t.item<double>(), double(R));
+    } else if (name.rfind("owner_residual.", 0) == 0) {
+      EXPECT_EQ(t.abs().max().item<double>(), 0.0) << name;
+    } else {
+      EXPECT_TRUE(at::equal(t, plain_saved.at(name))) << name;
+    }
+  }
 }
 
 TEST(Trainer, ReplicaDriftStopsEveryRank) {

@@ -40,9 +40,16 @@ enum class DemoExchange {
   AllGather,  // every replica gathers every other's payload: R - 1 payloads in, a node, a step
   Owners,     // each replica owns a share of the chunks: one all-to-all sends each owner its
               // chunks' coefficients, the owner keeps the top owner_topk of their mean, one
-              // all-gather returns every owner's share (what an owner leaves out goes back into
-              // its senders' residuals): at most about 2 (R - 1) / R payloads each way a node,
-              // whatever R is
+              // all-gather returns every owner's share (what an owner leaves out: owner_feedback):
+              // at most about 2 (R - 1) / R payloads each way a node, whatever R is
+};
+
+// Where what an owner leaves out of its replicas' mean goes (DemoExchange::Owners).
+enum class OwnerFeedback {
+  Owner,    // a residual of the owner's own, over the chunks it owns: decayed as the senders'
+            // are, the next mean added to it and its top owner_topk returned (error feedback at
+            // the owner, as DoubleSqueeze's; docs/results/many-nodes.md)
+  Senders,  // back into the residual of each replica that sent it (the state: residuals alone)
 };
 
 // Whose second moment the preconditioner divides a gradient by.
@@ -218,6 +225,10 @@ constexpr Range open_closed(double low, double high) {  // (low, high]
     "{owner_values}, in the bytes of a replica's payload)")                                      \
   X(owner_values, compress::ValueEncoding, compress::ValueEncoding::TwoBit, optim::unbounded(),  \
     "{demo_exchange} owners: the value encoding of the owners' returned coefficients")           \
+  X(owner_feedback, OwnerFeedback, OwnerFeedback::Owner, optim::unbounded(),                     \
+    "{demo_exchange} owners: where what an owner leaves out of the replicas' mean goes: owner "  \
+    "(a residual of the owner's own, decayed by {decay}, that the next mean adds to) or "       \
+    "senders (back into the residuals of the replicas that sent it)")                           \
   X(replicate_every, int64_t, 1, optim::at_least(1),                                             \
     "exchange and update every N steps; the steps between fold their gradients in")              \
   X(overlap_step, bool, false, optim::unbounded(),                                               \
@@ -520,6 +531,13 @@ struct NameTable<optim::DemoExchange> {
   static constexpr const char* what = "DeMo exchange";
   static constexpr std::pair<optim::DemoExchange, const char*> entries[] = {
       {optim::DemoExchange::AllGather, "all-gather"}, {optim::DemoExchange::Owners, "owners"}};
+};
+
+template <>
+struct NameTable<optim::OwnerFeedback> {
+  static constexpr const char* what = "owner feedback";
+  static constexpr std::pair<optim::OwnerFeedback, const char*> entries[] = {
+      {optim::OwnerFeedback::Owner, "owner"}, {optim::OwnerFeedback::Senders, "senders"}};
 };
 
 template <>

@@ -151,6 +151,8 @@ struct OptionSpec {
     optim::declared::owner_topk.range, optim::declared::owner_topk.help)                           \
   X(owner_values, compress::ValueEncoding, compress::ValueEncoding::TwoBit, Run,                   \
     optim::declared::owner_values.range, optim::declared::owner_values.help)                       \
+  X(owner_feedback, optim::OwnerFeedback, optim::OwnerFeedback::Owner, Run,                        \
+    optim::declared::owner_feedback.range, optim::declared::owner_feedback.help)                   \
   X(sign, bool, false, State, optim::declared::sign.range, optim::declared::sign.help)             \
   X(normalize, bool, false, State,                                                                 \
     optim::declared::normalize.range, optim::declared::normalize.help)                             \

@@ -11,6 +11,12 @@ Python does not yet: a different size is refused in one line), and so does the n
 of a checkpoint taken with ``overlap_step`` (its exchange in flight is the old nodes' payloads;
 the trainer settles it, Python refuses).
 
+The owners' residual (``demo_exchange="owners"`` with ``owner_feedback="owner"``, the default) is
+per-replica state like the residual; a checkpoint written with another exchange or feedback has
+none, and this run's starts at zero. The engine folds what an owner holds into its residual where
+the owners change: in rows it no longer owns, and all of it when the checkpoint's replicas were
+another number.
+
 The second moment's kind may differ too: ``second_moment="auto"`` shares it from 4 replicas on,
 so a run resized across 4 finds the other kind's state in its checkpoint (``grad_sq``: each
 replica's own; ``moment_rows``/``moment_cols``/``moment_own``: the shared one). The planner then
@@ -39,6 +45,11 @@ SECOND_MOMENT_STATE = {"own": ("grad_sq",),
                        "shared": ("moment_rows", "moment_cols", "moment_own")}
 
 
+# The owners' residual (demo_exchange "owners", owner_feedback "owner") and the replicas it was
+# kept among: state that a checkpoint of another exchange or feedback lacks (then zero).
+OWNER_RESIDUAL_STATE = ("owner_residual", "owner_replicas")
+
+
 def _kind_of(name: str):
     return next((kind for kind, names in SECOND_MOMENT_STATE.items() if name in names), None)
 
@@ -61,12 +72,19 @@ class ElasticLoadPlanner(DefaultLoadPlanner):
             if m:
                 replicas.setdefault((m["what"], int(m["shard"])), set()).add(int(m["replica"]))
         self._load_saved_second_moment(replicas)
+        self._load_saved_owner_residual(replicas)
         for key in list(self.state_dict):
             m = _PER_REPLICA.match(key)
             if not m:
                 continue  # not FlexDeMo's: DCP's own rules
             shard = int(m["shard"])
             found = replicas.get((m["what"], shard))
+            if not found and m["what"].rpartition(".")[2] in OWNER_RESIDUAL_STATE:
+                # Written by another exchange or owner feedback: this run's starts at zero.
+                self.state_dict.pop(key)
+                if self.flatten_state_dict:
+                    self.mappings.pop(key)
+                continue
             if not found:
                 raise ValueError(
                     "flexdemo: the checkpoint has no {} for shard {}: it was written with "
@@ -89,6 +107,42 @@ class ElasticLoadPlanner(DefaultLoadPlanner):
                 self.state_dict[source] = self.state_dict.pop(key)
                 if self.flatten_state_dict:
                     self.mappings[source] = self.mappings.pop(key)
+
+    def _load_saved_owner_residual(self, replicas: Dict[tuple, Set[int]]) -> None:
+        """Where the checkpoint holds the owners' residual and this run's state has none
+        (another exchange or owner feedback), its entries are added to the state to load beside
+        each parameter's residual (fresh tensors, under this rank's replica and shard), so that
+        ``FlexDeMo.load_state_dict`` folds it into the residuals. A flattened optimizer state
+        (whose keys name the parameter) has no place for them: there it is not loaded."""
+        if not self.flatten_state_dict:
+            return
+        for key in list(self.state_dict):
+            m = _PER_REPLICA.match(key)
+            path = self.mappings.get(key, ())
+            # The parameter's own state dict names it path[-1] ("residual.replica0.shard0", or
+            # "outer.residual..." under inner_steps); a flattened optimizer state names more.
+            if not m or not path or not key.endswith("." + path[-1]):
+                continue
+            state_name = path[-1]
+            if not state_name.partition(".replica")[0].split(".")[-1] == "residual":
+                continue
+            for owned in OWNER_RESIDUAL_STATE:
+                new_name = state_name.replace("residual.replica", owned + ".replica")
+                new_key = key[:len(key) - len(state_name)] + new_name
+                what = _PER_REPLICA.match(new_key)["what"]
+                found = replicas.get((what, int(m["shard"])))
+                if not found or new_key in self.state_dict:
+                    continue
+                source = "{}.replica{}.shard{}".format(what, max(found), m["shard"])
+                saved = self.metadata.state_dict_metadata[source]
+                tensor = torch.empty(tuple(saved.size), dtype=saved.properties.dtype,
+                                     device=self.state_dict[key].device)
+                parent = self.original_state_dict
+                for step in path[:-1]:
+                    parent = parent[step]
+                parent[new_name] = tensor
+                self.state_dict[new_key] = tensor
+                self.mappings[new_key] = tuple(path[:-1]) + (new_name,)
 
     def _load_saved_second_moment(self, replicas: Dict[tuple, Set[int]]) -> None:
         """Where this run's second moment is of the other kind than the checkpoint's, its keys

@@ -313,6 +313,7 @@ class FlexDeMo(torch.optim.Optimizer):
                 # holds them): pointed at the new engines' instead, so that one copy of the
                 # state stays in memory.
                 value.set_(t.view(value.shape))
+        self._fold_saved_owner_residual()
         for engine, schedule in zip(self._engines, schedules):
             if engine is None:
                 continue
@@ -326,6 +327,33 @@ class FlexDeMo(torch.optim.Optimizer):
             for p in g["params"]:
                 if p.requires_grad:
                     self.state[p]["step"].fill_(self._steps)
+
+    def _fold_saved_owner_residual(self) -> None:
+        """A checkpoint's owners' residual where this optimizer keeps none (another exchange or
+        owner feedback; ``ElasticLoadPlanner`` loads it beside the residuals): added to each
+        residual as many times over as the replicas it was kept among, the engine's rule
+        (src/optim/owner_replicator.cpp), as ``flexdemo train --resume`` does; then dropped."""
+        handles = {(id(p), key): t for p, key, t in self._handles}
+        for params, engine in zip(self._trained_params, self._engines):
+            if engine is None:
+                continue
+            first = self.state[params[0]]
+            for p in params:
+                state = self.state[p]
+                for key in [k for k in state
+                            if "owner_residual." in k and (id(p), k) not in handles]:
+                    value = state.pop(key)
+                    what, _, where = key.partition(".replica")
+                    residual = handles.get((id(p), what.replace("owner_residual", "residual") +
+                                            ".replica" + where))
+                    replicas = first.get(what.replace("owner_residual", "owner_replicas") +
+                                         ".replica" + where)
+                    if residual is not None and replicas is not None:
+                        residual.add_(_local(value).reshape(residual.shape).to(residual),
+                                      alpha=float(replicas.item()))
+            for key in [k for k in first
+                        if "owner_replicas." in k and (id(params[0]), k) not in handles]:
+                del first[key]
 
     def _keep_saved_second_moment(self, state_dict) -> bool:
         """second_moment auto chooses by the replicas a run starts on (shared from 4 on), so a

@@ -10,10 +10,15 @@
 //      coefficients as fit in the replicas' payload bytes: about three times top-k at bf16);
 //   4. one all-gather returns every owner's share to every replica, which decodes each (one
 //      payload per coefficient) and applies the direction with the inner optimizer;
-//   5. every coefficient a replica sent that its owner did not keep goes back into that
-//      replica's residual (error feedback at the senders: the state is the residuals alone, so
-//      checkpoints, elastic resume and a change between the two exchanges work as they do for
-//      the all-gather).
+//   5. what the owner left out of the mean stays in a residual of its own (owner_feedback owner,
+//      the default: error feedback at the owner too, decayed as the senders' residuals are), or
+//      every coefficient a replica sent that its owner did not keep goes back into that
+//      replica's residual (senders: error feedback at the senders alone).
+// The owner's residual is state, kept in the residuals' layout (one tensor a parameter, non-zero
+// in the rows this replica owns). Where the rows' owners change (the link budget re-cuts the
+// pieces, a checkpoint of another cut or number of replicas is loaded), what an owner held in
+// rows it no longer owns goes into its own residual, R times over: the replicas' mean of their
+// residuals then holds it, as the owner's did.
 // The collectives are blocking; the payloads' bytes are the wire format's (compress.h).
 #include "demo_exchange.h"
 #include "replicator.h"
@@ -112,7 +117,11 @@ class OwnerReplicator final : public optim::Replicator {
     for (const dct::ChunkPlan& plan : plans_) {
       residuals_.push_back(at::zeros({plan.padded_rows, plan.padded_cols}, floats));
       directions_.push_back(at::empty({plan.rows, plan.cols}, floats));
+      if (owner_keeps()) {
+        owner_residuals_.push_back(at::zeros({plan.padded_rows, plan.padded_cols}, floats));
+      }
     }
+    owner_replicas_ = at::full({1}, double(replicas()), at::dtype(at::kFloat));
     use_layout();
   }
 
@@ -183,7 +192,7 @@ class OwnerReplicator final : public optim::Replicator {
       decode_passing(*backend_, returns_[r], share, 1, whole, put);
     }
     for (size_t i = 0; i < plans_.size(); ++i) inner.apply(i, directions_[i]);
-    // 5. What the owners left out stays with its senders.
+    // 5. What the owners left out: with its owner (kept in 3.), or with its senders.
     keep_what_owners_left_out(share_passed);
   }
 
@@ -195,12 +204,52 @@ class OwnerReplicator final : public optim::Replicator {
   }
 
   optim::ExchangeTraffic traffic() const override { return traffic_; }
-  NamedTensors state_tensors() const override { return optim::numbered("residual", residuals_); }
+  NamedTensors state_tensors() const override {
+    NamedTensors state = optim::numbered("residual", residuals_);
+    if (owner_keeps()) {
+      for (auto& named : optim::numbered("owner_residual", owner_residuals_)) {
+        state.push_back(std::move(named));
+      }
+      state.push_back({"owner_replicas", owner_replicas_});
+    }
+    return state;
+  }
+  // After a load: the owner's residual settled for this run's replicas and cut.
+  void restore_counters(int64_t, int64_t) override {
+    if (!owner_keeps()) return;
+    const double saved = owner_replicas_.item<double>();  // 0: the checkpoint held none
+    if (saved != double(replicas())) {
+      // Kept among another number of replicas: back to the senders, as many times over as
+      // there were (the replicas' mean of the residuals then holds it whole where this run's
+      // replicas are a multiple of the checkpoint's, each of those replicas continuing one).
+      for (size_t t = 0; t < plans_.size(); ++t) {
+        residuals_[t].add_(owner_residuals_[t], saved);
+        owner_residuals_[t].zero_();
+      }
+      owner_replicas_.fill_(double(replicas()));
+    }
+    fold_unowned_owner_residual();
+  }
   const at::Tensor& residual(size_t i) const override { return residuals_.at(i); }
 
  private:
   int replicas() const { return group_ ? group_->size() : 1; }
   int rank() const { return group_ ? group_->rank() : 0; }
+  bool owner_keeps() const { return options_.owner_feedback == optim::OwnerFeedback::Owner; }
+
+  // What the owner's residual holds in rows this replica does not own (under this cut) into
+  // this replica's residual, R times over (the header's rule).
+  void fold_unowned_owner_residual() {
+    if (!owner_keeps()) return;
+    const int me = rank();
+    for (size_t k = 0; k < pieces_.size(); ++k) {
+      const Piece& p = pieces_[k];
+      if (p.owner == me) continue;
+      at::Tensor held = owner_residuals_[p.tensor].narrow(0, p.row0, p.plan.padded_rows);
+      piece_residuals_[k].add_(held, double(replicas()));
+      held.zero_();
+    }
+  }
 
   // The pieces for options_'s top-k and values, their residuals (views of the tensors'), the
   // owners' shares and every buffer.
@@ -271,8 +320,8 @@ class OwnerReplicator final : public optim::Replicator {
     all_.send = backend_->buffer(int64_t(all_.bytes));
     received_ = backend_->buffer(int64_t(shares_[me].bytes) * R);
     gathered_ = backend_->buffer(returned);
-    // The owner's stage: its pieces again, with a scratch residual that each encode overwrites
-    // (decay 0) with the mean's coefficients.
+    // The owner's stage: its pieces again, over its own residual's rows (owner_feedback owner),
+    // or a scratch residual that each encode overwrites (decay 0) with the mean's coefficients.
     std::vector<dct::ChunkPlan> owned_plans;
     owner_grads_.clear();
     owner_scratch_.clear();
@@ -281,10 +330,13 @@ class OwnerReplicator final : public optim::Replicator {
       const dct::ChunkPlan& plan = piece_plans_[k];
       owned_plans.push_back(plan);
       owner_grads_.push_back(at::zeros({plan.rows, plan.cols}, floats));
-      owner_scratch_.push_back(at::zeros({plan.padded_rows, plan.padded_cols}, floats));
+      const Piece& p = pieces_[k];
+      owner_scratch_.push_back(
+          owner_keeps() ? owner_residuals_[p.tensor].narrow(0, p.row0, p.plan.padded_rows)
+                        : at::zeros({plan.padded_rows, plan.padded_cols}, floats));
     }
     demo::BackendOptions owner_options = backend_options(options_);
-    owner_options.decay = 0.0;
+    if (!owner_keeps()) owner_options.decay = 0.0;
     owned_ = Bucket{};
     owned_.topk = owner_topk_;
     owned_.values = owner_values_;
@@ -295,13 +347,19 @@ class OwnerReplicator final : public optim::Replicator {
                                          : make_backend(owned_plans, owner_options, owner_scratch_,
                                                         device_, replica_device);
     owned_.send = backend_->buffer(int64_t(owned_.bytes));
+    fold_unowned_owner_residual();  // the owners may have changed
   }
 
   // What the owners left out stays with its senders: every coefficient this replica sent that
-  // its owner did not keep (all of a piece whose owner's share failed the checks) goes back
-  // into this replica's residual. The owners' shares lie in gathered_ as this replica's own
-  // payloads lie in all_.send (the same pieces, order and layout).
+  // its owner did not keep goes back into this replica's residual (owner_feedback senders), and
+  // all of a piece whose owner's share failed the checks (either feedback: this replica applied
+  // none of it). The owners' shares lie in gathered_ as this replica's own payloads lie in
+  // all_.send (the same pieces, order and layout).
   void keep_what_owners_left_out(const std::vector<char>& share_passed) {
+    if (owner_keeps() && std::all_of(share_passed.begin(), share_passed.end(),
+                                     [](char passed) { return passed; })) {
+      return;
+    }
     const at::Tensor mine = all_.send.to(at::kCPU), owners = gathered_.to(at::kCPU);
     std::vector<char> taken;
     for (size_t k = 0; k < pieces_.size(); ++k) {
@@ -310,6 +368,7 @@ class OwnerReplicator final : public optim::Replicator {
       const compress::SparseChunks sent = compress::decode_mean_sparse(
           {mine.data_ptr<uint8_t>() + all_.offsets[k]}, size, plan, all_.topk, all_.values);
       const bool applied = share_passed[size_t(pieces_[k].owner)];
+      if (applied && owner_keeps()) continue;
       compress::SparseChunks kept;
       if (applied) {
         kept = compress::decode_mean_sparse(
@@ -401,7 +460,12 @@ class OwnerReplicator final : public optim::Replicator {
   compress::ValueEncoding owner_values_ = compress::ValueEncoding::Bf16;
   at::Tensor received_;  // R x this owner's share: every replica's payloads of it
   at::Tensor gathered_;  // every owner's share, back to back
-  // The owner's stage: its pieces' mean directions, scratch residuals, backend and payloads.
+  // owner_feedback owner: per tensor, the owner's residual (non-zero in the rows it owns), and
+  // the replicas it was kept among ([1]: a loaded one's tells its cut).
+  std::vector<at::Tensor> owner_residuals_;
+  at::Tensor owner_replicas_;
+  // The owner's stage: its pieces' mean directions, residuals (views of owner_residuals_, or
+  // scratch), backend and payloads.
   std::vector<at::Tensor> owner_grads_, owner_scratch_;
   std::unique_ptr<Backend> owner_backend_;
   Bucket owned_;

@@ -92,12 +92,20 @@ void load_own_state(Session& s, const fs::path& dir) {
   at::NoGradGuard no_grad;
   for (auto& [name, t] : s.optimizer->state_tensors()) {
     auto it = saved.find(name);
+    if (it == saved.end() && owner_residual_state(name)) {
+      t.zero_();
+      continue;
+    }
     if (it == saved.end() || it->second.sizes() != t.sizes()) {
       throw std::invalid_argument("--resume: optimizer state " + name +
                                   " is missing or of another shape (other options?)");
     }
     t.copy_(it->second);
   }
+  fold_owner_residual(s, [&saved](const std::string& name, const at::Tensor& like) {
+    auto it = saved.find(name);
+    return it == saved.end() || it->second.sizes() != like.sizes() ? at::Tensor() : it->second;
+  });
   at::Generator gen = at::detail::getDefaultCPUGenerator();
   gen.set_state(saved.at("rng_state"));
 }

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -44,6 +45,18 @@ int64_t checkpoint_replicas(const nlohmann::json& manifest, const std::filesyste
 // whose second moment (own or shared) is not this run's.
 void check_second_moment(const Session& s, const std::map<std::string, at::Tensor>& saved,
                          const std::filesystem::path& dir, int64_t replicas);
+// The owners' residual (--owner-feedback owner: "owner_residual.i" and "owner_replicas", the
+// replicas it was kept among; "outer." before them under --inner-steps) is state that
+// --demo-exchange and --owner-feedback, which may change on resume, make or unmake: a
+// checkpoint without it loads it as zero, and one that this run keeps none of goes into the
+// residual, as many times over as the replicas it was kept among (the rule of
+// src/optim/owner_replicator.cpp).
+bool owner_residual_state(const std::string& name);
+// A checkpoint's state for this rank by name, shaped as the tensor given; undefined where the
+// checkpoint has none.
+using SavedState = std::function<at::Tensor(const std::string&, const at::Tensor&)>;
+// Adds a checkpoint's owners' residual to this run's residuals where this run keeps none.
+void fold_owner_residual(const Session& s, const SavedState& saved);
 // This rank's optimizer state from a checkpoint (its manifest, its step) written on another
 // topology. Throws std::invalid_argument when the checkpoint lacks its table of ranks.
 void load_state_elastic(Session& s, const std::filesystem::path& dir,

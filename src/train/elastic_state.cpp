@@ -97,6 +97,32 @@ void check_second_moment(const Session& s, const std::map<std::string, at::Tenso
   }
 }
 
+bool owner_residual_state(const std::string& name) {
+  const size_t at = name.rfind("owner_");
+  if (at == std::string::npos || (at > 0 && name[at - 1] != '.')) return false;
+  return name.compare(at, std::string::npos, "owner_replicas") == 0 ||
+         name.compare(at, 15, "owner_residual.") == 0;
+}
+
+void fold_owner_residual(const Session& s, const SavedState& saved) {
+  const auto state = s.optimizer->state_tensors();
+  if (std::any_of(state.begin(), state.end(),
+                  [](const auto& named) { return owner_residual_state(named.first); })) {
+    return;  // this run keeps its own: loaded as it is
+  }
+  at::NoGradGuard no_grad;
+  for (const auto& [name, t] : state) {
+    const size_t at = name.rfind("residual.");
+    if (at == std::string::npos || (at > 0 && name[at - 1] != '.')) continue;
+    const std::string prefix = name.substr(0, at);
+    const at::Tensor replicas = saved(prefix + "owner_replicas", at::empty({1}));
+    const at::Tensor held = saved(prefix + "owner_" + name.substr(at), t);
+    if (replicas.defined() && held.defined()) {
+      t.add_(held.to(t.device()), replicas.item<double>());
+    }
+  }
+}
+
 // The optimizer state of a checkpoint written on another topology, by one rule
 // (docs/reliability.md, "Elastic resume"): this rank's replica r takes the state of the
 // checkpoint's replica r mod R (R: the checkpoint's replicas), each tensor's state put together
@@ -131,6 +157,41 @@ void load_state_elastic(Session& s, const fs::path& dir, const nlohmann::json& m
     for (const shard::ShardSpec& spec : unit->specs()) specs.push_back(&spec);
   }
   if (!shards.empty()) check_second_moment(s, shards.front(), dir, replicas);
+  // `name`'s state for this rank, shaped as `like`: the source replica's shards put together
+  // and cut again for this rank's shard; undefined where the checkpoint has none.
+  const auto cut = [&](const std::string& name, const at::Tensor& like) -> at::Tensor {
+    std::vector<at::Tensor> parts;
+    for (const auto& shard : shards) {
+      auto it = shard.find(name);
+      if (it != shard.end()) parts.push_back(it->second);
+    }
+    if (parts.empty()) return {};
+    const auto unfit = [&] {
+      return std::invalid_argument("--resume: the optimizer state " + name + " in " +
+                                   dir.string() + " does not fit this run's shards");
+    };
+    const size_t dot = name.rfind('.');
+    const bool indexed = dot != std::string::npos &&
+                         name.find_first_not_of("0123456789", dot + 1) == std::string::npos;
+    if (!indexed) {  // the replicator's own (owner_replicas): alike on every shard
+      if (parts.front().sizes() != like.sizes()) throw unfit();
+      return parts.front();
+    }
+    // A matrix is sharded in whole chunk-rows (dim 0), a vector, held as [1, n], in chunks.
+    const shard::ShardSpec& spec = *specs.at(std::stoul(name.substr(dot + 1)));
+    const int dim = spec.plan.rows > 1 ? 0 : 1;
+    // --second-moment shared: a matrix's column statistics are the whole tensor's on every shard.
+    if (dim == 0 && name.rfind("moment_cols.", 0) == 0) {
+      if (parts.front().sizes() != like.sizes()) throw unfit();
+      return parts.front();
+    }
+    const int64_t offset = dim == 0 ? spec.begin / spec.plan.cols : spec.begin;
+    const at::Tensor whole = at::cat(parts, dim);
+    if (whole.size(1 - dim) != like.size(1 - dim) || offset + like.size(dim) > whole.size(dim)) {
+      throw unfit();
+    }
+    return whole.narrow(dim, offset, like.size(dim));
+  };
   at::NoGradGuard no_grad;
   for (auto& [name, t] : s.optimizer->state_tensors()) {
     if (name == "pending") {  // --overlap-step's exchange in flight: its preview stands for it
@@ -143,33 +204,17 @@ void load_state_elastic(Session& s, const fs::path& dir, const nlohmann::json& m
         name.rfind("previewed.", 0) == 0) {
       continue;
     }
-    const size_t i = std::stoul(name.substr(name.rfind('.') + 1));
-    // A matrix is sharded in whole chunk-rows (dim 0), a vector, held as [1, n], in chunks.
-    const shard::ShardSpec& spec = *specs.at(i);
-    const int dim = spec.plan.rows > 1 ? 0 : 1;
-    std::vector<at::Tensor> parts;
-    for (const auto& shard : shards) {
-      auto it = shard.find(name);
-      if (it != shard.end()) parts.push_back(it->second);
-    }
-    // --second-moment shared: a matrix's column statistics are the whole tensor's on every shard.
-    if (dim == 0 && name.rfind("moment_cols.", 0) == 0) {
-      if (parts.empty() || parts.front().sizes() != t.sizes()) {
-        throw std::invalid_argument("--resume: the optimizer state " + name + " in " +
-                                    dir.string() + " does not fit this run's shards");
-      }
-      t.copy_(parts.front());
-      continue;
-    }
-    const int64_t offset = dim == 0 ? spec.begin / spec.plan.cols : spec.begin;
-    const at::Tensor whole = parts.empty() ? at::Tensor() : at::cat(parts, dim);
-    if (!whole.defined() || whole.size(1 - dim) != t.size(1 - dim) ||
-        offset + t.size(dim) > whole.size(dim)) {
+    const at::Tensor saved = cut(name, t);
+    if (saved.defined()) {
+      t.copy_(saved);
+    } else if (owner_residual_state(name)) {
+      t.zero_();
+    } else {
       throw std::invalid_argument("--resume: the optimizer state " + name + " in " + dir.string() +
                                   " does not fit this run's shards");
     }
-    t.copy_(whole.narrow(dim, offset, t.size(dim)));
   }
+  fold_owner_residual(s, cut);
   at::manual_seed(rank_seed(s.cfg, world->rank()) + uint64_t(step));
   if (world->rank() == 0) {
     std::printf(

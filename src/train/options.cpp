@@ -347,6 +347,7 @@ optim::OptimizerOptions optimizer_options(const TrainConfig& c) {
   o.demo_exchange = c.demo_exchange;
   o.owner_topk = c.owner_topk;
   o.owner_values = c.owner_values;
+  o.owner_feedback = c.owner_feedback;
   o.sign = c.sign;
   o.normalize = c.normalize;
   o.update_rms = c.update_rms;

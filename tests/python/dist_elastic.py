@@ -9,8 +9,9 @@ that), FSDP2 inside
 the node and FlexDeMo's default step between nodes; LOAD (or "-"): a DCP checkpoint to start
 from, loaded with flexdemo.ElasticLoadPlanner; SAVE (or "-"): where to write the last step's.
 OPTION=VALUE: FlexDeMo's options (second_moment=own, second_moment_every=2). Rank 0 writes the
-global mean loss of every step to OUT (JSON), each rank's per-replica state (a sum of norms) as
-loaded and as left, and the second moment's kind after the load.
+global mean loss of every step to OUT (JSON), each rank's per-replica state (a sum of norms, and
+the residuals' and owners' residuals' sums) as loaded and as left, and the second moment's kind
+after the load.
 """
 
 import json
@@ -51,6 +52,18 @@ def residual_norms(opt):
     return total
 
 
+def state_sums(opt):
+    """This rank's residuals and owners' residuals, each kind's entries summed in float64
+    (linear: a fold adds up)."""
+    sums = {"residual": 0.0, "owner_residual": 0.0}
+    for state in opt.state.values():
+        for key, t in state.items():
+            name = key.partition(".replica")[0]
+            if name in sums:
+                sums[name] += t.double().sum().item()
+    return sums
+
+
 def kind(opt):
     """The second moment's kind the engines keep, read from their state's names."""
     return "/".join(sorted(flexdemo.checkpoint.second_moment_kinds(
@@ -89,6 +102,7 @@ def main():
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, opt, state["optim"])
     loaded = by_rank(residual_norms(opt))
+    loaded_sums = by_rank(state_sums(opt))
     losses = []
     for step in range(first, last):
         rows = batch(step).chunk(nodes)[node].chunk(per_node)[shard]
@@ -103,10 +117,12 @@ def main():
         dcp.save({"model": get_model_state_dict(model),
                   "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=save)
     saved = by_rank(residual_norms(opt))
+    saved_sums = by_rank(state_sums(opt))
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"losses": losses, "steps": opt._steps, "loaded_state": loaded,
-                       "saved_state": saved, "second_moment": kind(opt)}, f)
+                       "saved_state": saved, "loaded_sums": loaded_sums,
+                       "saved_sums": saved_sums, "second_moment": kind(opt)}, f)
     dist.barrier()
     # Leave without the interpreter's teardown: on 1 node (a replicate dimension of one rank)
     # one rank of two aborted there in about a third of the runs ("terminate called without an

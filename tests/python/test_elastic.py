@@ -93,3 +93,37 @@ def test_auto_keeps_the_checkpoints_second_moment(tmp_path):
     assert run.returncode != 0
     assert ("the checkpoint's shared second moment was summed every step, this optimizer's "
             "second_moment_every is 2") in run.stderr, run.stderr[-3000:]
+
+
+def test_the_owners_residual_goes_where_the_run_keeps_it(tmp_path):
+    """demo_exchange owners keeps what an owner leaves out in a residual of the owner's own
+    (owner_feedback owner, the default), kept in checkpoints (1 rank a node). A run that keeps
+    none (the all-gather) adds it to its residuals as many times over as the replicas it was kept
+    among, as `flexdemo train --resume` does; a run on another number of replicas does the same
+    (the engine's rule, src/optim/owner_replicator.cpp); a checkpoint without one loads it as
+    zero; the same run resumes it as it was."""
+    def close(a, b):
+        return abs(a - b) <= 1e-5 * max(1.0, abs(a), abs(b))
+
+    owners = leg(tmp_path, 2, 0, 3, None, tmp_path / "owners", "owners", 1, "demo_exchange=owners")
+    held = [s["owner_residual"] for s in owners["saved_sums"]]
+    assert all(h != 0.0 for h in held), held  # the owners left something out
+    # The same run resumes it as it was.
+    again = leg(tmp_path, 2, 3, 4, tmp_path / "owners", None, "again", 1, "demo_exchange=owners")
+    assert again["loaded_sums"] == owners["saved_sums"]
+    # The all-gather keeps none: each replica's residual takes 2 x its own.
+    gather = leg(tmp_path, 2, 3, 4, tmp_path / "owners", None, "gather", 1)
+    for got, saved in zip(gather["loaded_sums"], owners["saved_sums"]):
+        assert got["owner_residual"] == 0.0
+        assert close(got["residual"], saved["residual"] + 2 * saved["owner_residual"]), (got, saved)
+    # 4 replicas: replica r continues replica r mod 2, its owner's residual folded 2 times over.
+    four = leg(tmp_path, 4, 3, 4, tmp_path / "owners", None, "four", 1, "demo_exchange=owners")
+    for r, got in enumerate(four["loaded_sums"]):
+        saved = owners["saved_sums"][r % 2]
+        assert got["owner_residual"] == 0.0
+        assert close(got["residual"], saved["residual"] + 2 * saved["owner_residual"]), (got, saved)
+    # A checkpoint of the all-gather: the owners' residual starts at zero.
+    leg(tmp_path, 2, 0, 3, None, tmp_path / "plain", "plain", 1)
+    fresh = leg(tmp_path, 2, 3, 5, tmp_path / "plain", None, "fresh", 1, "demo_exchange=owners")
+    assert all(s["owner_residual"] == 0.0 for s in fresh["loaded_sums"])
+    assert all(s["owner_residual"] != 0.0 for s in fresh["saved_sums"])
