@@ -52,7 +52,9 @@ for n in "${nodes[@]}"; do
   echo "== $n nodes x 1 rank =="
   lines=("adamw-lr$best --optimizer adamw --lr $best" "flexdemo --optimizer flexdemo")
   # The owners' exchange is for many nodes: at 2 it sends what the all-gather sends.
-  [ "$n" -lt 4 ] || lines+=("flexdemo-owners --optimizer flexdemo --demo-exchange owners")
+  # Its defaults since 2026-12-07 (what the name says: the statistics at log8, what an owner
+  # leaves out kept by the owner); "flexdemo-owners" ran the ones before (fp32, senders).
+  [ "$n" -lt 4 ] || lines+=("flexdemo-owners-log8-owner --optimizer flexdemo --demo-exchange owners")
   [ "$n" != "${nodes[0]}" ] || lines+=("${bracket[@]}")
   sweep "$n" "${lines[@]}"
 done
@@ -61,7 +63,7 @@ python3 - "$out" "adamw-lr$best" "${nodes[@]}" <<'EOF'
 import csv, json, os, sys
 out, adamw, nodes = sys.argv[1], sys.argv[2], [int(n) for n in sys.argv[3:]]
 runs = [("flexdemo", "FlexDeMo default, all-gather"),
-        ("flexdemo-owners", "FlexDeMo default, owners' exchange")]
+        ("flexdemo-owners-log8-owner", "FlexDeMo default, owners' exchange")]
 def run_dir(n, name):
     return os.path.join(out, f"{n}x1", name)
 def summary(n, name):

@@ -864,55 +864,56 @@ TEST(DemoMpi, OwnersEqualFloat64Reference) {
   // top-6 (more than a replica's top-4, fewer than the replicas send together) and what they
   // leave out included, for either feedback.
   for (auto feedback : values_of<optim::OwnerFeedback>()) {
-  SCOPED_TRACE(name_of(feedback));
-  auto world = test_world();
-  const int R = world->size(), me = world->rank();
-  optim::OptimizerOptions o = owners_options(compress::ValueEncoding::Fp32);
-  o.sign = false;
-  o.decay = 0.9;
-  o.lr = 0.05;
-  o.topk = 4;
-  o.owner_topk = 6;
-  o.owner_values = compress::ValueEncoding::Fp32;
-  o.owner_feedback = feedback;
-  o.chunk = 8;
-  std::vector<at::Tensor> params = make_params();
-  optim::Optimizer demo(params, o, world->split(0, me));
-  NaiveOwners naive(plans_of(o), o, R, make_params());
-  std::set<int> owners;
-  for (const auto& rows : naive.owner) owners.insert(rows.begin(), rows.end());
-  EXPECT_EQ(int(owners.size()), R) << "every replica owns some chunk rows";
-  for (int step = 0; step < 5; ++step) {
-    std::vector<std::vector<at::Tensor>> grads;
-    for (int q = 0; q < R; ++q) {
-      std::vector<at::Tensor> replica = make_params();
-      set_gradients(replica, q, step);
-      grads.emplace_back();
-      for (auto& p : replica) grads.back().push_back(p.grad().to(at::kDouble));
-    }
-    set_gradients(params, me, step);
-    demo.step();
-    naive.step(grads);
-    for (size_t t = 0; t < params.size(); ++t) {
-      const dct::ChunkPlan& plan = naive.plans[t];
-      const at::Tensor got = params[t].detach().to(at::kDouble).reshape({plan.rows, plan.cols});
-      EXPECT_LT((got - naive.params[t]).abs().max().item<double>(), 1e-5)
-          << "parameter " << t << " step " << step + 1;
-      const at::Tensor residual = demo.residual(t).to(at::kDouble);
-      EXPECT_LT((residual - naive.residual[me][t]).abs().max().item<double>(), 1e-5)
-          << "residual " << t << " step " << step + 1;
-      if (feedback == optim::OwnerFeedback::Owner) {
-        const at::Tensor held =
-            state_named(demo, "owner_residual." + std::to_string(t)).to(at::kDouble);
-        EXPECT_LT((held - naive.owned_by(me, t)).abs().max().item<double>(), 1e-5)
-            << "owner residual " << t << " step " << step + 1;
+    SCOPED_TRACE(name_of(feedback));
+    auto world = test_world();
+    const int R = world->size(), me = world->rank();
+    optim::OptimizerOptions o = owners_options(compress::ValueEncoding::Fp32);
+    o.sign = false;
+    o.decay = 0.9;
+    o.lr = 0.05;
+    o.topk = 4;
+    o.owner_topk = 6;
+    o.owner_values = compress::ValueEncoding::Fp32;
+    o.owner_feedback = feedback;
+    o.chunk = 8;
+    std::vector<at::Tensor> params = make_params();
+    optim::Optimizer demo(params, o, world->split(0, me));
+    NaiveOwners naive(plans_of(o), o, R, make_params());
+    std::set<int> owners;
+    for (const auto& rows : naive.owner) owners.insert(rows.begin(), rows.end());
+    EXPECT_EQ(int(owners.size()), R) << "every replica owns some chunk rows";
+    for (int step = 0; step < 5; ++step) {
+      std::vector<std::vector<at::Tensor>> grads;
+      for (int q = 0; q < R; ++q) {
+        std::vector<at::Tensor> replica = make_params();
+        set_gradients(replica, q, step);
+        grads.emplace_back();
+        for (auto& p : replica) grads.back().push_back(p.grad().to(at::kDouble));
+      }
+      set_gradients(params, me, step);
+      demo.step();
+      naive.step(grads);
+      for (size_t t = 0; t < params.size(); ++t) {
+        const dct::ChunkPlan& plan = naive.plans[t];
+        const at::Tensor got = params[t].detach().to(at::kDouble).reshape({plan.rows, plan.cols});
+        EXPECT_LT((got - naive.params[t]).abs().max().item<double>(), 1e-5)
+            << "parameter " << t << " step " << step + 1;
+        const at::Tensor residual = demo.residual(t).to(at::kDouble);
+        EXPECT_LT((residual - naive.residual[me][t]).abs().max().item<double>(), 1e-5)
+            << "residual " << t << " step " << step + 1;
+        if (feedback == optim::OwnerFeedback::Owner) {
+          const at::Tensor held =
+              state_named(demo, "owner_residual." + std::to_string(t)).to(at::kDouble);
+          EXPECT_LT((held - naive.owned_by(me, t)).abs().max().item<double>(), 1e-5)
+              << "owner residual " << t << " step " << step + 1;
+        }
       }
     }
-  }
-  // (The chunks of 8 x 8 hold more than the owners' 6; the smaller ones may not.)
-  if (feedback == optim::OwnerFeedback::Owner) {
-    EXPECT_GT(naive.owner_residual[0].abs().max().item<double>(), 0.0) << "an owner left some out";
-  }
+    // (The chunks of 8 x 8 hold more than the owners' 6; the smaller ones may not.)
+    if (feedback == optim::OwnerFeedback::Owner) {
+      EXPECT_GT(naive.owner_residual[0].abs().max().item<double>(), 0.0)
+          << "an owner left some out";
+    }
   }
 }
 
@@ -950,13 +951,27 @@ TEST(DemoMpi, OwnersResumeExactlyFromTheirState) {
   }
 }
 
+TEST(DemoMpi, OwnersWithInnerStepsResumeExactly) {
+  // --inner-steps 3 through the owners' exchange (the owner's residual and its count named
+  // "outer.owner_residual.i" and "outer.owner_replicas"): stopped mid-round after step 4 and
+  // continued from the state it named, bit for bit.
+  auto world = test_world();
+  optim::OptimizerOptions o = optim::preset(optim::Preset::DeMo);
+  o.lr = 0.01;
+  o.inner_steps = 3;
+  o.chunk = 16;
+  o.demo_exchange = optim::DemoExchange::Owners;
+  const auto names = expect_exact_resume(*world, o, 4, 9, "owners, inner steps").first;
+  EXPECT_EQ(names.count("outer.owner_residual.0") + names.count("outer.owner_replicas"), 2u);
+}
+
 TEST(DemoMpi, OwnersResidualGoesToTheSendersWhereOwnersChange) {
-  // What an owner holds in rows it does not own after a load goes into its own residual, R times
-  // over, where R is the number of replicas it was kept among: all of it when the state says
-  // another number than this run's (a checkpoint of other replicas), and the rows another
-  // replica owns when the top-k re-cuts the pieces (the link budget). Either way the replicas'
-  // mean of their residuals plus the owners' residuals (one quantity, in the mean's units) is
-  // kept, and afterwards every owner holds only its own rows.
+  // What an owner holds in rows it does not own goes into its own residual: the rows another
+  // replica owns when the top-k re-cuts the pieces (the link budget), R times over, so that the
+  // replicas' mean of their residuals plus the owners' residuals (one quantity, in the mean's
+  // units) is kept, and afterwards every owner holds only its own rows; and all of it when a
+  // load says it was kept among another number of replicas (an elastic checkpoint's): here 1,
+  // continued by all R, each taking it once (R / R).
   auto world = test_world();
   const int R = world->size(), me = world->rank();
   optim::OptimizerOptions o = owners_options(compress::ValueEncoding::Fp32);
@@ -991,8 +1006,21 @@ TEST(DemoMpi, OwnersResidualGoesToTheSendersWhereOwnersChange) {
   for (size_t t = 0; t < T; ++t) before.push_back(total(t));
   optim::OptimizerOptions recut = o;
   recut.topk = 40;
-  const NaiveOwners was(plans_of(o), o, R, make_params()), now(plans_of(recut), recut, R, make_params());
+  const NaiveOwners was(plans_of(o), o, R, make_params()),
+      now(plans_of(recut), recut, R, make_params());
   ASSERT_NE(was.owner, now.owner) << "top-k 40 must move some rows to another owner";
+  at::Tensor moving = at::zeros({1}, at::kDouble);  // what the moved rows hold, every replica's
+  for (size_t t = 0; t < T; ++t) {
+    const dct::ChunkPlan& plan = now.plans[t];
+    for (int64_t i = 0; i < plan.row_chunks(); ++i) {
+      if (was.owner[t][i] == me && now.owner[t][i] != me) {
+        moving +=
+            held(t).narrow(0, i * plan.chunk_rows, plan.chunk_rows).abs().sum().to(at::kDouble);
+      }
+    }
+  }
+  world->all_reduce(moving, comm::ReduceOp::Sum);
+  EXPECT_GT(moving.item<double>(), 0.0) << "the rows that move hold something";
   demo.set_schedule({recut.topk, recut.values, 1});
   expect_kept(before, "re-cut");
   for (size_t t = 0; t < T; ++t) {
@@ -1004,7 +1032,7 @@ TEST(DemoMpi, OwnersResidualGoesToTheSendersWhereOwnersChange) {
           << "tensor " << t << " chunk row " << i << " (another's) after the re-cut";
     }
   }
-  // 2. State kept among R + 1 replicas (an elastic checkpoint's): all of it, R + 1 times over.
+  // 2. State kept among 1 replica, which all R continue: all of it, once (R / R).
   for (int step = 4; step < 6; ++step) {
     set_gradients(params, me, step);
     demo.step();
@@ -1018,11 +1046,10 @@ TEST(DemoMpi, OwnersResidualGoesToTheSendersWhereOwnersChange) {
   for (const at::Tensor& h : helds) most += h.abs().max().to(at::kDouble);
   world->all_reduce(most, comm::ReduceOp::Sum);
   EXPECT_GT(most.item<double>(), 0.0) << "some owner left some out";
-  state_named(demo, "owner_replicas").fill_(R + 1);
+  state_named(demo, "owner_replicas").fill_(1);
   demo.restore_steps(6);
   for (size_t t = 0; t < T; ++t) {
-    EXPECT_TRUE(at::allclose(residual(t), residuals[t] + double(R + 1) * helds[t], 1e-6, 1e-7))
-        << "tensor " << t;
+    EXPECT_TRUE(at::allclose(residual(t), residuals[t] + helds[t], 1e-6, 1e-7)) << "tensor " << t;
     EXPECT_EQ(held(t).abs().max().item<double>(), 0.0) << "tensor " << t;
   }
   EXPECT_EQ(state_named(demo, "owner_replicas").item<double>(), double(R));

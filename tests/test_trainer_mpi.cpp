@@ -6,6 +6,7 @@
 #include "flexdemo/model.h"
 #include "flexdemo/optim.h"
 #include "flexdemo/safetensors.h"
+#include "flexdemo/shard.h"
 #include "flexdemo/text.h"
 #include "flexdemo/train.h"
 #include "train/checkpoint_store.h"
@@ -365,9 +366,11 @@ TEST(Checkpoint, OwnersResidualGoesWhereTheResumeKeepsIt) {
   // --demo-exchange owners keeps what an owner leaves out in a residual of its own
   // (owner_residual.i, with owner_replicas: --owner-feedback owner, the default), one replica a
   // rank here: R = the ranks. Its checkpoint loaded (a) by the owners' exchange: as it is;
-  // (b) by the all-gather, which keeps none: each residual takes R times the owner's; (c) by the
-  // owners' exchange on one node of every rank (one replica, elastic): the same, the engine's
-  // rule for another number of replicas. (d) An all-gather's checkpoint: the owners' start at 0.
+  // (b) by the all-gather, which keeps none: each residual takes R times the owner's (the
+  // replicas' mean then holds it whole); (c) by the owners' exchange on one node of every rank
+  // (one replica, elastic; the engine's rule): replica 0's residual takes replica 0's owner's
+  // once (1 replica continuing it, of 1); (d) by the all-gather on one node: the same, by the
+  // trainer's loader. (e) An all-gather's checkpoint: the owners' residual starts at zero.
   auto world = test_world();
   const int R = world->size();
   const fs::path dir = fs::temp_directory_path() / "flexdemo-owner-residual-test";
@@ -387,11 +390,21 @@ TEST(Checkpoint, OwnersResidualGoesWhereTheResumeKeepsIt) {
     for (auto& [name, t] : train::read_safetensors(file.string())) saved[name] = t;
     return saved;
   };
+  // The state loaded, by name; with `where`, each tensor's [dim, offset] in the whole (a matrix
+  // is sharded in whole chunk-rows, a vector held as [1, n] in chunks).
+  std::map<size_t, std::pair<int, int64_t>> where;
   const auto loaded = [&](const train::TrainConfig& config, const std::string& run) {
     const std::unique_ptr<train::Session> s = train::open_session(config, world);
     train::load_checkpoint(*s, dir / run / "checkpoints/step-10", true);
     std::map<std::string, at::Tensor> state;
     for (const auto& [name, t] : s->optimizer->state_tensors()) state[name] = t.clone();
+    where.clear();
+    for (const auto& unit : s->lm->units()) {
+      for (const shard::ShardSpec& spec : unit->specs()) {
+        const int dim = spec.plan.rows > 1 ? 0 : 1;
+        where[where.size()] = {dim, dim == 0 ? spec.begin / spec.plan.cols : spec.begin};
+      }
+    }
     return state;
   };
   const auto tensors = saved_by("owners");
@@ -421,26 +434,35 @@ TEST(Checkpoint, OwnersResidualGoesWhereTheResumeKeepsIt) {
                              1e-6, 1e-7))
         << "residual." << n;
   }
-  // (c) Every residual's entries summed over the shards (a shard's tensors are numbered among
-  // its own): rank 0's (replica 0's), folded.
+  // (c), (d) Each tensor's residual, its shards put together: rank 0's (replica 0's), folded.
   train::TrainConfig one = c;
   one.ranks_per_node = R;
-  at::Tensor sums = at::zeros({3}, at::kDouble);  // got, wanted, the owners' left
-  for (const auto& [name, t] : loaded(one, "owners")) {
-    if (name.rfind("residual.", 0) == 0) sums[0] += t.sum().to(at::kDouble);
-    if (name.rfind("owner_residual.", 0) == 0) sums[2] += t.abs().sum().to(at::kDouble);
+  train::TrainConfig one_gather = gather;
+  one_gather.ranks_per_node = R;
+  for (const train::TrainConfig* config : {&one, &one_gather}) {
+    const auto state = loaded(*config, "owners");
+    for (size_t i = 0; i < T; ++i) {
+      const std::string n = std::to_string(i);
+      at::Tensor whole = at::zeros_like(tensors.at("residual." + n));  // each rank's shard
+      const auto it = state.find("residual." + n);
+      if (it != state.end()) {
+        const auto [dim, offset] = where.at(i);
+        whole.narrow(dim, offset, it->second.size(dim)).copy_(it->second);
+      }
+      world->all_reduce(whole, comm::ReduceOp::Sum);
+      at::Tensor want = at::zeros_like(whole);  // rank 0's, folded once
+      if (world->rank() == 0) want += tensors.at("residual." + n) + tensors.at("owner_residual." + n);
+      world->all_reduce(want, comm::ReduceOp::Sum);
+      EXPECT_TRUE(at::allclose(whole, want, 1e-6, 1e-7))
+          << "residual." << n << (config == &one ? " (owners)" : " (all-gather)") << " on one node";
+    }
+    for (const auto& [name, t] : state) {
+      if (name.rfind("owner_residual.", 0) == 0) {
+        EXPECT_EQ(t.abs().max().item<double>(), 0.0) << name << ": folded";
+      }
+    }
   }
-  for (size_t i = 0; world->rank() == 0 && i < T; ++i) {
-    const std::string n = std::to_string(i);
-    sums[1] += (tensors.at("residual." + n).to(at::kDouble) +
-                R * tensors.at("owner_residual." + n).to(at::kDouble))
-                   .sum();
-  }
-  world->all_reduce(sums, comm::ReduceOp::Sum);
-  const double got = sums[0].item<double>(), want = sums[1].item<double>();
-  EXPECT_NEAR(got, want, 1e-5 * (1 + std::fabs(want))) << "one node";
-  EXPECT_EQ(sums[2].item<double>(), 0.0) << "one node: the owners' residual folded";
-  // (d)
+  // (e)
   const auto plain_saved = saved_by("plain");
   for (const auto& [name, t] : loaded(c, "plain")) {
     if (name == "owner_replicas") {

@@ -66,6 +66,7 @@ enum class StatisticsEncoding {
   Fp32,  // as they are
   Bf16,  // each replica's and their sum rounded to bfloat16: half the bytes
   Log8,  // each replica's and their sum as 8-bit logarithms: a quarter (comm/rank_order_sum.h)
+  Auto,  // log8 with the owners' exchange, fp32 with the all-gather
 };
 
 // From this many replicas on, second_moment auto shares the second moment: each replica's own
@@ -79,6 +80,17 @@ inline constexpr int64_t kSharedSecondMomentReplicas = 4;
 constexpr SecondMoment resolved_second_moment(SecondMoment chosen, int64_t replicas) {
   if (chosen != SecondMoment::Auto) return chosen;
   return replicas >= kSharedSecondMomentReplicas ? SecondMoment::Shared : SecondMoment::Own;
+}
+
+// What second_moment_values `chosen` means with `exchange`: auto resolved. The owners' exchange
+// takes log8, which keeps it within two payloads a node at 8 nodes (fp32's statistics took it to
+// 2.72) at no cost measured in loss; the all-gather fp32, whose bytes the statistics barely add
+// to and whose loss log8 raised at 8 nodes (+0.71% against fp32's +0.47%, one run each:
+// docs/results/many-nodes.md).
+constexpr StatisticsEncoding resolved_statistics_values(StatisticsEncoding chosen,
+                                                        DemoExchange exchange) {
+  if (chosen != StatisticsEncoding::Auto) return chosen;
+  return exchange == DemoExchange::Owners ? StatisticsEncoding::Log8 : StatisticsEncoding::Fp32;
 }
 
 // The per-chunk transform DeMo's residual is kept and selected in.
@@ -195,11 +207,12 @@ constexpr Range open_closed(double low, double high) {  // (low, high]
   X(second_moment_every, int64_t, 1, optim::at_least(1),                                         \
     "{second_moment} shared (or auto, where it shares): sum the statistics over the replicas "   \
     "every this many steps (each replica adds its own in between)")                              \
-  X(second_moment_values, StatisticsEncoding, StatisticsEncoding::Fp32, optim::unbounded(),     \
+  X(second_moment_values, StatisticsEncoding, StatisticsEncoding::Auto, optim::unbounded(),     \
     "{second_moment} shared (or auto, where it shares): the statistics' encoding between "       \
     "replicas: fp32, bf16 (half the bytes: each replica's statistics and their sum rounded to "  \
-    "bfloat16) or log8 (a quarter: each as a byte, the nearest eighth of an octave below the "   \
-    "largest of its slice, within 4.4% each rounding)")                                          \
+    "bfloat16), log8 (a quarter: each as a byte, the nearest eighth of an octave below the "     \
+    "largest of its slice, within 4.4% each rounding) or auto (log8 with {demo_exchange} "       \
+    "owners, fp32 with the all-gather)")                                                         \
   X(topk, int64_t, 112, optim::at_least(1),                                                      \
     "DCT coefficients kept per chunk (at most a chunk's)")                                       \
   X(transform, Transform, Transform::Dct, optim::unbounded(),                                    \
@@ -479,7 +492,8 @@ class Optimizer {
   // This rank's optimizer state (residuals, accumulators, AdamW moments) by name; the tensors
   // share storage with the optimizer, so a checkpoint loads by copying into them, then calls
   // restore_steps with the number of steps taken. A tensor's state is named "what.i", i the
-  // tensor's index among those given (an empty shard has none), shaped as its chunk plan
+  // tensor's index among those given (an empty shard has none; the exchange's own state, such
+  // as "owner_replicas", has no index), shaped as its chunk plan
   // [rows, cols] (DeMo's residuals: [padded_rows, padded_cols]).
   std::vector<std::pair<std::string, at::Tensor>> state_tensors() const;
   // The fixed schedule's counters follow from the steps; a schedule that changed (set_schedule)
@@ -555,7 +569,8 @@ struct NameTable<optim::StatisticsEncoding> {
   static constexpr std::pair<optim::StatisticsEncoding, const char*> entries[] = {
       {optim::StatisticsEncoding::Fp32, "fp32"},
       {optim::StatisticsEncoding::Bf16, "bf16"},
-      {optim::StatisticsEncoding::Log8, "log8"}};
+      {optim::StatisticsEncoding::Log8, "log8"},
+      {optim::StatisticsEncoding::Auto, "auto"}};
 };
 
 template <>

@@ -176,7 +176,7 @@ struct OptionSpec {
     optim::declared::second_moment.range, optim::declared::second_moment.help)                     \
   X(second_moment_every, int64_t, 1, State,                                                        \
     optim::declared::second_moment_every.range, optim::declared::second_moment_every.help)         \
-  X(second_moment_values, optim::StatisticsEncoding, optim::StatisticsEncoding::Fp32, Run,         \
+  X(second_moment_values, optim::StatisticsEncoding, optim::StatisticsEncoding::Auto, Run,         \
     optim::declared::second_moment_values.range, optim::declared::second_moment_values.help)       \
   X(values, std::optional<compress::ValueEncoding>, std::nullopt, State,                           \
     optim::declared::values.range, optim::declared::values.help)                                   \

@@ -377,6 +377,7 @@ TORCH_LIBRARY(flexdemo, m) {
   m.def("cuda_built", &cuda_built);
   m.def("all_finite", static_cast<bool (*)(const std::vector<at::Tensor>&)>(&optim::all_finite));
   m.def("resumed_from_replica", &optim::resumed_from_replica);
+  m.def("owner_residual_weight", &optim::owner_residual_weight);
 }
 
 }  // namespace flexdemo::ops

@@ -80,8 +80,9 @@ class ElasticLoadPlanner(DefaultLoadPlanner):
             shard = int(m["shard"])
             found = replicas.get((m["what"], shard))
             if not found and m["what"].rpartition(".")[2] in OWNER_RESIDUAL_STATE:
-                # Written by another exchange or owner feedback: this run's starts at zero.
-                self.state_dict.pop(key)
+                # Written by another exchange or owner feedback: this run's starts at zero
+                # (owner_replicas 0: kept among none).
+                self.state_dict.pop(key).zero_()
                 if self.flatten_state_dict:
                     self.mappings.pop(key)
                 continue

@@ -331,8 +331,8 @@ class FlexDeMo(torch.optim.Optimizer):
     def _fold_saved_owner_residual(self) -> None:
         """A checkpoint's owners' residual where this optimizer keeps none (another exchange or
         owner feedback; ``ElasticLoadPlanner`` loads it beside the residuals): added to each
-        residual as many times over as the replicas it was kept among, the engine's rule
-        (src/optim/owner_replicator.cpp), as ``flexdemo train --resume`` does; then dropped."""
+        residual, ``owner_residual_weight`` times over (the engine's rule,
+        src/optim/owner_replicator.cpp), as ``flexdemo train --resume`` does; then dropped."""
         handles = {(id(p), key): t for p, key, t in self._handles}
         for params, engine in zip(self._trained_params, self._engines):
             if engine is None:
@@ -348,9 +348,13 @@ class FlexDeMo(torch.optim.Optimizer):
                                             ".replica" + where))
                     replicas = first.get(what.replace("owner_residual", "owner_replicas") +
                                          ".replica" + where)
-                    if residual is not None and replicas is not None:
+                    kept_among = int(round(float(replicas.item()))) if replicas is not None else 0
+                    if residual is not None and kept_among > 0:
+                        replica = int(where.partition(".")[0])  # "replica{r}.shard{s}" here
+                        weight = torch.ops.flexdemo.owner_residual_weight(
+                            replica, self.replicas, kept_among)
                         residual.add_(_local(value).reshape(residual.shape).to(residual),
-                                      alpha=float(replicas.item()))
+                                      alpha=weight)
             for key in [k for k in first
                         if "owner_replicas." in k and (id(params[0]), k) not in handles]:
                 del first[key]

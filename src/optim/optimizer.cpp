@@ -91,7 +91,8 @@ void OptimizerOptions::validate() const {
   if (second_moment_every != 1 && second_moment == SecondMoment::Own) {
     fail("{second_moment_every} needs {second_moment} shared or auto");
   }
-  if (second_moment_values != StatisticsEncoding::Fp32 && second_moment == SecondMoment::Own) {
+  if (second_moment_values != StatisticsEncoding::Fp32 &&
+      second_moment_values != StatisticsEncoding::Auto && second_moment == SecondMoment::Own) {
     fail("{second_moment_values} needs {second_moment} shared or auto");
   }
   if (inner_steps > 1 && overlap_step) fail("{inner_steps} and {overlap_step} exclude each other");
@@ -365,7 +366,10 @@ std::vector<std::pair<std::string, at::Tensor>> Optimizer::state_tensors() const
   // index among all given, the same on every sharding (elastic resume matches them by it).
   for (auto& [name, t] : state) {
     const size_t dot = name.rfind('.');
-    if (dot == std::string::npos) continue;
+    if (dot == std::string::npos ||
+        name.find_first_not_of("0123456789", dot + 1) != std::string::npos) {
+      continue;  // the replicator's own (owner_replicas, outer.owner_replicas)
+    }
     name.replace(dot + 1, std::string::npos,
                  std::to_string(impl_->given.at(std::stoul(name.substr(dot + 1)))));
   }

@@ -15,10 +15,11 @@
 //      every coefficient a replica sent that its owner did not keep goes back into that
 //      replica's residual (senders: error feedback at the senders alone).
 // The owner's residual is state, kept in the residuals' layout (one tensor a parameter, non-zero
-// in the rows this replica owns). Where the rows' owners change (the link budget re-cuts the
-// pieces, a checkpoint of another cut or number of replicas is loaded), what an owner held in
-// rows it no longer owns goes into its own residual, R times over: the replicas' mean of their
-// residuals then holds it, as the owner's did.
+// in the rows this replica owns), with the number of replicas it was kept among. Where the rows'
+// owners change (the link budget re-cuts the pieces, a checkpoint of another cut or number of
+// replicas is loaded), what an owner held in rows it no longer owns goes into its own residual,
+// R times over (optim::owner_residual_weight: R over the replicas continuing the same saved
+// one), so that the replicas' mean of their residuals holds it, as the owner's did.
 // The collectives are blocking; the payloads' bytes are the wire format's (compress.h).
 #include "demo_exchange.h"
 #include "replicator.h"
@@ -27,6 +28,7 @@
 #include "demo/screen.h"
 
 #include "flexdemo/comm.h"
+#include "flexdemo/elastic.h"
 
 #include <ATen/ATen.h>
 
@@ -182,7 +184,10 @@ class OwnerReplicator final : public optim::Replicator {
       directions_[p.tensor].narrow(0, p.row0, p.plan.rows).copy_(d);
     };
     for (int r = 0; r < R; ++r) {
-      if (return_bytes_[r] == 0) continue;
+      if (return_bytes_[r] == 0) {  // an owner of nothing
+        share_passed[r] = 1;
+        continue;
+      }
       const at::Tensor share = gathered_.narrow(0, return_offsets_[r], return_bytes_[r]);
       found.clear();
       const std::vector<int> whole =
@@ -192,7 +197,12 @@ class OwnerReplicator final : public optim::Replicator {
       decode_passing(*backend_, returns_[r], share, 1, whole, put);
     }
     for (size_t i = 0; i < plans_.size(); ++i) inner.apply(i, directions_[i]);
-    // 5. What the owners left out: with its owner (kept in 3.), or with its senders.
+    // 5. What the owners left out: with its owner (kept in 3.), or with its senders. A share that
+    // failed the checks goes back to its senders whole, so its owner keeps none of it (nor a
+    // residual that made it non-finite).
+    if (owner_keeps() && !share_passed[me]) {
+      for (at::Tensor& held : owner_scratch_) held.zero_();
+    }
     keep_what_owners_left_out(share_passed);
   }
 
@@ -217,13 +227,12 @@ class OwnerReplicator final : public optim::Replicator {
   // After a load: the owner's residual settled for this run's replicas and cut.
   void restore_counters(int64_t, int64_t) override {
     if (!owner_keeps()) return;
-    const double saved = owner_replicas_.item<double>();  // 0: the checkpoint held none
-    if (saved != double(replicas())) {
-      // Kept among another number of replicas: back to the senders, as many times over as
-      // there were (the replicas' mean of the residuals then holds it whole where this run's
-      // replicas are a multiple of the checkpoint's, each of those replicas continuing one).
+    if (owner_replicas_.item<double>() != double(replicas())) {
+      // Kept among another number of replicas (0: the checkpoint held none): all of it into
+      // this replica's residual.
+      const double weight = owner_weight();
       for (size_t t = 0; t < plans_.size(); ++t) {
-        residuals_[t].add_(owner_residuals_[t], saved);
+        residuals_[t].add_(owner_residuals_[t].to(residuals_[t].device()), weight);
         owner_residuals_[t].zero_();
       }
       owner_replicas_.fill_(double(replicas()));
@@ -237,16 +246,24 @@ class OwnerReplicator final : public optim::Replicator {
   int rank() const { return group_ ? group_->rank() : 0; }
   bool owner_keeps() const { return options_.owner_feedback == optim::OwnerFeedback::Owner; }
 
+  // How many times over the owner's residual goes into this replica's residual (the header's
+  // rule), for the replicas it was kept among (0 where a load found none: it is zero).
+  double owner_weight() const {
+    const auto saved = int64_t(owner_replicas_.item<double>());
+    return saved > 0 ? optim::owner_residual_weight(rank(), replicas(), saved) : 0.0;
+  }
+
   // What the owner's residual holds in rows this replica does not own (under this cut) into
-  // this replica's residual, R times over (the header's rule).
+  // this replica's residual (the header's rule).
   void fold_unowned_owner_residual() {
     if (!owner_keeps()) return;
     const int me = rank();
+    const double weight = owner_weight();
     for (size_t k = 0; k < pieces_.size(); ++k) {
       const Piece& p = pieces_[k];
       if (p.owner == me) continue;
       at::Tensor held = owner_residuals_[p.tensor].narrow(0, p.row0, p.plan.padded_rows);
-      piece_residuals_[k].add_(held, double(replicas()));
+      piece_residuals_[k].add_(held, weight);
       held.zero_();
     }
   }
@@ -267,6 +284,7 @@ class OwnerReplicator final : public optim::Replicator {
       piece_residuals_.push_back(
           residuals_[p.tensor].narrow(0, p.row0, p.plan.padded_rows));  // whole rows: contiguous
     }
+    fold_unowned_owner_residual();  // the owners may have changed (before the backends copy)
     const at::Device replica_device = group_ ? group_->device() : at::Device(at::kCPU);
     backend_ = make_backend(piece_plans_, backend_options(options_), piece_residuals_, device_, replica_device);
     // The shares: owner r's pieces are a run of pieces_ (the runs are in owner order).
@@ -347,7 +365,6 @@ class OwnerReplicator final : public optim::Replicator {
                                          : make_backend(owned_plans, owner_options, owner_scratch_,
                                                         device_, replica_device);
     owned_.send = backend_->buffer(int64_t(owned_.bytes));
-    fold_unowned_owner_residual();  // the owners may have changed
   }
 
   // What the owners left out stays with its senders: every coefficient this replica sent that
@@ -356,8 +373,8 @@ class OwnerReplicator final : public optim::Replicator {
   // none of it). The owners' shares lie in gathered_ as this replica's own payloads lie in
   // all_.send (the same pieces, order and layout).
   void keep_what_owners_left_out(const std::vector<char>& share_passed) {
-    if (owner_keeps() && std::all_of(share_passed.begin(), share_passed.end(),
-                                     [](char passed) { return passed; })) {
+    if (owner_keeps() &&
+        std::all_of(share_passed.begin(), share_passed.end(), [](char passed) { return passed; })) {
       return;
     }
     const at::Tensor mine = all_.send.to(at::kCPU), owners = gathered_.to(at::kCPU);

@@ -21,6 +21,8 @@ comm::SumWire sum_wire(StatisticsEncoding values) {
       return comm::SumWire::Bf16;
     case StatisticsEncoding::Log8:
       return comm::SumWire::Log8;
+    case StatisticsEncoding::Auto:
+      break;  // resolved before (resolved_statistics_values)
   }
   throw std::logic_error("SharedSecondMoment: unknown statistics encoding");
 }
@@ -78,7 +80,8 @@ SharedSecondMoment::SharedSecondMoment(const std::vector<dct::ChunkPlan>& plans,
     : beta2_(options.beta2),
       eps_(options.eps),
       every_(options.second_moment_every),
-      wire_(sum_wire(options.second_moment_values)),
+      wire_(sum_wire(resolved_statistics_values(options.second_moment_values,
+                                                options.demo_exchange))),
       shards_(shards),
       replicas_(std::move(replicas)) {
   const bool sharded = shards_.group && shards_.group->size() > 1;

@@ -49,8 +49,7 @@ void check_second_moment(const Session& s, const std::map<std::string, at::Tenso
 // replicas it was kept among; "outer." before them under --inner-steps) is state that
 // --demo-exchange and --owner-feedback, which may change on resume, make or unmake: a
 // checkpoint without it loads it as zero, and one that this run keeps none of goes into the
-// residual, as many times over as the replicas it was kept among (the rule of
-// src/optim/owner_replicator.cpp).
+// residual (optim::owner_residual_weight times over: the rule of src/optim/owner_replicator.cpp).
 bool owner_residual_state(const std::string& name);
 // A checkpoint's state for this rank by name, shaped as the tensor given; undefined where the
 // checkpoint has none.

@@ -98,10 +98,10 @@ void check_second_moment(const Session& s, const std::map<std::string, at::Tenso
 }
 
 bool owner_residual_state(const std::string& name) {
-  const size_t at = name.rfind("owner_");
-  if (at == std::string::npos || (at > 0 && name[at - 1] != '.')) return false;
-  return name.compare(at, std::string::npos, "owner_replicas") == 0 ||
-         name.compare(at, 15, "owner_residual.") == 0;
+  const size_t pos = name.rfind("owner_");
+  if (pos == std::string::npos || (pos > 0 && name[pos - 1] != '.')) return false;
+  return name.compare(pos, std::string::npos, "owner_replicas") == 0 ||
+         name.compare(pos, 15, "owner_residual.") == 0;
 }
 
 void fold_owner_residual(const Session& s, const SavedState& saved) {
@@ -112,14 +112,16 @@ void fold_owner_residual(const Session& s, const SavedState& saved) {
   }
   at::NoGradGuard no_grad;
   for (const auto& [name, t] : state) {
-    const size_t at = name.rfind("residual.");
-    if (at == std::string::npos || (at > 0 && name[at - 1] != '.')) continue;
-    const std::string prefix = name.substr(0, at);
+    const size_t pos = name.rfind("residual.");
+    if (pos == std::string::npos || (pos > 0 && name[pos - 1] != '.')) continue;
+    const std::string prefix = name.substr(0, pos);  // "outer." under --inner-steps
     const at::Tensor replicas = saved(prefix + "owner_replicas", at::empty({1}));
-    const at::Tensor held = saved(prefix + "owner_" + name.substr(at), t);
-    if (replicas.defined() && held.defined()) {
-      t.add_(held.to(t.device()), replicas.item<double>());
-    }
+    const at::Tensor held = saved(prefix + "owner_" + name.substr(pos), t);
+    if (!replicas.defined() || !held.defined()) continue;
+    const auto kept_among = int64_t(replicas.item<double>());
+    if (kept_among < 1) continue;
+    t.add_(held.to(t.device()),
+           optim::owner_residual_weight(s.topo.replica_rank, s.topo.replicas, kept_among));
   }
 }
 
@@ -167,8 +169,8 @@ void load_state_elastic(Session& s, const fs::path& dir, const nlohmann::json& m
     }
     if (parts.empty()) return {};
     const auto unfit = [&] {
-      return std::invalid_argument("--resume: the optimizer state " + name + " in " +
-                                   dir.string() + " does not fit this run's shards");
+      return std::invalid_argument("--resume: the optimizer state " + name + " in " + dir.string() +
+                                   " does not fit this run's shards");
     };
     const size_t dot = name.rfind('.');
     const bool indexed = dot != std::string::npos &&

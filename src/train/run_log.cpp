@@ -129,9 +129,13 @@ RunLog::RunLog(const Session& s, int64_t start_step)
       moment += fmt::format(" (auto: {} replicas, shared from {})", s.topo.replicas,
                             optim::kSharedSecondMomentReplicas);
     }
-    if (m == optim::SecondMoment::Shared &&
-        o.second_moment_values != optim::StatisticsEncoding::Fp32) {
-      moment += fmt::format(", its statistics at {}", name_of(o.second_moment_values));
+    const optim::StatisticsEncoding values =
+        optim::resolved_statistics_values(o.second_moment_values, o.demo_exchange);
+    if (m == optim::SecondMoment::Shared && values != optim::StatisticsEncoding::Fp32) {
+      moment += fmt::format(", its statistics at {}{}", name_of(values),
+                            o.second_moment_values == optim::StatisticsEncoding::Auto
+                                ? " (auto: the owners' exchange)"
+                                : "");
     }
     // A step that sums the shared statistics preconditions every gradient at once: no exchange
     // of it starts in the backward.

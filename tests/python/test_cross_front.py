@@ -76,14 +76,16 @@ def test_cpp_api_and_python_take_bit_identical_steps(tmp_path):
 def test_owners_bytes_a_node_equal_the_cpp_doors_at_4_replicas(tmp_path):
     """4 replicas x 1: the owners' exchange through Python sends what it sends through the C++
     door (bytes and results), and less than the all-gather's 3 payloads a node (each replica's
-    own second moment in both). Then the default at 4 replicas, the shared second moment summed
-    every step: its sum adds in rank order on MPI and gloo alike (src/comm/rank_order_sum.h), so
-    both doors still agree bit for bit; also with the statistics at bf16 (half their bytes) and
-    at log8 (a quarter)."""
+    own second moment in both). Then the shared second moment at 4 replicas, summed every step:
+    its sum adds in rank order on MPI and gloo alike (src/comm/rank_order_sum.h), so both doors
+    still agree bit for bit; with the statistics at fp32, at bf16 (half their bytes) and at log8
+    (a quarter), which is the owners' default (second_moment_values auto)."""
     configs = ["flexdemo chunk=16 demo_exchange=owners second_moment=own",
-               "flexdemo chunk=16 second_moment=own", "flexdemo chunk=16 demo_exchange=owners",
+               "flexdemo chunk=16 second_moment=own",
+               "flexdemo chunk=16 demo_exchange=owners second_moment_values=fp32",
                "flexdemo chunk=16 demo_exchange=owners second_moment_values=bf16",
-               "flexdemo chunk=16 demo_exchange=owners second_moment_values=log8"]
+               "flexdemo chunk=16 demo_exchange=owners second_moment_values=log8",
+               "flexdemo chunk=16 demo_exchange=owners"]
     cpp, py = run_both(tmp_path, configs, shards=1, replicas=4)
     sent = {}
     for line, config in enumerate(configs):
@@ -98,3 +100,4 @@ def test_owners_bytes_a_node_equal_the_cpp_doors_at_4_replicas(tmp_path):
     assert owners < all_gather * 2 / 3 + 1, (owners, all_gather)
     assert sum(sent[3]) < sum(sent[2]), (sent[3], sent[2])  # the statistics at half the bytes
     assert sum(sent[4]) < sum(sent[3]), (sent[4], sent[3])  # and at a quarter
+    assert sent[5] == sent[4]  # the default

@@ -99,9 +99,10 @@ def test_the_owners_residual_goes_where_the_run_keeps_it(tmp_path):
     """demo_exchange owners keeps what an owner leaves out in a residual of the owner's own
     (owner_feedback owner, the default), kept in checkpoints (1 rank a node). A run that keeps
     none (the all-gather) adds it to its residuals as many times over as the replicas it was kept
-    among, as `flexdemo train --resume` does; a run on another number of replicas does the same
-    (the engine's rule, src/optim/owner_replicator.cpp); a checkpoint without one loads it as
-    zero; the same run resumes it as it was."""
+    among, as `flexdemo train --resume` does; a run on another number of replicas puts it into the
+    residuals of the replicas continuing its owner, R over their count times over (the engine's
+    rule, src/optim/owner_replicator.cpp); a checkpoint without one loads it as zero; the same
+    run resumes it as it was."""
     def close(a, b):
         return abs(a - b) <= 1e-5 * max(1.0, abs(a), abs(b))
 
@@ -122,7 +123,13 @@ def test_the_owners_residual_goes_where_the_run_keeps_it(tmp_path):
         saved = owners["saved_sums"][r % 2]
         assert got["owner_residual"] == 0.0
         assert close(got["residual"], saved["residual"] + 2 * saved["owner_residual"]), (got, saved)
-    # A checkpoint of the all-gather: the owners' residual starts at zero.
+    # 1 replica: it continues replica 0, whose owner's residual it takes once (1 replica of 1
+    # continuing it).
+    one = leg(tmp_path, 1, 3, 4, tmp_path / "owners", None, "one", 1, "demo_exchange=owners")
+    got, saved = one["loaded_sums"][0], owners["saved_sums"][0]
+    assert got["owner_residual"] == 0.0
+    assert close(got["residual"], saved["residual"] + saved["owner_residual"]), (got, saved)
+    # A checkpoint of the all-gather loads (the owners' residual it lacks starts at zero).
     leg(tmp_path, 2, 0, 3, None, tmp_path / "plain", "plain", 1)
     fresh = leg(tmp_path, 2, 3, 5, tmp_path / "plain", None, "fresh", 1, "demo_exchange=owners")
     assert all(s["owner_residual"] == 0.0 for s in fresh["loaded_sums"])
