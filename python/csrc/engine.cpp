@@ -316,6 +316,42 @@ std::vector<std::string> resolved_options(const std::string& preset,
   return out;
 }
 
+// Python's FlexDeMo.load_state_dict: the options a resume on `replicas` replicas takes from a
+// checkpoint whose optimizer state has these names (Python's keys: "grad_sq.replica0.shard0",
+// ...), by the trainer's rule (optim::resumed_second_moment): "name=value" of each option that
+// changes from these (none: they stand); a ValueError where the checkpoint's state is refused.
+std::vector<std::string> resumed_options(const std::string& preset,
+                                         const std::vector<std::string>& given,
+                                         const std::vector<std::string>& spelling,
+                                         const std::vector<std::string>& saved, int64_t replicas) {
+  return options_checked(
+      [&] {
+        const optim::OptimizerOptions asked = resolve(preset, given, spelling);
+        const optim::OptimizerOptions kept =
+            optim::resumed_second_moment(asked, replicas, optim::saved_second_moment(saved));
+        std::vector<std::string> changed;
+        for (const optim::OptionInfo& info : optim::option_infos()) {
+          const std::string word = optim::option_value(kept, info.name);
+          if (word != optim::option_value(asked, info.name)) {
+            changed.push_back(info.name + "=" + word);
+          }
+        }
+        return changed;
+      },
+      spelling);
+}
+
+// The kind of second moment ("own", "shared"; "": none) whose state `name` is, and each kind's
+// state names (flexdemo/elastic.h).
+std::string second_moment_of(const std::string& name) {
+  const optim::SecondMoment kind = optim::second_moment_of(name);
+  return kind == optim::SecondMoment::Auto ? "" : name_of(kind);
+}
+
+std::vector<std::string> second_moment_state(const std::string& kind) {
+  return optim::second_moment_state(parse_name<optim::SecondMoment>(kind));
+}
+
 // Each tensor's payload in bytes (header and checksum included), chunked by its own shape.
 std::vector<int64_t> payload_bytes(const std::vector<at::Tensor>& params, int64_t chunk,
                                    const std::string& chunk_mode, int64_t topk,
@@ -376,6 +412,9 @@ TORCH_LIBRARY(flexdemo, m) {
   m.def("payload_bytes", &payload_bytes);
   m.def("cuda_built", &cuda_built);
   m.def("all_finite", static_cast<bool (*)(const std::vector<at::Tensor>&)>(&optim::all_finite));
+  m.def("resumed_options", &resumed_options);
+  m.def("second_moment_of", &second_moment_of);
+  m.def("second_moment_state", &second_moment_state);
   m.def("resumed_from_replica", &optim::resumed_from_replica);
   m.def("owner_residual_weight", &optim::owner_residual_weight);
 }

@@ -39,10 +39,6 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 _PER_REPLICA = re.compile(r"^(?P<what>.*)\.replica(?P<replica>\d+)\.shard(?P<shard>\d+)$")
-# The second moment's state by kind (the engine's names: src/optim/every_step.cpp,
-# src/optim/second_moment.cpp).
-SECOND_MOMENT_STATE = {"own": ("grad_sq",),
-                       "shared": ("moment_rows", "moment_cols", "moment_own")}
 
 
 # The owners' residual (demo_exchange "owners", owner_feedback "owner") and the replicas it was
@@ -51,12 +47,14 @@ OWNER_RESIDUAL_STATE = ("owner_residual", "owner_replicas")
 
 
 def _kind_of(name: str):
-    return next((kind for kind, names in SECOND_MOMENT_STATE.items() if name in names), None)
+    """The kind of second moment ("own", "shared") whose state `name` is, or None (the engine
+    says: flexdemo/elastic.h)."""
+    return torch.ops.flexdemo.second_moment_of(name) or None
 
 
 def second_moment_kinds(keys) -> Set[str]:
     """The second moment's kinds among FlexDeMo's state keys (``grad_sq.replica0.shard0``, ...)."""
-    return {_kind_of(key.partition(".")[0]) for key in keys} - {None}
+    return {_kind_of(key) for key in keys} - {None}
 
 
 class ElasticLoadPlanner(DefaultLoadPlanner):
@@ -183,7 +181,7 @@ class ElasticLoadPlanner(DefaultLoadPlanner):
             for step in path[:-1]:
                 parent = parent[step]
             parent.pop(path[-1], None)
-            for name in SECOND_MOMENT_STATE[saved_kind]:
+            for name in torch.ops.flexdemo.second_moment_state(saved_kind):
                 found = replicas.get((prefix + "." + name, shard))
                 new_key = "{}.{}.replica{}.shard{}".format(prefix, name, replica, shard)
                 if not found or new_key in self.state_dict:

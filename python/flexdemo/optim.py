@@ -363,50 +363,40 @@ class FlexDeMo(torch.optim.Optimizer):
         """second_moment auto chooses by the replicas a run starts on (shared from 4 on), so a
         checkpoint written on another number of nodes can hold the other kind: under auto the
         engines are made again with the checkpoint's kind, which stays this optimizer's (and so
-        its checkpoints'). Whether they were made again."""
+        its checkpoints'); another kind given is refused in one line. The engine's rule, the
+        trainer's too (flexdemo/elastic.h). Whether they were made again."""
         saved_keys = [key for state in state_dict.get("state", {}).values() for key in state]
-        saved = second_moment_kinds(saved_keys)
-        here = second_moment_kinds(key for _, key, _ in self._handles)
-        if len(saved) != 1 or not here or saved == here:
+        # (as constructed: auto stays auto over several loads)
+        asked = dict(self.given, second_moment="auto") if self._second_moment_auto else self.given
+        try:
+            changed = _options.parsed(torch.ops.flexdemo.resumed_options(
+                self.preset, _options.words(asked), self._spelling, saved_keys, self.replicas))
+        except ValueError:
+            self._drop_loaded_second_moment()
+            raise
+        given = dict(asked, **changed)
+        if _options.resolve(self.preset, given) == _options.resolve(self.preset, self.given):
             return False
-        (held,), (ours,) = saved, here
-        given = dict(self.given, second_moment=held)
-        if held == "own":  # each replica's own takes no interval or encoding
-            given.pop("second_moment_every", None)
-            given.pop("second_moment_values", None)
-        resolved = _options.resolve(self.preset, given)
-        summed_apart = any(key.startswith("moment_own.") for key in saved_keys)
-        if not self._second_moment_auto:
-            self._refuse_loaded_second_moment(
-                "flexdemo: the checkpoint holds the {} second moment, this optimizer's is {}: "
-                "pass second_moment=\"{}\" or \"auto\" to keep the checkpoint's".format(
-                    held, ours, held))
-        if held == "shared" and summed_apart != (resolved["second_moment_every"] > 1):
-            self._refuse_loaded_second_moment(
-                "flexdemo: the checkpoint's shared second moment was summed {}, this optimizer's "
-                "second_moment_every is {}: pass the checkpoint's run's".format(
-                    "every few steps" if summed_apart else "every step",
-                    resolved["second_moment_every"]))
+        ours = second_moment_kinds(key for _, key, _ in self._handles)
         self.given = given
-        for name, value in resolved.items():
+        for name, value in _options.resolve(self.preset, self.given).items():
             setattr(self, name, value)
         self._link = None  # one engine's state in memory at a time
         self._engines = [None] * len(self._engines)
         self._make_engines()
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if changed and (not dist.is_initialized() or dist.get_rank() == 0):
             log.warning("flexdemo: second_moment auto: the checkpoint's %s second moment kept "
                         "(auto chooses by the replicas a run starts on; this run alone would "
-                        "take %s)", held, ours)
+                        "take %s)", changed["second_moment"], "/".join(sorted(ours)))
         return True
 
-    def _refuse_loaded_second_moment(self, message: str) -> None:
-        """Raises, with this optimizer's state as its engines hold it (ElasticLoadPlanner put
-        the checkpoint's kind into the dicts DCP loads, which are this optimizer's own)."""
+    def _drop_loaded_second_moment(self) -> None:
+        """Before a refusal: this optimizer's state as its engines hold it (ElasticLoadPlanner
+        put the checkpoint's kind into the dicts DCP loads, which are this optimizer's own)."""
         for state in self.state.values():
             for key in [k for k in state if second_moment_kinds([k])]:
                 del state[key]
         self._bind_state()
-        raise ValueError(message)
 
     # ====== Counters ======
     @property

@@ -82,16 +82,21 @@ def words(options: Dict[str, object]) -> List[str]:
     return ["{}={}".format(name, _word(value)) for name, value in options.items()]
 
 
+def parsed(pairs) -> Dict[str, object]:
+    """The engine's "name=value" words as {name: value}, typed."""
+    kinds = {name: kind for name, kind, _, _ in table()}
+    out = {}
+    for pair in pairs:
+        name, _, word = pair.partition("=")
+        out[name] = _typed(kinds[name], word)
+    return out
+
+
 def resolve(step: str, options: Dict[str, object], keywords=()) -> Dict[str, object]:
     """Every option of `step` ("": the one the given inner rule brings, the engine's choice) with
     these given (checked by the engine: a ValueError names the bad one as `keywords`, the
     caller's, spell it)."""
-    kinds = {name: kind for name, kind, _, _ in table()}
-    out = {}
-    for pair in _ops.resolved_options(step, words(options), spelling(keywords)):
-        name, _, word = pair.partition("=")
-        out[name] = _typed(kinds[name], word)
-    return out
+    return parsed(_ops.resolved_options(step, words(options), spelling(keywords)))
 
 
 def defaults(step: str = "flexdemo") -> Dict[str, object]:

@@ -79,7 +79,7 @@ class ExchangeEveryStep final : public Stepping {
 
   NamedTensors state_tensors() const override {
     NamedTensors state = replicator_->state_tensors();
-    for (const auto& named : numbered("grad_sq", grad_sq_)) state.push_back(named);
+    for (const auto& named : numbered(kOwnMomentState, grad_sq_)) state.push_back(named);
     if (shared_) {
       for (const auto& named : shared_->state_tensors()) state.push_back(named);
     }

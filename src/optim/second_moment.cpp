@@ -2,6 +2,7 @@
 #include "second_moment.h"
 
 #include "flexdemo/comm.h"
+#include "flexdemo/elastic.h"
 
 #include <ATen/ATen.h>
 
@@ -228,11 +229,76 @@ NamedTensors SharedSecondMoment::state_tensors() const {
   for (size_t i = 0; i < tensors_.size(); ++i) {
     const Moment& s = tensors_[i];
     const std::string n = "." + std::to_string(i);
-    if (s.matrix) state.push_back({"moment_rows" + n, s.shared_rows});
-    state.push_back({"moment_cols" + n, s.shared_cols});
-    if (every_ > 1) state.push_back({"moment_own" + n, s.own});
+    if (s.matrix) state.push_back({kMomentRowsState + n, s.shared_rows});
+    state.push_back({kMomentColsState + n, s.shared_cols});
+    if (every_ > 1) state.push_back({kMomentOwnState + n, s.own});
   }
   return state;
+}
+
+// ====== The second moment across a resume (flexdemo/elastic.h) ======
+
+std::vector<std::string> second_moment_state(SecondMoment kind) {
+  switch (kind) {
+    case SecondMoment::Own:
+      return {kOwnMomentState};
+    case SecondMoment::Shared:
+      return {kMomentRowsState, kMomentColsState, kMomentOwnState};
+    case SecondMoment::Auto:
+      break;
+  }
+  return {};
+}
+
+SecondMoment second_moment_of(const std::string& name) {
+  const std::string first = name.substr(0, name.find('.'));
+  for (const SecondMoment kind : {SecondMoment::Own, SecondMoment::Shared}) {
+    for (const std::string& state : second_moment_state(kind)) {
+      if (first == state) return kind;
+    }
+  }
+  return SecondMoment::Auto;
+}
+
+SavedSecondMoment saved_second_moment(const std::vector<std::string>& state_names) {
+  bool own = false, shared = false, summed_apart = false;
+  for (const std::string& name : state_names) {
+    const SecondMoment kind = second_moment_of(name);
+    own = own || kind == SecondMoment::Own;
+    shared = shared || kind == SecondMoment::Shared;
+    summed_apart = summed_apart || name.substr(0, name.find('.')) == kMomentOwnState;
+  }
+  if (own == shared) return {};
+  return {own ? SecondMoment::Own : SecondMoment::Shared, summed_apart};
+}
+
+OptimizerOptions resumed_second_moment(OptimizerOptions options, int64_t replicas,
+                                       const SavedSecondMoment& saved) {
+  if (!options.precondition || saved.kind == SecondMoment::Auto) return options;
+  const SecondMoment ours = resolved_second_moment(options.second_moment, replicas);
+  if (ours != saved.kind) {
+    if (options.second_moment != SecondMoment::Auto) {
+      throw OptionsError("the checkpoint holds the " + name_of(saved.kind) +
+                         " second moment, this run's is " + name_of(ours) + " (" +
+                         std::to_string(replicas) + " replicas): pass {second_moment} " +
+                         name_of(saved.kind) + " or auto to keep the checkpoint's");
+    }
+    options.second_moment = saved.kind;
+    if (saved.kind == SecondMoment::Own) {  // which takes no interval or encoding
+      const OptimizerOptions defaults;
+      options.second_moment_every = defaults.second_moment_every;
+      options.second_moment_values = defaults.second_moment_values;
+    }
+  }
+  if (saved.kind == SecondMoment::Shared &&
+      saved.summed_apart != (options.second_moment_every > 1)) {
+    throw OptionsError(std::string("the checkpoint's shared second moment was summed ") +
+                       (saved.summed_apart ? "every few steps" : "every step") +
+                       ", this run's {second_moment_every} is " +
+                       std::to_string(options.second_moment_every) +
+                       ": pass the checkpoint's run's");
+  }
+  return options;
 }
 
 }  // namespace flexdemo::optim

@@ -30,6 +30,13 @@ class Communicator;
 
 namespace flexdemo::optim {
 
+// The state's names, before each tensor's ".i" (flexdemo/elastic.h reads a checkpoint's kind of
+// second moment from them): each replica's own (ExchangeEveryStep's), then the shared one's.
+inline constexpr char kOwnMomentState[] = "grad_sq";
+inline constexpr char kMomentRowsState[] = "moment_rows";  // of matrices
+inline constexpr char kMomentColsState[] = "moment_cols";
+inline constexpr char kMomentOwnState[] = "moment_own";  // every > 1: own since the last sum
+
 class SharedSecondMoment {
  public:
   // plans: this rank's tensors (shards: their part of the chunk grid, cut along dim 0); shards:

@@ -88,7 +88,6 @@ int64_t step_of(const fs::path& dir) {  // step-N -> N; -1 for anything else
 // This rank's optimizer and random state, as this rank wrote them (the same topology).
 void load_own_state(Session& s, const fs::path& dir) {
   const std::map<std::string, at::Tensor> saved = read_state_file(dir, s.topo.world->rank());
-  check_second_moment(s, saved, dir, s.topo.replicas);
   at::NoGradGuard no_grad;
   for (auto& [name, t] : s.optimizer->state_tensors()) {
     auto it = saved.find(name);

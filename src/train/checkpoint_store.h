@@ -38,13 +38,11 @@ int64_t load_checkpoint(Session& s, const std::filesystem::path& dir, bool with_
 // ====== Inside src/train (elastic_state.cpp) ======
 // Rank `rank`'s optimizer-rank<rank>.safetensors of checkpoint folder `dir`, by name.
 std::map<std::string, at::Tensor> read_state_file(const std::filesystem::path& dir, int64_t rank);
+// The names in that file, read from its header alone.
+std::vector<std::string> state_file_names(const std::filesystem::path& dir, int64_t rank);
 // The replicas that wrote a checkpoint (its manifest's table of ranks, checked; `dir` names it
 // in the error). Throws std::invalid_argument when the table is missing or damaged.
 int64_t checkpoint_replicas(const nlohmann::json& manifest, const std::filesystem::path& dir);
-// Refuses, in one line, a checkpoint (one of its rank's state, written by `replicas` replicas)
-// whose second moment (own or shared) is not this run's.
-void check_second_moment(const Session& s, const std::map<std::string, at::Tensor>& saved,
-                         const std::filesystem::path& dir, int64_t replicas);
 // The owners' residual (--owner-feedback owner: "owner_residual.i" and "owner_replicas", the
 // replicas it was kept among; "outer." before them under --inner-steps) is state that
 // --demo-exchange and --owner-feedback, which may change on resume, make or unmake: a

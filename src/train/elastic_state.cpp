@@ -23,13 +23,22 @@ namespace flexdemo::train {
 
 namespace fs = std::filesystem;
 
+namespace {
+
+fs::path state_file(const fs::path& dir, int64_t rank) {
+  return dir / ("optimizer-rank" + std::to_string(rank) + ".safetensors");
+}
+
+}  // namespace
+
 std::map<std::string, at::Tensor> read_state_file(const fs::path& dir, int64_t rank) {
   std::map<std::string, at::Tensor> state;
-  for (auto& [name, t] : read_safetensors(
-           (dir / ("optimizer-rank" + std::to_string(rank) + ".safetensors")).string())) {
-    state[name] = t;
-  }
+  for (auto& [name, t] : read_safetensors(state_file(dir, rank).string())) state[name] = t;
   return state;
+}
+
+std::vector<std::string> state_file_names(const fs::path& dir, int64_t rank) {
+  return safetensors_names(state_file(dir, rank).string());
 }
 
 namespace {
@@ -72,29 +81,6 @@ int64_t checkpoint_replicas(const nlohmann::json& manifest, const fs::path& dir)
     replicas = std::max(replicas, place.first + 1);
   }
   return replicas;
-}
-
-// --second-moment may change on resume (auto keeps the checkpoint's kind: trainer.cpp), so a
-// checkpoint can hold the other kind's state than the one asked for. Said in one line, with the
-// way on.
-void check_second_moment(const Session& s, const std::map<std::string, at::Tensor>& saved,
-                         const fs::path& dir, int64_t replicas) {
-  const auto holds = [&saved](const std::string& prefix) {
-    return std::any_of(saved.begin(), saved.end(),
-                       [&](const auto& named) { return named.first.rfind(prefix, 0) == 0; });
-  };
-  bool wants_own = false, wants_shared = false;
-  for (const auto& [name, t] : s.optimizer->state_tensors()) {
-    wants_own = wants_own || name.rfind("grad_sq.", 0) == 0;
-    wants_shared = wants_shared || name.rfind("moment_cols.", 0) == 0;
-  }
-  if ((wants_own && holds("moment_cols.")) || (wants_shared && holds("grad_sq."))) {
-    const char* had = wants_own ? "shared" : "own";
-    throw std::invalid_argument(fmt::format(
-        "--resume: {} holds the {} second moment of {} replicas, this run's is {} ({} "
-        "replicas): pass --second-moment {} or auto to keep the checkpoint's",
-        dir.string(), had, replicas, wants_own ? "own" : "shared", s.topo.replicas, had));
-  }
 }
 
 bool owner_residual_state(const std::string& name) {
@@ -158,7 +144,6 @@ void load_state_elastic(Session& s, const fs::path& dir, const nlohmann::json& m
   for (const auto& unit : s.lm->units()) {
     for (const shard::ShardSpec& spec : unit->specs()) specs.push_back(&spec);
   }
-  if (!shards.empty()) check_second_moment(s, shards.front(), dir, replicas);
   // `name`'s state for this rank, shaped as `like`: the source replica's shards put together
   // and cut again for this rank's shard; undefined where the checkpoint has none.
   const auto cut = [&](const std::string& name, const at::Tensor& like) -> at::Tensor {

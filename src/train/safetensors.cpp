@@ -80,6 +80,34 @@ NamedTensors read_safetensors(const std::string& path) {
   return parse_safetensors(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), path);
 }
 
+std::vector<std::string> safetensors_names(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  auto bad = [&](const std::string& why) { return std::invalid_argument(path + ": " + why); };
+  if (!in) throw std::invalid_argument("cannot read " + path);
+  uint8_t length[8] = {};
+  if (!in.read(reinterpret_cast<char*>(length), 8)) throw bad("not a safetensors file");
+  uint64_t header_size = 0;
+  for (int b = 0; b < 8; ++b) header_size |= uint64_t(length[b]) << (8 * b);
+  in.seekg(0, std::ios::end);
+  if (header_size > uint64_t(in.tellg()) - 8) {
+    throw bad("not a safetensors file (header longer than the file)");
+  }
+  std::string header(header_size, '\0');
+  in.seekg(8);
+  in.read(header.data(), std::streamsize(header_size));
+  std::vector<std::string> names;
+  try {
+    const nlohmann::json parsed = nlohmann::json::parse(header);
+    if (!parsed.is_object()) throw bad("the safetensors header is not a JSON object");
+    for (const auto& item : parsed.items()) {
+      if (item.key() != "__metadata__") names.push_back(item.key());
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw bad(std::string("corrupt safetensors header (") + e.what() + ")");
+  }
+  return names;
+}
+
 NamedTensors parse_safetensors(const uint8_t* data, size_t size, const std::string& name) {
   auto bad = [&](const std::string& why) { return std::invalid_argument(name + ": " + why); };
   if (size < 8) throw bad("not a safetensors file (shorter than its 8-byte header length)");

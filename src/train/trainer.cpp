@@ -13,6 +13,7 @@
 #include "stop_signals.h"
 
 #include "flexdemo/comm.h"
+#include "flexdemo/elastic.h"
 #include "flexdemo/link_budget.h"
 #include "flexdemo/shard.h"
 #include "runtime/autocast.h"
@@ -298,38 +299,33 @@ std::filesystem::path checked_resume(const TrainConfig& config, const comm::Comm
   return from;
 }
 
-// --second-moment auto on a resume keeps the kind of second moment the checkpoint holds (its
-// run's setting, auto resolved on the replicas that wrote it), so that a run resized across
-// auto's choice (4 replicas) continues its statistics: where that is not the kind auto chose
-// here, the session's optimizer is made again with it (collective). Returns the line that says
-// so, or nothing.
+// --second-moment auto on a resume keeps the kind of second moment the checkpoint holds
+// (optim::resumed_second_moment: the rule Python's FlexDeMo keeps too), so that a run resized
+// across auto's choice (4 replicas) continues its statistics: where that is not the kind auto
+// chose here, the session's optimizer is made again with it (collective). Another kind asked for
+// is refused in one line. Returns the line that says what was kept, or nothing.
 std::string keep_checkpoint_second_moment(Session& s, const std::filesystem::path& from) {
-  if (from.empty() || s.cfg.second_moment != optim::SecondMoment::Auto ||
-      !optimizer_options(s.cfg).precondition) {
-    return "";  // no second moment to keep (AdamW's own moments are not this option's)
+  if (from.empty()) return "";
+  const optim::OptimizerOptions asked = optimizer_options(s.cfg);
+  const optim::SavedSecondMoment saved =
+      optim::saved_second_moment(state_file_names(from, /*rank=*/0));
+  optim::OptimizerOptions kept;
+  try {
+    kept = optim::resumed_second_moment(asked, s.topo.replicas, saved);
+  } catch (const optim::OptionsError& e) {
+    throw std::invalid_argument("--resume: " + from.string() + ": " + e.spelled(flag_of));
   }
-  const nlohmann::json manifest = read_manifest(from);
-  if (!manifest.contains("ranks")) return "";  // older: its state is checked on loading
-  const int64_t written_by = checkpoint_replicas(manifest, from);
-  const nlohmann::json& saved = manifest.at("config");
-  const optim::SecondMoment chosen =  // a run from before the option: each replica's own
-      saved.contains("second_moment")
-          ? parse_name<optim::SecondMoment>(saved.at("second_moment").get<std::string>())
-          : optim::SecondMoment::Own;
-  const optim::SecondMoment held = optim::resolved_second_moment(chosen, written_by);
-  if (held == optim::resolved_second_moment(optim::SecondMoment::Auto, s.topo.replicas)) return "";
-  s.cfg.second_moment = held;  // and so in the checkpoints this run writes
-  // Each replica's own takes no interval or encoding (below 4 replicas auto left them unused).
-  if (held == optim::SecondMoment::Own) {
-    s.cfg.second_moment_every = 1;
-    s.cfg.second_moment_values = optim::StatisticsEncoding::Fp32;
-  }
+  if (kept.second_moment == asked.second_moment) return "";
+  s.cfg.second_moment = kept.second_moment;  // and so in the checkpoints this run writes
+  s.cfg.second_moment_every = kept.second_moment_every;
+  s.cfg.second_moment_values = kept.second_moment_values;
   s.optimizer.reset();  // one optimizer's state in memory at a time
   s.optimizer = std::make_unique<optim::Optimizer>(s.params, optimizer_options(s.cfg),
                                                    s.topo.replica_group, s.topo.shard_group);
-  return fmt::format("--second-moment auto: the checkpoint's {} second moment kept (written by {} "
-                     "replicas; auto chooses by the replicas a run starts on: shared from {})",
-                     name_of(held), written_by, optim::kSharedSecondMomentReplicas);
+  return fmt::format(
+      "--second-moment auto: the checkpoint's {} second moment kept (auto chooses by the "
+      "replicas a run starts on: shared from {})",
+      name_of(kept.second_moment), optim::kSharedSecondMomentReplicas);
 }
 
 // Collective: the line of a run stopped by a signal. It counts the ranks that caught one by now:

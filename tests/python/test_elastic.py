@@ -86,12 +86,12 @@ def test_auto_keeps_the_checkpoints_second_moment(tmp_path):
     run, _ = run_leg(tmp_path, 4, 3, 4, tmp_path / "own", None, "refused", 1,
                      "second_moment=shared")
     assert run.returncode != 0
-    assert ('the checkpoint holds the own second moment, this optimizer\'s is shared: pass '
-            'second_moment="own"') in run.stderr, run.stderr[-3000:]
+    assert ("the checkpoint holds the own second moment, this run's is shared (4 replicas): "
+            "pass second_moment own or auto") in run.stderr, run.stderr[-3000:]
     run, _ = run_leg(tmp_path, 2, 3, 4, tmp_path / "shared", None, "every", 1,
                      "second_moment_every=2")
     assert run.returncode != 0
-    assert ("the checkpoint's shared second moment was summed every step, this optimizer's "
+    assert ("the checkpoint's shared second moment was summed every step, this run's "
             "second_moment_every is 2") in run.stderr, run.stderr[-3000:]
 
 
