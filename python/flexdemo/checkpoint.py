@@ -144,23 +144,27 @@ class ElasticLoadPlanner(DefaultLoadPlanner):
                 self.mappings[new_key] = tuple(path[:-1]) + (new_name,)
 
     def _load_saved_second_moment(self, replicas: Dict[tuple, Set[int]]) -> None:
-        """Where this run's second moment is of the other kind than the checkpoint's, its keys
-        in the state to load are replaced by the checkpoint's kind's (fresh tensors of their
-        shapes, under this rank's replica and shard), so that the load brings the checkpoint's
-        statistics and ``FlexDeMo.load_state_dict`` decides whether to keep them."""
+        """Where this run's second moment keeps other state than the checkpoint's (the other
+        kind, or the shared one summed at another interval: ``moment_own``), its keys in the
+        state to load are replaced by the checkpoint's (fresh tensors of their shapes, under this
+        rank's replica and shard), so that the load brings the checkpoint's statistics and
+        ``FlexDeMo.load_state_dict`` decides, by the engine's rule, whether to keep them."""
         def kind_and_name(what):
             prefix, _, name = what.rpartition(".")
             return _kind_of(name), prefix, name
 
-        saved_kinds = {kind_and_name(what)[0] for what, _ in replicas} - {None}
-        wanted = {}  # key -> (prefix, replica, shard) of this run's second moment
+        held = {kind_and_name(what)[::2] for what, _ in replicas}  # (kind, name) saved
+        held = {(kind, name) for kind, name in held if kind is not None}
+        saved_kinds = {kind for kind, _ in held}
+        wanted = {}  # key -> (kind, prefix, replica, shard) of this run's second moment
+        wanted_names = set()
         for key in self.state_dict:
             m = _PER_REPLICA.match(key)
-            kind, prefix, _ = kind_and_name(m["what"]) if m else (None, "", "")
+            kind, prefix, name = kind_and_name(m["what"]) if m else (None, "", "")
             if kind is not None:
                 wanted[key] = (kind, prefix, int(m["replica"]), int(m["shard"]))
-        wanted_kinds = {kind for kind, *_ in wanted.values()}
-        if len(saved_kinds) != 1 or not wanted_kinds or wanted_kinds == saved_kinds:
+                wanted_names.add(name)
+        if len(saved_kinds) != 1 or not wanted or wanted_names == {name for _, name in held}:
             return
         (saved_kind,) = saved_kinds
         # The swap renames a state entry within its parameter's dict: the nested optimizer state
@@ -171,7 +175,7 @@ class ElasticLoadPlanner(DefaultLoadPlanner):
             for key, (_, prefix, _, _) in wanted.items())
         if not nested:
             raise ValueError("flexdemo: the checkpoint holds the {} second moment and this run's "
-                             "is the other kind, which a load can swap in a nested optimizer "
+                             "keeps other state, which a load can swap in a nested optimizer "
                              "state only (flatten_state_dict=True, flatten_optimizer_state_dict="
                              "False): pass second_moment=\"{}\"".format(saved_kind, saved_kind))
         for key, (_, prefix, replica, shard) in wanted.items():

@@ -366,7 +366,7 @@ class FlexDeMo(torch.optim.Optimizer):
         its checkpoints'); another kind given is refused in one line. The engine's rule, the
         trainer's too (flexdemo/elastic.h). Whether they were made again."""
         saved_keys = [key for state in state_dict.get("state", {}).values() for key in state]
-        # (as constructed: auto stays auto over several loads)
+        # (second_moment as constructed: auto stays auto over several loads)
         asked = dict(self.given, second_moment="auto") if self._second_moment_auto else self.given
         try:
             changed = _options.parsed(torch.ops.flexdemo.resumed_options(

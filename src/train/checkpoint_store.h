@@ -40,9 +40,6 @@ int64_t load_checkpoint(Session& s, const std::filesystem::path& dir, bool with_
 std::map<std::string, at::Tensor> read_state_file(const std::filesystem::path& dir, int64_t rank);
 // The names in that file, read from its header alone.
 std::vector<std::string> state_file_names(const std::filesystem::path& dir, int64_t rank);
-// The replicas that wrote a checkpoint (its manifest's table of ranks, checked; `dir` names it
-// in the error). Throws std::invalid_argument when the table is missing or damaged.
-int64_t checkpoint_replicas(const nlohmann::json& manifest, const std::filesystem::path& dir);
 // The owners' residual (--owner-feedback owner: "owner_residual.i" and "owner_replicas", the
 // replicas it was kept among; "outer." before them under --inner-steps) is state that
 // --demo-exchange and --owner-feedback, which may change on resume, make or unmake: a

@@ -13,8 +13,6 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
-#include <fmt/core.h>
-
 #include <algorithm>
 #include <map>
 #include <vector>
@@ -73,8 +71,7 @@ std::vector<std::pair<int64_t, int64_t>> rank_places(const nlohmann::json& manif
   return places;
 }
 
-}  // namespace
-
+// The replicas that wrote a checkpoint (its manifest's table of ranks, checked).
 int64_t checkpoint_replicas(const nlohmann::json& manifest, const fs::path& dir) {
   int64_t replicas = 0;
   for (const auto& place : rank_places(manifest, dir)) {
@@ -82,6 +79,8 @@ int64_t checkpoint_replicas(const nlohmann::json& manifest, const fs::path& dir)
   }
   return replicas;
 }
+
+}  // namespace
 
 bool owner_residual_state(const std::string& name) {
   const size_t pos = name.rfind("owner_");

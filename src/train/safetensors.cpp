@@ -81,20 +81,20 @@ NamedTensors read_safetensors(const std::string& path) {
 }
 
 std::vector<std::string> safetensors_names(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
   auto bad = [&](const std::string& why) { return std::invalid_argument(path + ": " + why); };
-  if (!in) throw std::invalid_argument("cannot read " + path);
+  std::error_code error;
+  const uintmax_t size = std::filesystem::file_size(path, error);
+  std::ifstream in(path, std::ios::binary);
+  if (error || !in) throw std::invalid_argument("cannot read " + path);
   uint8_t length[8] = {};
-  if (!in.read(reinterpret_cast<char*>(length), 8)) throw bad("not a safetensors file");
+  if (size < 8 || !in.read(reinterpret_cast<char*>(length), 8)) {
+    throw bad("not a safetensors file (shorter than its 8-byte header length)");
+  }
   uint64_t header_size = 0;
   for (int b = 0; b < 8; ++b) header_size |= uint64_t(length[b]) << (8 * b);
-  in.seekg(0, std::ios::end);
-  if (header_size > uint64_t(in.tellg()) - 8) {
-    throw bad("not a safetensors file (header longer than the file)");
-  }
+  if (header_size > size - 8) throw bad("not a safetensors file (header longer than the file)");
   std::string header(header_size, '\0');
-  in.seekg(8);
-  in.read(header.data(), std::streamsize(header_size));
+  if (!in.read(header.data(), std::streamsize(header_size))) throw bad("cannot read its header");
   std::vector<std::string> names;
   try {
     const nlohmann::json parsed = nlohmann::json::parse(header);

@@ -93,6 +93,13 @@ def test_auto_keeps_the_checkpoints_second_moment(tmp_path):
     assert run.returncode != 0
     assert ("the checkpoint's shared second moment was summed every step, this run's "
             "second_moment_every is 2") in run.stderr, run.stderr[-3000:]
+    # The same kind at another interval: the planner brings the checkpoint's state, which the
+    # engine's rule refuses alike (before, DCP missed moment_own and blamed the shard groups).
+    run, _ = run_leg(tmp_path, 4, 3, 4, tmp_path / "shared", None, "every_same", 1,
+                     "second_moment_every=2")
+    assert run.returncode != 0
+    assert ("the checkpoint's shared second moment was summed every step, this run's "
+            "second_moment_every is 2") in run.stderr, run.stderr[-3000:]
 
 
 def test_the_owners_residual_goes_where_the_run_keeps_it(tmp_path):
