@@ -153,8 +153,8 @@ class ElasticLoadPlanner(DefaultLoadPlanner):
             prefix, _, name = what.rpartition(".")
             return _kind_of(name), prefix, name
 
-        held = {kind_and_name(what)[::2] for what, _ in replicas}  # (kind, name) saved
-        held = {(kind, name) for kind, name in held if kind is not None}
+        held = {(kind, name) for kind, _, name in (kind_and_name(what) for what, _ in replicas)
+                if kind is not None}  # the checkpoint's second moment: (kind, name)
         saved_kinds = {kind for kind, _ in held}
         wanted = {}  # key -> (kind, prefix, replica, shard) of this run's second moment
         wanted_names = set()

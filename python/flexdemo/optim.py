@@ -375,11 +375,12 @@ class FlexDeMo(torch.optim.Optimizer):
             self._drop_loaded_second_moment()
             raise
         given = dict(asked, **changed)
-        if _options.resolve(self.preset, given) == _options.resolve(self.preset, self.given):
+        resolved = _options.resolve(self.preset, given)
+        if resolved == _options.resolve(self.preset, self.given):
             return False
         ours = second_moment_kinds(key for _, key, _ in self._handles)
         self.given = given
-        for name, value in _options.resolve(self.preset, self.given).items():
+        for name, value in resolved.items():
             setattr(self, name, value)
         self._link = None  # one engine's state in memory at a time
         self._engines = [None] * len(self._engines)

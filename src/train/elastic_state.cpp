@@ -143,6 +143,10 @@ void load_state_elastic(Session& s, const fs::path& dir, const nlohmann::json& m
   for (const auto& unit : s.lm->units()) {
     for (const shard::ShardSpec& spec : unit->specs()) specs.push_back(&spec);
   }
+  const auto unfit = [&dir](const std::string& name) {
+    return std::invalid_argument("--resume: the optimizer state " + name + " in " + dir.string() +
+                                 " does not fit this run's shards");
+  };
   // `name`'s state for this rank, shaped as `like`: the source replica's shards put together
   // and cut again for this rank's shard; undefined where the checkpoint has none.
   const auto cut = [&](const std::string& name, const at::Tensor& like) -> at::Tensor {
@@ -152,15 +156,11 @@ void load_state_elastic(Session& s, const fs::path& dir, const nlohmann::json& m
       if (it != shard.end()) parts.push_back(it->second);
     }
     if (parts.empty()) return {};
-    const auto unfit = [&] {
-      return std::invalid_argument("--resume: the optimizer state " + name + " in " + dir.string() +
-                                   " does not fit this run's shards");
-    };
     const size_t dot = name.rfind('.');
     const bool indexed = dot != std::string::npos &&
                          name.find_first_not_of("0123456789", dot + 1) == std::string::npos;
     if (!indexed) {  // the replicator's own (owner_replicas): alike on every shard
-      if (parts.front().sizes() != like.sizes()) throw unfit();
+      if (parts.front().sizes() != like.sizes()) throw unfit(name);
       return parts.front();
     }
     // A matrix is sharded in whole chunk-rows (dim 0), a vector, held as [1, n], in chunks.
@@ -168,13 +168,13 @@ void load_state_elastic(Session& s, const fs::path& dir, const nlohmann::json& m
     const int dim = spec.plan.rows > 1 ? 0 : 1;
     // --second-moment shared: a matrix's column statistics are the whole tensor's on every shard.
     if (dim == 0 && name.rfind("moment_cols.", 0) == 0) {
-      if (parts.front().sizes() != like.sizes()) throw unfit();
+      if (parts.front().sizes() != like.sizes()) throw unfit(name);
       return parts.front();
     }
     const int64_t offset = dim == 0 ? spec.begin / spec.plan.cols : spec.begin;
     const at::Tensor whole = at::cat(parts, dim);
     if (whole.size(1 - dim) != like.size(1 - dim) || offset + like.size(dim) > whole.size(dim)) {
-      throw unfit();
+      throw unfit(name);
     }
     return whole.narrow(dim, offset, like.size(dim));
   };
@@ -196,8 +196,7 @@ void load_state_elastic(Session& s, const fs::path& dir, const nlohmann::json& m
     } else if (owner_residual_state(name)) {
       t.zero_();
     } else {
-      throw std::invalid_argument("--resume: the optimizer state " + name + " in " + dir.string() +
-                                  " does not fit this run's shards");
+      throw unfit(name);
     }
   }
   fold_owner_residual(s, cut);
