@@ -624,11 +624,20 @@ void select_topk(const float* values, int64_t n, int64_t k, int64_t* positions, 
   const int32_t kth = threshold_between(mags, count, int32_t(t), k, k);
   const int64_t above = kth == INT32_MAX ? 0 : count_at_least(mags, count, kth + 1);
   int64_t ties = k - above, taken = 0;  // how many equal to kth are chosen
-  for (int64_t j = 0; j < count; ++j) {  // kept in place: taken <= j
-    const bool tie = mags[j] == kth, take = mags[j] > kth || (tie && ties > 0);
-    ties -= tie && take;
-    candidates[taken] = candidates[j];
-    taken += take;
+  if (count_at_least(mags, count, kth) == k) {
+    // Every candidate equal to kth is chosen (the usual case): a filter, without the chain of
+    // the count of ties left from one candidate to the next.
+    for (int64_t j = 0; j < count; ++j) {  // kept in place: taken <= j
+      candidates[taken] = candidates[j];
+      taken += mags[j] >= kth;
+    }
+  } else {  // more ties than are chosen: the first ones
+    for (int64_t j = 0; j < count; ++j) {
+      const bool tie = mags[j] == kth, take = mags[j] > kth || (tie && ties > 0);
+      ties -= tie && take;
+      candidates[taken] = candidates[j];
+      taken += take;
+    }
   }
   for (int64_t j = 0; j < k; ++j) {
     positions[j] = candidates[j];
@@ -646,6 +655,33 @@ template <typename V>
   const V up = (V)((d > 0.0f) & lr), down = (V)((d < 0.0f) & lr);
   return c.keep * p - up + down;
 }
+
+// The SGD rule with sign off on a vector: chunk_math::sgd_step's keep * p - lr * x, x clamped to
+// the bound (NaN stays NaN), rounded once by a fused multiply-add. Only where the instruction set
+// has one (kFusedPlainSgd): elsewhere sgd_step's scalar loop calls the exact std::fma.
+#if defined(__FMA__)
+constexpr bool kFusedPlainSgd = true;
+#else
+constexpr bool kFusedPlainSgd = false;
+#endif
+template <typename V>
+[[gnu::always_inline]] inline V plain_sgd(V p, V x, const chunk_math::SgdConstants& c) {
+  if (c.bound > 0.0f) {
+    const V bound = splat<V>(c.bound);
+    x = x > bound ? bound : x < -bound ? -bound : x;
+  }
+  return fused_multiply_add(splat<V>(c.keep), p, -(splat<V>(c.lr) * x));
+}
+
+// The step a chunk's direction x takes on its parameters p, lane by lane, where it can be fused
+// into the inverse's last pass: sign-SGD, or the plain rule where kFusedPlainSgd.
+struct SgdLanes {
+  const chunk_math::SgdConstants& c;
+  template <typename V>
+  [[gnu::always_inline]] V operator()(V p, V x) const {
+    return c.sign ? sign_sgd(p, x, c) : plain_sgd(p, x, c);
+  }
+};
 
 // SGD over the update's rows and columns: p = keep * p - lr * sign(x) (sign(0) = sign(NaN) =
 // 0), or with sign off p = keep * p - lr * x, x clamped to the bound.
@@ -703,16 +739,16 @@ void adamw_step(const float* x, int64_t x_stride, const StepUpdate& update, floa
   }
 }
 
-// The direct column pass's halves applied as sign-SGD, for output rows i..i+R-1 and lanes
+// The direct column pass's halves applied as the SGD step, for output rows i..i+R-1 and lanes
 // [g, g + G * W): E = the even rows' sums (matrix me over the ne rows at te), O = the odd rows'
 // (mo over the no rows at to, going up), then x[i] = E + O and x[h-1-i] = E - O step the
 // parameters' rows i and h-1-i. The sums stay in registers: x never goes through memory.
 template <typename V, int R, int G, typename MatE, typename MatO>
-[[gnu::always_inline]] inline void halves_sign_sgd_block(const MatE& me, int ne, const float* te,
-                                                         const MatO& mo, int no, const float* to,
-                                                         int64_t t_stride, int h, int i, int64_t g,
-                                                         const chunk_math::SgdConstants& c,
-                                                         float* p, int64_t p_stride) {
+[[gnu::always_inline]] inline void halves_sgd_block(const MatE& me, int ne, const float* te,
+                                                    const MatO& mo, int no, const float* to,
+                                                    int64_t t_stride, int h, int i, int64_t g,
+                                                    const SgdLanes& step, float* p,
+                                                    int64_t p_stride) {
   constexpr int W = lanes_of<V>;
   V e[R][G], o[R][G];
   for (int r = 0; r < R; ++r) {
@@ -738,19 +774,18 @@ template <typename V, int R, int G, typename MatE, typename MatO>
     float* top = p + (i + r) * p_stride + g;
     float* bottom = p + (h - 1 - i - r) * p_stride + g;
     for (int q = 0; q < G; ++q) {
-      store(top + W * q, sign_sgd(load<V>(top + W * q), e[r][q] + o[r][q], c));
-      store(bottom + W * q, sign_sgd(load<V>(bottom + W * q), e[r][q] - o[r][q], c));
+      store(top + W * q, step(load<V>(top + W * q), e[r][q] + o[r][q]));
+      store(bottom + W * q, step(load<V>(bottom + W * q), e[r][q] - o[r][q]));
     }
   }
 }
 
-// Every row and lane of a chunk through halves_sign_sgd_block: rows in pairs, lanes in blocks of
+// Every row and lane of a chunk through halves_sgd_block: rows in pairs, lanes in blocks of
 // 4 (AVX-512) or 2 vectors of the widest, then what is left one vector at a time.
 template <typename MatE, typename MatO>
-void halves_sign_sgd(const MatE& me, int ne, const float* te, const MatO& mo, int no,
-                     const float* to, int64_t t_stride, int h, int64_t L,
-                     const chunk_math::SgdConstants& c, float* p, int64_t p_stride,
-                     Ahead<true>& ahead) {
+void halves_sgd(const MatE& me, int ne, const float* te, const MatO& mo, int no, const float* to,
+                int64_t t_stride, int h, int64_t L, const SgdLanes& step, float* p,
+                int64_t p_stride, Ahead<true>& ahead) {
   constexpr int G = lanes_of < vwide >> 8 ? 4 : 2;
   constexpr int W = lanes_of<vwide>;
   const int m = h / 2;
@@ -759,11 +794,11 @@ void halves_sign_sgd(const MatE& me, int ne, const float* te, const MatO& mo, in
     constexpr int R = decltype(pair)::value;
     int64_t g = 0;
     for (; g + G * W <= L; g += G * W) {
-      halves_sign_sgd_block<vwide, R, G>(me, ne, te, mo, no, to, t_stride, h, i, g, c, p, p_stride);
+      halves_sgd_block<vwide, R, G>(me, ne, te, mo, no, to, t_stride, h, i, g, step, p, p_stride);
     }
     over_lanes(L - g, [&](int64_t k, auto v) {
-      halves_sign_sgd_block<decltype(v), R, 1>(me, ne, te, mo, no, to, t_stride, h, i, g + k, c, p,
-                                               p_stride);
+      halves_sgd_block<decltype(v), R, 1>(me, ne, te, mo, no, to, t_stride, h, i, g + k, step, p,
+                                          p_stride);
     });
   };
   int i = 0;
@@ -774,9 +809,41 @@ void halves_sign_sgd(const MatE& me, int ne, const float* te, const MatO& mo, in
   if (i < m) rows(std::integral_constant<int, 1>{}, i);
 }
 
+// inverse() of a whole chunk's n = p.n rows (p.splits > 0) whose last pass, level 0's
+// butterflies, steps the parameters' rows i and n-1-i by the rows it makes instead of writing
+// them: the direction never goes through memory. out: the rows the lower levels write.
+void inverse_step(const Dct1d& p, const float* X, int64_t x_stride, float* out, int64_t out_stride,
+                  int L, const SgdLanes& step, float* param, int64_t p_stride,
+                  Ahead<true>& ahead) {
+  const int n = p.n, m = n / 2;
+  matvec(p.inverse_odd[0], m, m, X + x_stride, 2 * x_stride, out + m * out_stride, out_stride, L);
+  inverse(p, 1, X, 2 * x_stride, out, out_stride, L);
+  const int lines_per_row = (L + 15) / 16, ahead_pairs = kPrefetchRows / 2;
+  const auto prefetch_pair = [&](int i) {
+    prefetch_row(param + i * p_stride, L);
+    prefetch_row(param + (n - 1 - i) * p_stride, L);
+  };
+  for (int i = 0; i < std::min(ahead_pairs, m); ++i) prefetch_pair(i);
+  for (int i = 0; i < m; ++i) {
+    if (i + ahead_pairs < m) prefetch_pair(i + ahead_pairs);
+    ahead.ask(2 * lines_per_row);  // as many as the two rows this pair steps
+    const float* a = out + i * out_stride;
+    const float* b = out + (n - 1 - i) * out_stride;
+    float* top = param + i * p_stride;
+    float* bottom = param + (n - 1 - i) * p_stride;
+    over_lanes(L, [&](int64_t g, auto v) {
+      using V = decltype(v);
+      const V x = load<V>(a + g), y = load<V>(b + g);
+      store(top + g, step(load<V>(top + g), (x + y) * kHalfSqrt2));
+      store(bottom + g, step(load<V>(bottom + g), (x - y) * kHalfSqrt2));
+    });
+  }
+}
+
 // x = B_h^T X B_w: first t[u] = sum_v X[u][v] B_w[v] for the rows u holding a coefficient (one
 // multiply-add per coefficient and lane), then along the columns either directly over those
 // rows or, when they are many, by the factorised inverse (whichever costs fewer multiply-adds).
+// An SGD step on a whole chunk is fused into the column pass's last writes.
 void idct_sparse(const ChunkShape& shape, const int32_t* positions, const float* values,
                  int64_t nnz, float* out, int64_t out_stride, const StepUpdate* update,
                  float* scratch) {
@@ -786,34 +853,54 @@ void idct_sparse(const ChunkShape& shape, const int32_t* positions, const float*
   const Dct1d& rows = *shape.along_rows;
   // t: one row per row u holding a coefficient, X[u] B_w. For even h the rows of even u fill t
   // from the top and those of odd u from the bottom, so that the direct column pass can use
-  // B[u][h-1-i] = (-1)^u B[u][i]: half the multiply-adds.
+  // B[u][h-1-i] = (-1)^u B[u][i]: half the multiply-adds. The factorised inverse takes every
+  // row in place instead (row u at u), the rows without a coefficient zeroed.
   const bool halves = h % 2 == 0;
-  float* t = scratch;
   float* x = scratch + block;        // the result (h rows of W8 lanes) unless it goes to out
   float* mat = scratch + 2 * block;  // every row of X B_w, for the factorised inverse
   int32_t* slot_of = reinterpret_cast<int32_t*>(mat + int64_t(h) * std::max(h, W8));
   int32_t* row_of = slot_of + h;  // by slot
+  int32_t* unwritten = row_of + h;  // per row: 1 until the row pass first writes it
+  // The slots in the order the rows first appear, which the direct passes sum in.
   int even = 0, odd = 0;
   std::fill(slot_of, slot_of + h, -1);
+  for (int64_t e = 0; e < nnz; ++e) {
+    const int u = positions[e] / w;
+    if (slot_of[u] >= 0) continue;
+    slot_of[u] = halves && u % 2 == 1 ? h - 1 - odd++ : even++;
+    row_of[slot_of[u]] = u;
+  }
+  const int used = even + odd;
+  enum class Columns { None, Copy, Halves, Direct, Factorised };
+  const Columns pass = used == 0                                           ? Columns::None
+                       : h == 1                                            ? Columns::Copy
+                       : halves && int64_t(used) * h / 2 <= rows.inverse_cost ? Columns::Halves
+                       : !halves && int64_t(used) * h <= rows.inverse_cost    ? Columns::Direct
+                                                                           : Columns::Factorised;
+  float* t = scratch;
+  if (pass == Columns::Factorised) {
+    t = mat;
+    for (int u = 0; u < h; ++u) {
+      if (slot_of[u] < 0) std::memset(mat + int64_t(u) * W8, 0, sizeof(float) * size_t(W8));
+      slot_of[u] = u;
+    }
+  }
+  for (int u = 0; u < h; ++u) unwritten[u] = 1;
   Ahead<true> ahead(update != nullptr ? update->next : NextChunk{}, out_stride);
   // Entries come in runs of one row (a payload's positions ascend): a run's sums stay in
-  // registers, lane by lane, in the entries' order.
+  // registers, lane by lane, in the entries' order; a row's first run starts them at zero.
   for (int64_t e = 0, end; e < nnz; e = end) {
     const int u = positions[e] / w;
     const int32_t first = u * w, past = first + w;  // the row's positions
     for (end = e + 1; end < nnz && positions[end] >= first && positions[end] < past;) ++end;
-    if (slot_of[u] < 0) {
-      slot_of[u] = halves && u % 2 == 1 ? h - 1 - odd++ : even++;
-      row_of[slot_of[u]] = u;
-      std::memset(t + int64_t(slot_of[u]) * W8, 0, sizeof(float) * size_t(W8));
-    }
     float* row = t + int64_t(slot_of[u]) * W8;
+    const bool fresh = std::exchange(unwritten[u], 0) != 0;
     // G vectors at a time: G independent sums, each a chain of multiply-adds.
     const auto run = [&](int64_t g, auto lanes) {
       using V = typename decltype(lanes)::first_type;
       constexpr int G = decltype(lanes)::second_type::value, W = lanes_of<V>;
       V sum[G];
-      for (int q = 0; q < G; ++q) sum[q] = load<V>(row + g + W * q);
+      for (int q = 0; q < G; ++q) sum[q] = fresh ? V{} : load<V>(row + g + W * q);
       for (int64_t f = e; f < end; ++f) {
         const float* basis = cols.full + int64_t(positions[f] - first) * cols.full_stride + g;
         const V c = splat<V>(values[f]);
@@ -830,55 +917,62 @@ void idct_sparse(const ChunkShape& shape, const int32_t* positions, const float*
       run(g + k, std::pair<decltype(v), std::integral_constant<int, 1>>{});
     });
   }
-  const int used = even + odd;
+  // An SGD step on a whole chunk is fused (sign-SGD, or the plain rule where kFusedPlainSgd).
+  const bool fused = update != nullptr && update->m == nullptr &&
+                     (update->sgd.sign || kFusedPlainSgd) && update->valid_h == h &&
+                     update->valid_w == w && w == W8;
   // Straight into out when whole vectors fit its rows; otherwise (or for a step) through x.
   const bool direct = w % 8 == 0 && update == nullptr;
   float* dst = direct ? out : x;
   const int64_t dst_stride = direct ? out_stride : W8;
   const float* basis = rows.full;
   const int bs = rows.full_stride;
-  if (used == 0) {
-    for (int i = 0; i < h; ++i) std::memset(dst + i * dst_stride, 0, sizeof(float) * size_t(W8));
-  } else if (h == 1) {
-    std::memcpy(dst, t, sizeof(float) * size_t(W8));
-  } else if (halves && int64_t(used) * h / 2 <= rows.inverse_cost) {
-    // x[i] = E[i] + O[i], x[h-1-i] = E[i] - O[i] (i < h/2), E and O the even and odd rows' sums.
-    // The matrices read straight from the basis: entry (i, r) is row u's basis function at i.
-    const int m = h / 2;
-    const int32_t* odd_rows = row_of + h - 1;  // by slot, from the bottom
-    const auto even_mat = [=](int i, int r) { return basis[row_of[r] * bs + i]; };
-    const auto odd_mat = [=](int i, int r) { return basis[odd_rows[-r] * bs + i]; };
-    if (update != nullptr && update->m == nullptr && update->sgd.sign && update->valid_h == h &&
-        update->valid_w == w && w == W8) {  // sign-SGD on a whole chunk: x stays in registers
-      halves_sign_sgd(even_mat, even, t, odd_mat, odd, t + int64_t(h - 1) * W8, W8, h, W8,
-                      update->sgd, out, out_stride, ahead);
-      return;
-    }
-    matvec_of(even_mat, m, even, t, W8, dst, dst_stride, W8);
-    float* last = dst + (h - 1) * dst_stride;
-    matvec_of(odd_mat, m, odd, t + int64_t(h - 1) * W8, -W8, last, -dst_stride, W8);
-    for (int i = 0; i < m; ++i) {
-      float* a = dst + i * dst_stride;
-      float* b = dst + (h - 1 - i) * dst_stride;
-      over_lanes(W8, [&](int64_t g, auto v) {
-        using V = decltype(v);
-        const V e = load<V>(a + g), o = load<V>(b + g);
-        store(a + g, e + o);
-        store(b + g, e - o);
-      });
-    }
-  } else if (!halves && int64_t(used) * h <= rows.inverse_cost) {
-    matvec_of([=](int i, int r) { return basis[row_of[r] * bs + i]; }, h, used, t, W8, dst,
-              dst_stride, W8);
-  } else {
-    float* full = mat;  // every row of X B_w, zeros where no coefficient
-    std::memset(full, 0, sizeof(float) * size_t(h) * size_t(W8));
-    for (int u = 0; u < h; ++u) {
-      if (slot_of[u] >= 0) {
-        std::memcpy(full + int64_t(u) * W8, t + int64_t(slot_of[u]) * W8, sizeof(float) * W8);
+  switch (pass) {
+    case Columns::None:
+      for (int i = 0; i < h; ++i) std::memset(dst + i * dst_stride, 0, sizeof(float) * size_t(W8));
+      break;
+    case Columns::Copy:
+      std::memcpy(dst, t, sizeof(float) * size_t(W8));
+      break;
+    case Columns::Halves: {
+      // x[i] = E[i] + O[i], x[h-1-i] = E[i] - O[i] (i < h/2), E and O the even and odd rows'
+      // sums. The matrices read straight from the basis: entry (i, r) is row u's basis function
+      // at i.
+      const int m = h / 2;
+      const int32_t* odd_rows = row_of + h - 1;  // by slot, from the bottom
+      const auto even_mat = [=](int i, int r) { return basis[row_of[r] * bs + i]; };
+      const auto odd_mat = [=](int i, int r) { return basis[odd_rows[-r] * bs + i]; };
+      if (fused) {  // x stays in registers
+        halves_sgd(even_mat, even, t, odd_mat, odd, t + int64_t(h - 1) * W8, W8, h, W8,
+                   SgdLanes{update->sgd}, out, out_stride, ahead);
+        return;
       }
+      matvec_of(even_mat, m, even, t, W8, dst, dst_stride, W8);
+      float* last = dst + (h - 1) * dst_stride;
+      matvec_of(odd_mat, m, odd, t + int64_t(h - 1) * W8, -W8, last, -dst_stride, W8);
+      for (int i = 0; i < m; ++i) {
+        float* a = dst + i * dst_stride;
+        float* b = dst + (h - 1 - i) * dst_stride;
+        over_lanes(W8, [&](int64_t g, auto v) {
+          using V = decltype(v);
+          const V e = load<V>(a + g), o = load<V>(b + g);
+          store(a + g, e + o);
+          store(b + g, e - o);
+        });
+      }
+      break;
     }
-    inverse(rows, 0, full, W8, dst, dst_stride, W8);
+    case Columns::Direct:
+      matvec_of([=](int i, int r) { return basis[row_of[r] * bs + i]; }, h, used, t, W8, dst,
+                dst_stride, W8);
+      break;
+    case Columns::Factorised:
+      if (fused && rows.splits > 0) {
+        inverse_step(rows, mat, W8, x, W8, W8, SgdLanes{update->sgd}, out, out_stride, ahead);
+        return;
+      }
+      inverse(rows, 0, mat, W8, dst, dst_stride, W8);
+      break;
   }
   if (update != nullptr && update->m != nullptr) {
     adamw_step(x, W8, *update, out, out_stride, ahead);

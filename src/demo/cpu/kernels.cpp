@@ -305,8 +305,8 @@ void inverse_chunks(const compress::SparseChunks& coeffs, const dct::ChunkPlan& 
 
 int64_t scratch_floats(const ChunkShape& shape) {
   const int64_t h8 = (shape.h + 7) / 8 * 8, w8 = (shape.w + 7) / 8 * 8;
-  // two blocks, then (idct_sparse) an h x max(h, w8) matrix and 2h int32 slots; keep 32-byte steps
-  return (2 * h8 * w8 + shape.h * std::max<int64_t>(shape.h, w8) + 2 * shape.h + 7) / 8 * 8;
+  // two blocks, then (idct_sparse) an h x max(h, w8) matrix and 3h int32 slots; keep 32-byte steps
+  return (2 * h8 * w8 + shape.h * std::max<int64_t>(shape.h, w8) + 3 * shape.h + 7) / 8 * 8;
 }
 
 // ====== Entry points ======
