@@ -331,28 +331,67 @@ void forward(const Dct1d& p, int level, const float* src, int64_t src_stride, fl
   forward(p, level + 1, in, in_stride, in, in_stride, out, 2 * out_stride, L);
 }
 
-// DCT-III (the inverse) of the n = p.n >> level rows at X + k * x_stride, results to the rows at
-// out + i * out_stride. The odd half is a dense DCT-IV (its own inverse) at every level: Lee's
-// form needs a scaled copy and more passes over the rows, which cost more than they save here.
-void inverse(const Dct1d& p, int level, const float* X, int64_t x_stride, float* out,
-             int64_t out_stride, int L) {
+void inverse(const Dct1d& p, int level, float* X, int64_t x_stride, float* out, int64_t out_stride,
+             int L);
+
+// Level `level`'s last pass, lanes of x[i] and x[n-1-i] from those of the even half's inverse e
+// and the odd half's o: (e + o) / sqrt(2) and (e - o) / sqrt(2), or, where the odd half took
+// Lee's form (lee_scale not null), e / sqrt(2) + f o and e / sqrt(2) - f o, f = lee_scale[i].
+template <typename V>
+[[gnu::always_inline]] inline std::pair<V, V> unsplit(V e, V o, const float* lee_scale, int i) {
+  if (lee_scale == nullptr) return {(e + o) * kHalfSqrt2, (e - o) * kHalfSqrt2};
+  const V half = e * kHalfSqrt2, f = splat<V>(lee_scale[i]);
+  return {fused_multiply_add(f, o, half), fused_multiply_add(-f, o, half)};
+}
+
+// The two halves of a DCT-III of the n = p.n >> level rows at X + k * x_stride (destroyed): the
+// even coefficients' inverse of size n / 2 to the rows out + i * out_stride, the odd ones' to the
+// rows out + (n - 1 - i) * out_stride, as unsplit() takes them. The odd half is a dense DCT-IV
+// (its own inverse), or where p.lee[level] the transpose of the forward's Lee form: the
+// coefficients' neighbours added (X'[j] = X[j] + X[j-1], X'[0] = sqrt(2) X[0], the transpose of
+// odd_from_dct2), their DCT-III of size n / 2, and the scale, which unsplit() applies.
+void inverse_halves(const Dct1d& p, int level, float* X, int64_t x_stride, float* out,
+                    int64_t out_stride, int L) {
+  const int n = p.n >> level, m = n / 2;
+  float* odd = X + x_stride;
+  const int64_t odd_stride = 2 * x_stride;
+  if (p.lee[level]) {
+    for (int j = m - 1; j >= 0; --j) {
+      float* row = odd + j * odd_stride;
+      const float* before = j > 0 ? row - odd_stride : nullptr;
+      over_lanes(L, [&](int64_t g, auto v) {
+        using V = decltype(v);
+        v = load<V>(row + g);
+        store(row + g, before != nullptr ? v + load<V>(before + g) : v * kSqrt2);
+      });
+    }
+    inverse(p, level + 1, odd, odd_stride, out + (n - 1) * out_stride, -out_stride, L);
+  } else {
+    matvec(p.inverse_odd[level], m, m, odd, odd_stride, out + m * out_stride, out_stride, L);
+  }
+  inverse(p, level + 1, X, odd_stride, out, out_stride, L);
+}
+
+// DCT-III (the inverse) of the n = p.n >> level rows at X + k * x_stride (destroyed), results to
+// the rows at out + i * out_stride.
+void inverse(const Dct1d& p, int level, float* X, int64_t x_stride, float* out, int64_t out_stride,
+             int L) {
   const int n = p.n >> level;
   if (level == p.splits) {
     matvec(p.base_t, n, n, X, x_stride, out, out_stride, L);
     return;
   }
+  inverse_halves(p, level, X, x_stride, out, out_stride, L);
   const int m = n / 2;
-  matvec(p.inverse_odd[level], m, m, X + x_stride, 2 * x_stride, out + m * out_stride, out_stride,
-         L);
-  inverse(p, level + 1, X, 2 * x_stride, out, out_stride, L);
+  const float* lee_scale = p.lee[level] ? p.lee_scale[level] : nullptr;
   for (int i = 0; i < m; ++i) {
     float* a = out + i * out_stride;
     float* b = out + (n - 1 - i) * out_stride;
     over_lanes(L, [&](int64_t g, auto v) {
       using V = decltype(v);
-      const V x = load<V>(a + g), y = load<V>(b + g);
-      store(a + g, (x + y) * kHalfSqrt2);
-      store(b + g, (x - y) * kHalfSqrt2);
+      const auto [top, bottom] = unsplit(load<V>(a + g), load<V>(b + g), lee_scale, i);
+      store(a + g, top);
+      store(b + g, bottom);
     });
   }
 }
@@ -812,12 +851,11 @@ void halves_sgd(const MatE& me, int ne, const float* te, const MatO& mo, int no,
 // inverse() of a whole chunk's n = p.n rows (p.splits > 0) whose last pass, level 0's
 // butterflies, steps the parameters' rows i and n-1-i by the rows it makes instead of writing
 // them: the direction never goes through memory. out: the rows the lower levels write.
-void inverse_step(const Dct1d& p, const float* X, int64_t x_stride, float* out, int64_t out_stride,
-                  int L, const SgdLanes& step, float* param, int64_t p_stride,
-                  Ahead<true>& ahead) {
+void inverse_step(const Dct1d& p, float* X, int64_t x_stride, float* out, int64_t out_stride, int L,
+                  const SgdLanes& step, float* param, int64_t p_stride, Ahead<true>& ahead) {
   const int n = p.n, m = n / 2;
-  matvec(p.inverse_odd[0], m, m, X + x_stride, 2 * x_stride, out + m * out_stride, out_stride, L);
-  inverse(p, 1, X, 2 * x_stride, out, out_stride, L);
+  inverse_halves(p, 0, X, x_stride, out, out_stride, L);
+  const float* lee_scale = p.lee[0] ? p.lee_scale[0] : nullptr;
   const int lines_per_row = (L + 15) / 16, ahead_pairs = kPrefetchRows / 2;
   const auto prefetch_pair = [&](int i) {
     prefetch_row(param + i * p_stride, L);
@@ -833,9 +871,9 @@ void inverse_step(const Dct1d& p, const float* X, int64_t x_stride, float* out, 
     float* bottom = param + (n - 1 - i) * p_stride;
     over_lanes(L, [&](int64_t g, auto v) {
       using V = decltype(v);
-      const V x = load<V>(a + g), y = load<V>(b + g);
-      store(top + g, step(load<V>(top + g), (x + y) * kHalfSqrt2));
-      store(bottom + g, step(load<V>(bottom + g), (x - y) * kHalfSqrt2));
+      const auto [x_top, x_bottom] = unsplit(load<V>(a + g), load<V>(b + g), lee_scale, i);
+      store(top + g, step(load<V>(top + g), x_top));
+      store(bottom + g, step(load<V>(bottom + g), x_bottom));
     });
   }
 }
@@ -859,24 +897,30 @@ void idct_sparse(const ChunkShape& shape, const int32_t* positions, const float*
   float* x = scratch + block;        // the result (h rows of W8 lanes) unless it goes to out
   float* mat = scratch + 2 * block;  // every row of X B_w, for the factorised inverse
   int32_t* slot_of = reinterpret_cast<int32_t*>(mat + int64_t(h) * std::max(h, W8));
-  int32_t* row_of = slot_of + h;  // by slot
+  int32_t* row_of = slot_of + h;    // by slot
   int32_t* unwritten = row_of + h;  // per row: 1 until the row pass first writes it
+  // A position's row: a shift where w is a power of two (64, the default chunk), whose division
+  // per entry cost a tenth of this kernel.
+  const int shift = (w & (w - 1)) == 0 ? __builtin_ctz(unsigned(w)) : -1;
+  const auto row_of_position = [w, shift](int32_t pos) {
+    return shift >= 0 ? pos >> shift : pos / w;
+  };
   // The slots in the order the rows first appear, which the direct passes sum in.
   int even = 0, odd = 0;
   std::fill(slot_of, slot_of + h, -1);
   for (int64_t e = 0; e < nnz; ++e) {
-    const int u = positions[e] / w;
+    const int u = row_of_position(positions[e]);
     if (slot_of[u] >= 0) continue;
     slot_of[u] = halves && u % 2 == 1 ? h - 1 - odd++ : even++;
     row_of[slot_of[u]] = u;
   }
   const int used = even + odd;
   enum class Columns { None, Copy, Halves, Direct, Factorised };
-  const Columns pass = used == 0                                           ? Columns::None
-                       : h == 1                                            ? Columns::Copy
+  const Columns pass = used == 0                                              ? Columns::None
+                       : h == 1                                               ? Columns::Copy
                        : halves && int64_t(used) * h / 2 <= rows.inverse_cost ? Columns::Halves
                        : !halves && int64_t(used) * h <= rows.inverse_cost    ? Columns::Direct
-                                                                           : Columns::Factorised;
+                                                                              : Columns::Factorised;
   float* t = scratch;
   if (pass == Columns::Factorised) {
     t = mat;
@@ -890,7 +934,7 @@ void idct_sparse(const ChunkShape& shape, const int32_t* positions, const float*
   // Entries come in runs of one row (a payload's positions ascend): a run's sums stay in
   // registers, lane by lane, in the entries' order; a row's first run starts them at zero.
   for (int64_t e = 0, end; e < nnz; e = end) {
-    const int u = positions[e] / w;
+    const int u = row_of_position(positions[e]);
     const int32_t first = u * w, past = first + w;  // the row's positions
     for (end = e + 1; end < nnz && positions[end] >= first && positions[end] < past;) ++end;
     float* row = t + int64_t(slot_of[u]) * W8;
@@ -1013,7 +1057,11 @@ extern const KernelTable table;
 const KernelTable table = {
 #define FLEXDEMO_STR2(x) #x
 #define FLEXDEMO_STR(x) FLEXDEMO_STR2(x)
-    FLEXDEMO_STR(FLEXDEMO_KERNEL_ISA), dct_accumulate, select_topk, idct_sparse, precondition,
+    FLEXDEMO_STR(FLEXDEMO_KERNEL_ISA),
+    dct_accumulate,
+    select_topk,
+    idct_sparse,
+    precondition,
     all_finite,
 };
 

@@ -13,8 +13,8 @@ namespace flexdemo::kernels {
 // One orthonormal 1-D DCT-II of size n, factorised: `splits` levels of even/odd splitting
 // (level l works on size n >> l: the DCT-II of the sums x[i] + x[m-1-i] gives the even outputs,
 // the DCT-IV of the differences the odd ones), down to a dense DCT-II of size n >> splits.
-// `inverse_cost` estimates the inverse's multiply-adds per transformed lane. Built once per size
-// and never freed (kernels.cpp).
+// `inverse_cost` estimates the inverse's work per transformed lane (dct_plans.cpp). Built once per
+// size and never freed (kernels.cpp).
 struct Dct1d {
   static constexpr int kMaxSplits = 12;
   int n = 0;
