@@ -252,9 +252,12 @@ void accumulate(const at::Tensor& x, const dct::ChunkPlan& plan, double beta, do
         const ChunkPlace place = place_of(plan, c);
         float* fresh = select ? scratch + scratch_floats(shape) : nullptr;
         float* chunk_residual = dst + plan.chunk_origin(c);
+        // The next chunk's samples asked for while this one runs, and its residual too where
+        // the residual's rows are the samples' (no padding): read from memory at the update, it
+        // stalled the update's loads (issue 54's profile).
         kern.dct_accumulate(shape, src + place.offset, plan.cols, place.valid_h, place.valid_w,
                             chunk_residual, plan.padded_cols, float(beta), float(alpha), fresh,
-                            scratch, next_chunk(plan, c, {src}));
+                            scratch, next_chunk(plan, c, {src, plan.is_padded() ? nullptr : dst}));
         if (!select) return;
         int64_t* pos = idx != nullptr ? idx + c * k : reinterpret_cast<int64_t*>(fresh + selection);
         float* v = val != nullptr ? val + c * k : fresh + selection + 2 * k;
