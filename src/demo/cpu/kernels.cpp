@@ -216,6 +216,13 @@ struct PayloadOut {
 void encode_chunk(const PayloadOut& out, const dct::ChunkPlan& plan, int64_t c, const int64_t* pos,
                   float* val, float* residual) {
   codec::put_chunk<codec::AtomicBytes>(out.body, out.layout, out.encoding, c, pos, val);
+  const int64_t w = plan.chunk_cols;
+  if ((w & (w - 1)) == 0) {  // offset_in_chunk by a shift and a mask, not a division per entry
+    const int shift = __builtin_ctzll(uint64_t(w));
+    for (int64_t j = 0; j < out.layout.k; ++j)
+      residual[(pos[j] >> shift) * plan.padded_cols + (pos[j] & (w - 1))] += -1.0f * val[j];
+    return;
+  }
   for (int64_t j = 0; j < out.layout.k; ++j)
     residual[plan.offset_in_chunk(pos[j])] += -1.0f * val[j];
 }
