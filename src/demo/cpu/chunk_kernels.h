@@ -25,7 +25,8 @@ struct Dct1d {
   // butterflies leave the differences: forward_odd[i][j] = D[i][m-1-j], inverse_odd[j][i] =
   // D[m-1-j][i]. Where lee[l], the forward transform uses Lee's form instead: the differences
   // scaled by lee_scale[i] = 1 / (2 cos(pi (2i+1) / (4m))) / sqrt(2) (with the butterfly's
-  // 1/sqrt(2)), a DCT-II of size m, and neighbouring outputs added.
+  // 1/sqrt(2)), a DCT-II of size m, and neighbouring outputs added; the inverse its transpose
+  // (chunk_kernels.cpp: inverse_halves).
   bool lee[kMaxSplits] = {};
   const float* lee_scale[kMaxSplits] = {};
   const float* forward_odd[kMaxSplits] = {};
