@@ -1,15 +1,17 @@
 // Chunk plans and the chunked DCT against the direct float64 formula.
+#include "demo/kernels.h"
 #include "flexdemo/compress.h"
 #include "flexdemo/dct.h"
 #include "flexdemo/optim.h"
-#include "demo/kernels.h"
 #include "isa.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 using flexdemo::dct::ChunkMode;
@@ -333,6 +335,58 @@ TEST(Kernels, SparseInverseMatchesFloat64Reference) {
                 << at::IntArrayRef(c.shape) << " nnz " << nnz << " " << to_string(isa)
                 << " adamw sign " << sign;
           }
+        }
+      }
+    }
+  }
+}
+
+TEST(Kernels, FusedPlainStepEqualsTheInverseThenTheRule) {
+  // The plain SGD step (sign off) fused into the sparse inverse, bit for bit what the inverse
+  // alone writes and then chunk_math::sgd_step (keep * p - lr * x, x clamped to the bound,
+  // rounded once) makes of it, on every path the inverse takes: few rows holding a coefficient
+  // (the direct column pass) and many (the factorised inverse, Lee's form from 32 rows), whole
+  // chunks (the step fused into the last pass) and others. Positions as a decode of two replicas
+  // lays them out: the first payload's ascending, then the second's new ones ascending, so that
+  // a row's runs come apart.
+  at::manual_seed(9);
+  for (const KernelCase& c : kKernelCases) {
+    ChunkPlan plan = make_chunk_plan(c.shape, c.chunk, c.mode);
+    const int64_t n = plan.chunk_numel(), chunks = plan.num_chunks();
+    for (const auto& [first, second] : {std::pair<int64_t, int64_t>{3, 2}, {n / 4, n / 8}}) {
+      const int64_t nnz = std::min(n, first + second);
+      flexdemo::compress::SparseChunks sparse;
+      sparse.positions = at::empty({chunks, std::max<int64_t>(nnz, 1)}, at::kInt);
+      sparse.values = at::randn({chunks, std::max<int64_t>(nnz, 1)});
+      sparse.counts = at::full({chunks}, nnz, at::kLong);
+      for (int64_t ch = 0; ch < chunks; ++ch) {
+        const at::Tensor pos = at::randperm(n, at::kInt).narrow(0, 0, nnz);
+        const int64_t a = std::min(first, nnz);
+        sparse.positions[ch].narrow(0, 0, a).copy_(std::get<0>(pos.narrow(0, 0, a).sort()));
+        sparse.positions[ch]
+            .narrow(0, a, nnz - a)
+            .copy_(std::get<0>(pos.narrow(0, a, nnz - a).sort()));
+      }
+      for (flexdemo::kernels::Isa isa : flexdemo::isa_testing::supported_isas()) {
+        flexdemo::isa_testing::ScopedIsa scoped(isa);
+        at::Tensor samples = at::empty({plan.padded_rows, plan.padded_cols});
+        flexdemo::kernels::idct_sparse(sparse, plan, samples);
+        const at::Tensor x = samples.narrow(0, 0, plan.rows).narrow(1, 0, plan.cols).contiguous();
+        const at::Tensor param = at::randn({plan.rows, plan.cols});
+        for (float bound : {float(x.abs().median().item<double>()), 0.0f}) {
+          const float lr = 0.25f, keep = 0.5f;
+          at::Tensor want = param.clone();
+          const float* xs = x.data_ptr<float>();
+          float* w = want.data_ptr<float>();
+          for (int64_t e = 0; e < want.numel(); ++e) {
+            const float g = bound > 0.0f ? std::min(std::max(xs[e], -bound), bound) : xs[e];
+            w[e] = std::fma(keep, w[e], -(lr * g));
+          }
+          flexdemo::kernels::SgdStep step{param.clone(), lr, keep, false, bound};
+          flexdemo::kernels::idct_sparse_sgd_step(sparse, plan, step);
+          EXPECT_TRUE(at::equal(step.param, want))
+              << at::IntArrayRef(c.shape) << " nnz " << nnz << " " << to_string(isa) << " bound "
+              << bound << " max diff " << (step.param - want).abs().max().item<float>();
         }
       }
     }

@@ -880,7 +880,8 @@ void inverse_step(const Dct1d& p, float* X, int64_t x_stride, float* out, int64_
 
 // x = B_h^T X B_w: first t[u] = sum_v X[u][v] B_w[v] for the rows u holding a coefficient (one
 // multiply-add per coefficient and lane), then along the columns either directly over those
-// rows or, when they are many, by the factorised inverse (whichever costs fewer multiply-adds).
+// rows or, when they are many, by the factorised inverse (whichever costs less: the number of
+// multiply-adds against Dct1d::inverse_cost).
 // An SGD step on a whole chunk is fused into the column pass's last writes.
 void idct_sparse(const ChunkShape& shape, const int32_t* positions, const float* values,
                  int64_t nnz, float* out, int64_t out_stride, const StepUpdate* update,

@@ -46,8 +46,8 @@ struct ChunkShape {
 };
 
 // The next chunk (valid_h rows of valid_w floats, the row stride of this chunk's) of up to three
-// tensors laid out alike (samples; parameters and AdamW's moments), which a kernel asks the caches
-// for while it works on this chunk. Null pointers: none.
+// tensors laid out alike (samples and the residual; parameters and AdamW's moments), which a
+// kernel asks the caches for while it works on this chunk. Null pointers: none.
 struct NextChunk {
   const float* rows[3] = {};
   int valid_h = 0, valid_w = 0;
@@ -90,8 +90,8 @@ struct KernelTable {
   // out[u][v] = beta * out[u][v] + alpha * DCT(x)[u][v] over the chunk (beta == 0: overwrite),
   // x read from src (row stride src_stride) where u < valid_h and v < valid_w, 0 elsewhere;
   // out has row stride out_stride. If fresh is not null, the new values are also written there
-  // contiguously (position u * w + v) for select_topk. next: the next chunk's samples, asked for
-  // while this one runs.
+  // contiguously (position u * w + v) for select_topk. next: the next chunk's samples (and its
+  // residual where laid out alike), asked for while this one runs.
   void (*dct_accumulate)(const ChunkShape& shape, const float* src, int64_t src_stride, int valid_h,
                          int valid_w, float* out, int64_t out_stride, float beta, float alpha,
                          float* fresh, float* scratch, const NextChunk& next);

@@ -42,7 +42,10 @@ std::unique_ptr<Dct1dStorage> build_dct1d(int n) {
   int size = n;
   std::vector<int> halves;
   // Measured on the encode microbenchmark (AVX2): splitting down to a dense base of at most 8,
-  // Lee's DCT-IV where the half is >= 16, dense DCT-IVs below, is the fastest mix.
+  // Lee's DCT-IV where the half is >= 16, dense DCT-IVs below, is the fastest mix. The sparse
+  // inverse takes the same levels in Lee's form (its transpose), which measured faster than the
+  // dense DCT-IVs for the default chunk of 64 (its halves of 32 and 16; the whole step, AVX-512
+  // EPYC; other sizes not measured).
   constexpr int kBaseMax = 8, kLeeMin = 16;
   while (size % 2 == 0 && size > kBaseMax && p.splits < Dct1d::kMaxSplits) {
     const int m = size / 2;
