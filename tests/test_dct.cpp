@@ -258,6 +258,57 @@ TEST(Kernels, FusedEncodeEqualsTheSeparateSteps) {
   }
 }
 
+TEST(Kernels, PreconditionedAsReadEqualsPreconditioningFirst) {
+  // The preconditioner fused into the transform's read (Preconditioning) leaves the same running
+  // mean square, residual and payload bytes, bit for bit, as precondition() into a tensor and the
+  // transform of that: whole chunks and padded ones, every instruction set, with and without a
+  // gradient, with and without the encode.
+  at::manual_seed(12);
+  const double beta2 = 0.95, eps = 1e-8;
+  const int64_t step = 3;
+  const auto encoding = flexdemo::compress::ValueEncoding::Fp8;
+  for (const KernelCase& c : kKernelCases) {
+    ChunkPlan plan = make_chunk_plan(c.shape, c.chunk, c.mode);
+    const at::Tensor x = at::randn(c.shape);
+    const at::Tensor base = at::randn({plan.padded_rows, plan.padded_cols});
+    const at::Tensor v0 = at::rand({plan.rows, plan.cols}) * 1e-2;
+    const size_t bytes = flexdemo::compress::wire_payload_bytes(plan, 5, encoding);
+    for (flexdemo::kernels::Isa isa : flexdemo::isa_testing::supported_isas()) {
+      flexdemo::isa_testing::ScopedIsa scoped(isa);
+      for (const at::Tensor& grad : {x, at::Tensor()}) {
+        for (const bool encode : {true, false}) {
+          at::Tensor fused = base.clone(), separate = base.clone();
+          const at::Tensor v_fused = v0.clone(), v_separate = v0.clone();
+          at::Tensor scaled;
+          if (grad.defined()) {
+            scaled = at::empty({plan.rows, plan.cols});
+            flexdemo::kernels::precondition(grad, v_separate, scaled, beta2, eps, step);
+          } else {
+            v_separate.mul_(beta2);
+          }
+          const flexdemo::kernels::Preconditioning pre{v_fused, beta2, eps, step};
+          std::vector<uint8_t> got(bytes, 0xAB), want(bytes, 0);
+          if (encode) {
+            flexdemo::kernels::dct_accumulate_encode(grad, plan, 0.9, 0.1, fused, 5, encoding,
+                                                     got.data(), &pre);
+            flexdemo::kernels::dct_accumulate_encode(scaled, plan, 0.9, 0.1, separate, 5,
+                                                     encoding, want.data());
+          } else {
+            flexdemo::kernels::dct_accumulate(grad, plan, 0.9, 0.1, fused, &pre);
+            flexdemo::kernels::dct_accumulate(scaled, plan, 0.9, 0.1, separate);
+            got = want;
+          }
+          const std::string what = to_string(isa) + (encode ? " encode " : " accumulate ") +
+                                   (grad.defined() ? "gradient" : "none");
+          EXPECT_EQ(got, want) << at::IntArrayRef(c.shape) << " " << what;
+          EXPECT_TRUE(at::equal(fused, separate)) << at::IntArrayRef(c.shape) << " " << what;
+          EXPECT_TRUE(at::equal(v_fused, v_separate)) << at::IntArrayRef(c.shape) << " " << what;
+        }
+      }
+    }
+  }
+}
+
 TEST(Kernels, SparseInverseMatchesFloat64Reference) {
   // Per chunk: no coefficient, a few (the direct column pass), many (the factorised one), all.
   at::manual_seed(6);

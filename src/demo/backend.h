@@ -84,6 +84,15 @@ class Backend {
   // Whether a bucket may hold some of the tensors (the replicator's early buckets); if not,
   // every bucket holds every tensor, in order.
   virtual bool partial_buckets() const { return true; }
+  // Offers to precondition the tensor's next gradient (that of its next accumulate or encode)
+  // as its transform reads it: true if this backend will (then that gradient comes unscaled and
+  // p.grad_sq is updated then), false if the caller must precondition it first
+  // (kernels::precondition). The CPU's fast path fuses it; the others decline.
+  virtual bool precondition_as_read(size_t tensor, const kernels::Preconditioning& p) {
+    (void)tensor;
+    (void)p;
+    return false;
+  }
   // Without exchanging: residual = decay * residual + lr * DCT(grad) (grad: plan.numel()
   // elements, undefined = zero).
   virtual void accumulate(size_t tensor, const at::Tensor& grad, double lr) = 0;

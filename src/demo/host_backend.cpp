@@ -13,7 +13,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <stdexcept>
+#include <utility>
 
 namespace flexdemo::demo {
 namespace {
@@ -148,10 +150,21 @@ double coefficient_squares(const compress::SparseChunks& coeffs, const dct::Chun
 
 class CpuBackend final : public HostBackend {
  public:
-  using HostBackend::HostBackend;
+  CpuBackend(const std::vector<dct::ChunkPlan>& plans, const BackendOptions& options,
+             const std::vector<at::Tensor>& residuals)
+      : HostBackend(plans, options, residuals), preconditioning_(plans.size()) {}
+
+  // The preconditioner in the transform's read of each chunk: the scaled gradient is never
+  // written (a pass over memory less, and its divisions overlap the transform's arithmetic).
+  bool precondition_as_read(size_t i, const kernels::Preconditioning& p) override {
+    preconditioning_.at(i) = p;
+    return true;
+  }
 
   void accumulate(size_t i, const at::Tensor& grad, double lr) override {
-    kernels::dct_accumulate(grad, plans_[i], options_.decay, lr, residuals_[i]);
+    const std::optional<kernels::Preconditioning> pre = taken_preconditioning(i);
+    kernels::dct_accumulate(grad, plans_[i], options_.decay, lr, residuals_[i],
+                            pre ? &*pre : nullptr);
   }
 
  protected:
@@ -159,8 +172,9 @@ class CpuBackend final : public HostBackend {
   // the chunk is in cache.
   void encode_one(size_t i, const at::Tensor& grad, double lr, int64_t topk,
                   compress::ValueEncoding values, uint8_t* dst) override {
+    const std::optional<kernels::Preconditioning> pre = taken_preconditioning(i);
     kernels::dct_accumulate_encode(grad, plans_[i], options_.decay, lr, residuals_[i], topk, values,
-                                   dst);
+                                   dst, pre ? &*pre : nullptr);
   }
 
   // Per chunk, only the coefficients received; the update fused into their inverse, so the
@@ -198,6 +212,14 @@ class CpuBackend final : public HostBackend {
     }
     return false;
   }
+
+ private:
+  // Tensor i's preconditioning offered for this gradient, used once.
+  std::optional<kernels::Preconditioning> taken_preconditioning(size_t i) {
+    return std::exchange(preconditioning_.at(i), std::nullopt);
+  }
+
+  std::vector<std::optional<kernels::Preconditioning>> preconditioning_;
 };
 
 }  // namespace

@@ -26,10 +26,22 @@ bool supported(Isa isa);                 // whether this CPU runs it
 Isa active_isa();
 void set_active_isa(Isa isa);  // throws std::invalid_argument if this CPU lacks it
 
+// FlexDeMo's preconditioner (precondition() below) on a gradient as the transform reads it:
+// dct_accumulate(x, ..., &p) takes the same bits as precondition(x, p.grad_sq, out, p.beta2, p.eps,
+// p.step) followed by dct_accumulate(out, ...), without writing and reading out. grad_sq:
+// contiguous float32 of the gradient's element count, updated in place (an undefined x decays
+// it, as precondition's caller does for a missing gradient).
+struct Preconditioning {
+  at::Tensor grad_sq;
+  double beta2 = 0.999, eps = 1e-8;
+  int64_t step = 1;
+};
+
 // residual = beta * residual + alpha * DCT(x) (dct::chunked_dct_accumulate's contract, float32
-// residual in block layout); x undefined scales the residual only. beta = 0 overwrites.
+// residual in block layout); x undefined scales the residual only. beta = 0 overwrites. pre: x
+// preconditioned as it is read.
 void dct_accumulate(const at::Tensor& x, const dct::ChunkPlan& plan, double beta, double alpha,
-                    const at::Tensor& residual);
+                    const at::Tensor& residual, const Preconditioning* pre = nullptr);
 // The same, then every chunk's top-k of the new residual (compress::select_topk's result),
 // chunk by chunk while it is in cache.
 compress::TopK dct_accumulate_topk(const at::Tensor& x, const dct::ChunkPlan& plan, double beta,
@@ -38,10 +50,12 @@ compress::TopK dct_accumulate_topk(const at::Tensor& x, const dct::ChunkPlan& pl
 // dct_accumulate, every chunk's top-k, its payload (compress::wire_payload_bytes(plan, k,
 // encoding) bytes, header and checksum included) written to dst, and what a receiver decodes
 // taken out of the residual (error feedback). Equal, byte for byte and bit for bit, to
-// dct_accumulate_topk, compress::encode_payload and compress::add_selected(..., -1).
+// dct_accumulate_topk, compress::encode_payload and compress::add_selected(..., -1). pre: x
+// preconditioned as it is read (see dct_accumulate).
 void dct_accumulate_encode(const at::Tensor& x, const dct::ChunkPlan& plan, double beta,
                            double alpha, const at::Tensor& residual, int64_t k,
-                           compress::ValueEncoding encoding, uint8_t* dst);
+                           compress::ValueEncoding encoding, uint8_t* dst,
+                           const Preconditioning* pre = nullptr);
 // Per-chunk top-k of block-layout coefficients by partial selection.
 compress::TopK select_topk(const at::Tensor& coeffs, const dct::ChunkPlan& plan, int64_t k);
 

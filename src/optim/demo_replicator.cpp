@@ -59,6 +59,12 @@ class DemoReplicator final : public optim::Replicator {
   }
   void wait_in_flight() override { finish_in_flight(); }
 
+  // Not with one bucket: start() encodes nothing then, and a gradient held until exchange()
+  // is safer copied (preconditioned) at once.
+  bool precondition_as_read(size_t i, const kernels::Preconditioning& p) override {
+    return !one_bucket_ && backend_->precondition_as_read(i, p);
+  }
+
   void accumulate(const std::vector<at::Tensor>& grads, double lr) override {
     for (size_t i = 0; i < plans_.size(); ++i) backend_->accumulate(i, grads[i], lr);
   }

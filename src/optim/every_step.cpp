@@ -154,13 +154,19 @@ class ExchangeEveryStep final : public Stepping {
 
   // v = beta2 * v + (1 - beta2) * g^2, then g / (sqrt(v / (1 - beta2^t)) + eps), t this step's
   // number: AdamW's denominator on this replica's own gradient of tensor i (a missing one counts
-  // as zero and stays undefined); with the shared second moment, its denominator instead.
+  // as zero and stays undefined); with the shared second moment, its denominator instead. Where
+  // the replicator preconditions as its transform reads the gradient (the CPU's fast path), the
+  // gradient is passed on as it is and v is updated then.
   at::Tensor precondition(size_t i, const at::Tensor& grad) {
     if (shared_) return shared_->precondition(i, grad, preconditioned_ + 1);
     at::Tensor& v = grad_sq_[i];
     if (!grad.defined()) {
       v.mul_(options_.beta2);
       return {};
+    }
+    if (replicator_->precondition_as_read(
+            i, kernels::Preconditioning{v, options_.beta2, options_.eps, preconditioned_ + 1})) {
+      return grad;
     }
     const at::Tensor scaled = at::empty(grad.sizes(), v.options());
     kernels::precondition(grad, v, scaled, options_.beta2, options_.eps, preconditioned_ + 1);

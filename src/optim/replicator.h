@@ -13,6 +13,10 @@
 #include <utility>
 #include <vector>
 
+namespace flexdemo::kernels {
+struct Preconditioning;  // demo/kernels.h
+}
+
 namespace flexdemo::optim {
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
@@ -48,6 +52,14 @@ class Replicator {
     (void)tensors;
     (void)grads;
     (void)lr;
+  }
+  // Offers to precondition tensor i's gradient of this step (the next one accumulate, exchange
+  // or start is given) as its transform reads it: true if this kind will (then that gradient
+  // comes unscaled), false if the caller must precondition it first (the default).
+  virtual bool precondition_as_read(size_t i, const kernels::Preconditioning& p) {
+    (void)i;
+    (void)p;
+    return false;
   }
   virtual ExchangeTraffic traffic() const = 0;
   // The state carried from step to step (handles: loading copies into them), named for files.

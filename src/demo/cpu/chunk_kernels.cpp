@@ -435,9 +435,18 @@ void transpose(const float* src, int rows, int cols, float* dst, Ahead<false>& a
 }
 
 // ====== The fused forward kernel ======
+// One pass, vectorised by the compiler (no errno to keep: the square root is a vector op).
+void precondition(const float* __restrict g, float* __restrict v, float* __restrict out, int64_t n,
+                  float beta2, float one_minus_beta2, float bias, float eps) {
+  for (int64_t j = 0; j < n; ++j) {
+    out[j] = precondition_element(g[j], v[j], beta2, one_minus_beta2, bias, eps);
+  }
+}
+
 void dct_accumulate(const ChunkShape& shape, const float* src, int64_t src_stride, int valid_h,
                     int valid_w, float* out, int64_t out_stride, float beta, float alpha,
-                    float* fresh, float* scratch, const NextChunk& next) {
+                    float* fresh, float* scratch, const NextChunk& next,
+                    const ChunkPrecondition* pre) {
   const int h = shape.h, w = shape.w, H8 = round8(h), W8 = round8(w);
   // The next chunk's samples, two lines an 8 x 8 block in each of two passes over the chunk's
   // blocks: (h / 8) (w / 8) blocks, h w / 16 lines.
@@ -447,13 +456,18 @@ void dct_accumulate(const ChunkShape& shape, const float* src, int64_t src_strid
   float* a = scratch;
   float* b = scratch + block;
   // The column transform reads a whole chunk of whole vectors straight from the tensor; other
-  // chunks are copied into a first (h rows of W8 lanes), zeros outside the tensor and in the
-  // padding lanes.
-  const bool direct = h > 1 && valid_h == h && valid_w == w && w % 8 == 0;
+  // chunks, and preconditioned ones, are copied into a first (h rows of W8 lanes), zeros outside
+  // the tensor and in the padding lanes.
+  const bool direct = pre == nullptr && h > 1 && valid_h == h && valid_w == w && w % 8 == 0;
   for (int u = 0; u < H8 && !direct; ++u) {
     float* row = a + int64_t(u) * W8;
     const int have = u < valid_h && u < h ? valid_w : 0;
-    if (have > 0) std::memcpy(row, src + u * src_stride, sizeof(float) * size_t(have));
+    if (have > 0 && pre != nullptr) {
+      precondition(src + u * src_stride, pre->v + u * src_stride, row, have, pre->beta2,
+                   pre->one_minus_beta2, pre->bias, pre->eps);
+    } else if (have > 0) {
+      std::memcpy(row, src + u * src_stride, sizeof(float) * size_t(have));
+    }
     std::memset(row + have, 0, sizeof(float) * size_t(W8 - have));
   }
   float* y = a;  // the column transform (h rows, W8 lanes), then transposed into the other buffer
@@ -1025,14 +1039,6 @@ void idct_sparse(const ChunkShape& shape, const int32_t* positions, const float*
     sgd_step(x, W8, *update, out, out_stride, ahead);
   } else if (dst == x) {
     for (int i = 0; i < h; ++i) std::memcpy(out + i * out_stride, x + i * W8, sizeof(float) * w);
-  }
-}
-
-// One pass, vectorised by the compiler (no errno to keep: the square root is a vector op).
-void precondition(const float* __restrict g, float* __restrict v, float* __restrict out, int64_t n,
-                  float beta2, float one_minus_beta2, float bias, float eps) {
-  for (int64_t j = 0; j < n; ++j) {
-    out[j] = precondition_element(g[j], v[j], beta2, one_minus_beta2, bias, eps);
   }
 }
 

@@ -77,6 +77,15 @@ inline float precondition_element(float g, float& v, float beta2, float one_minu
   return g / (chunk_math::sqrt32(v) / bias + eps);
 }
 
+// FlexDeMo's preconditioner applied to a chunk's samples as dct_accumulate reads them: each
+// sample g becomes precondition_element(g, v, ...), v the chunk's running mean square laid out as
+// its samples (the same row stride), updated in place. The same bits as KernelTable::
+// precondition's pass before the transform, without writing and reading the scaled tensor.
+struct ChunkPrecondition {
+  float* v = nullptr;
+  float beta2 = 0.0f, one_minus_beta2 = 1.0f, bias = 1.0f, eps = 0.0f;
+};
+
 // Entries of scratch select_topk needs for n values.
 inline int64_t select_scratch(int64_t n) {
   return n + 8 + (n + 9) / 2 + (n + 63) / 64;
@@ -91,10 +100,12 @@ struct KernelTable {
   // x read from src (row stride src_stride) where u < valid_h and v < valid_w, 0 elsewhere;
   // out has row stride out_stride. If fresh is not null, the new values are also written there
   // contiguously (position u * w + v) for select_topk. next: the next chunk's samples (and its
-  // residual where laid out alike), asked for while this one runs.
+  // residual where laid out alike), asked for while this one runs. pre (null: none): the
+  // samples preconditioned as they are read.
   void (*dct_accumulate)(const ChunkShape& shape, const float* src, int64_t src_stride, int valid_h,
                          int valid_w, float* out, int64_t out_stride, float beta, float alpha,
-                         float* fresh, float* scratch, const NextChunk& next);
+                         float* fresh, float* scratch, const NextChunk& next,
+                         const ChunkPrecondition* pre);
   // The k (<= n) entries of largest magnitude in values[0, n) (ties: the lower position), in
   // ascending position order, as the bounded heap of the plain path orders them. scratch needs
   // select_scratch(n) entries. Writes positions and their values.

@@ -112,6 +112,22 @@ namespace {
 
 namespace codec = demo::codec;
 
+// Written through its data pointer: what ATen's in-place ops do to the version counter (readers
+// such as a sharded unit's prefetched gather see that the values changed).
+void bump_version(const at::Tensor& t) {
+  t.unsafeGetTensorImpl()->bump_version();
+}
+
+// The per-element constants of FlexDeMo's preconditioner at p.step (bias: the root of 1 - beta2^t).
+ChunkPrecondition precondition_constants(double beta2, double eps, int64_t step) {
+  ChunkPrecondition c;
+  c.beta2 = float(beta2);
+  c.one_minus_beta2 = float(1.0 - beta2);
+  c.bias = float(std::sqrt(1.0 - std::pow(beta2, double(step))));
+  c.eps = float(eps);
+  return c;
+}
+
 ChunkShape shape_of(const dct::ChunkPlan& plan) {
   ChunkShape s;
   s.h = int(plan.chunk_rows);
@@ -228,16 +244,26 @@ void encode_chunk(const PayloadOut& out, const dct::ChunkPlan& plan, int64_t c, 
 }
 
 // The shared loop of dct_accumulate, dct_accumulate_topk (topk not null) and
-// dct_accumulate_encode (payload not null).
+// dct_accumulate_encode (payload not null); pre: the samples preconditioned as they are read.
 void accumulate(const at::Tensor& x, const dct::ChunkPlan& plan, double beta, double alpha,
-                const at::Tensor& residual, compress::TopK* topk, const PayloadOut* payload) {
+                const at::Tensor& residual, compress::TopK* topk, const PayloadOut* payload,
+                const Preconditioning* pre) {
   const char* who = payload != nullptr ? "dct_accumulate_encode"
                     : topk != nullptr  ? "dct_accumulate_topk"
                                        : "dct_accumulate";
   check_block(residual, plan, who, "residual");
+  if (pre != nullptr) {
+    const at::Tensor& v = pre->grad_sq;
+    if (v.numel() != plan.numel() || v.scalar_type() != at::kFloat || !v.is_contiguous() ||
+        !v.is_cpu()) {
+      throw std::invalid_argument(std::string(who) + ": grad_sq must be a contiguous float32 CPU " +
+                                  "tensor of " + std::to_string(plan.numel()) + " elements");
+    }
+  }
   const bool select = topk != nullptr || payload != nullptr;
   const int64_t k = topk != nullptr ? topk->k : payload != nullptr ? payload->layout.k : 0;
   if (!x.defined()) {
+    if (pre != nullptr) pre->grad_sq.mul_(pre->beta2);
     residual.mul_(beta);
     if (topk != nullptr) *topk = select_topk(residual, plan, topk->k);
     return;
@@ -245,6 +271,9 @@ void accumulate(const at::Tensor& x, const dct::ChunkPlan& plan, double beta, do
   const at::Tensor samples = float_samples(x, plan, who);
   const float* src = samples.data_ptr<float>();
   float* dst = residual.data_ptr<float>();
+  float* v = pre != nullptr ? pre->grad_sq.data_ptr<float>() : nullptr;
+  const ChunkPrecondition constants =
+      pre != nullptr ? precondition_constants(pre->beta2, pre->eps, pre->step) : ChunkPrecondition{};
   const int64_t n = plan.chunk_numel();
   int64_t* idx = topk != nullptr ? topk->indices.data_ptr<int64_t>() : nullptr;
   float* val = topk != nullptr ? topk->values.data_ptr<float>() : nullptr;
@@ -261,18 +290,25 @@ void accumulate(const at::Tensor& x, const dct::ChunkPlan& plan, double beta, do
         float* chunk_residual = dst + plan.chunk_origin(c);
         // The next chunk's samples asked for while this one runs, and its residual too where
         // the residual's rows are the samples' (no padding): read from memory at the update, it
-        // stalled the update's loads (issue 54's profile).
+        // stalled the update's loads (issue 54's profile). The running mean square is laid out
+        // as the samples.
+        ChunkPrecondition chunk_pre = constants;
+        if (v != nullptr) chunk_pre.v = v + place.offset;
         kern.dct_accumulate(shape, src + place.offset, plan.cols, place.valid_h, place.valid_w,
                             chunk_residual, plan.padded_cols, float(beta), float(alpha), fresh,
-                            scratch, next_chunk(plan, c, {src, plan.is_padded() ? nullptr : dst}));
+                            scratch,
+                            next_chunk(plan, c, {src, plan.is_padded() ? nullptr : dst, v}),
+                            v != nullptr ? &chunk_pre : nullptr);
         if (!select) return;
         int64_t* pos = idx != nullptr ? idx + c * k : reinterpret_cast<int64_t*>(fresh + selection);
-        float* v = val != nullptr ? val + c * k : fresh + selection + 2 * k;
-        kern.select_topk(fresh, n, k, pos, v, reinterpret_cast<uint64_t*>(fresh + key_offset(n)));
+        float* vals = val != nullptr ? val + c * k : fresh + selection + 2 * k;
+        kern.select_topk(fresh, n, k, pos, vals,
+                         reinterpret_cast<uint64_t*>(fresh + key_offset(n)));
         if (payload != nullptr) {
-          encode_chunk(*payload, plan, c, pos, v, chunk_residual);
+          encode_chunk(*payload, plan, c, pos, vals, chunk_residual);
         }
       });
+  if (pre != nullptr) bump_version(pre->grad_sq);
 }
 
 // The inverse of every chunk's coefficients: into dst, the block-layout samples, or with `step`
@@ -321,21 +357,23 @@ int64_t scratch_floats(const ChunkShape& shape) {
 
 // ====== Entry points ======
 void dct_accumulate(const at::Tensor& x, const dct::ChunkPlan& plan, double beta, double alpha,
-                    const at::Tensor& residual) {
-  accumulate(x, plan, beta, alpha, residual, nullptr, nullptr);
+                    const at::Tensor& residual, const Preconditioning* pre) {
+  accumulate(x, plan, beta, alpha, residual, nullptr, nullptr, pre);
 }
 
 compress::TopK dct_accumulate_topk(const at::Tensor& x, const dct::ChunkPlan& plan, double beta,
                                    double alpha, const at::Tensor& residual, int64_t k) {
   compress::TopK topk = empty_topk(plan, k);
-  accumulate(x, plan, beta, alpha, residual, &topk, nullptr);
+  accumulate(x, plan, beta, alpha, residual, &topk, nullptr, nullptr);
   return topk;
 }
 
 void dct_accumulate_encode(const at::Tensor& x, const dct::ChunkPlan& plan, double beta,
                            double alpha, const at::Tensor& residual, int64_t k,
-                           compress::ValueEncoding encoding, uint8_t* dst) {
+                           compress::ValueEncoding encoding, uint8_t* dst,
+                           const Preconditioning* pre) {
   if (!x.defined()) {  // the residual only decays: the separate steps
+    if (pre != nullptr) pre->grad_sq.mul_(pre->beta2);
     compress::TopK topk = dct_accumulate_topk(x, plan, beta, alpha, residual, k);
     compress::encode_payload(plan, topk, encoding, dst);
     compress::add_selected(residual, plan, topk, -1.0f);
@@ -345,7 +383,7 @@ void dct_accumulate_encode(const at::Tensor& x, const dct::ChunkPlan& plan, doub
       codec::layout(plan.num_chunks(), plan.chunk_numel(), compress::clamp_topk(k, plan), encoding);
   const PayloadOut out{encoding, l, dst + codec::kHeaderBytes};
   std::memset(out.body, 0, size_t(l.body_bytes));
-  accumulate(x, plan, beta, alpha, residual, nullptr, &out);
+  accumulate(x, plan, beta, alpha, residual, nullptr, &out, pre);
   compress::seal_payload(plan, l.k, encoding, dst);
 }
 
@@ -379,12 +417,6 @@ void idct_sparse(const compress::SparseChunks& coeffs, const dct::ChunkPlan& pla
 }
 
 namespace {
-
-// Written through its data pointer: what ATen's in-place ops do to the version counter (readers
-// such as a sharded unit's prefetched gather see that the values changed).
-void bump_version(const at::Tensor& t) {
-  t.unsafeGetTensorImpl()->bump_version();
-}
 
 // A tensor a fused step writes: float32 CPU [plan.rows, plan.cols], rows contiguous.
 float* step_target(const at::Tensor& t, const dct::ChunkPlan& plan, const char* who,
@@ -468,9 +500,10 @@ void precondition(const at::Tensor& grad, const at::Tensor& grad_sq, const at::T
   float* vp = grad_sq.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const KernelTable& k = table();
+  const ChunkPrecondition c = precondition_constants(beta2, eps, step);
   at::parallel_for(0, g.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
-    k.precondition(gp + begin, vp + begin, op + begin, end - begin, float(beta2),
-                   float(1.0 - beta2), float(bias), float(eps));
+    k.precondition(gp + begin, vp + begin, op + begin, end - begin, c.beta2, c.one_minus_beta2,
+                   c.bias, c.eps);
   });
   bump_version(grad_sq);
   bump_version(out);

@@ -14,15 +14,24 @@ namespace cm = chunk_math;
 
 void dct_accumulate(const ChunkShape& shape, const float* src, int64_t src_stride, int valid_h,
                     int valid_w, float* out, int64_t out_stride, float beta, float alpha,
-                    float* fresh, float* scratch, const NextChunk& /*next*/) {
+                    float* fresh, float* scratch, const NextChunk& /*next*/,
+                    const ChunkPrecondition* pre) {
   const int h = shape.h, w = shape.w;
   const Dct1d& rows = *shape.along_rows;
   const Dct1d& cols = *shape.along_cols;
   float* x = scratch;          // the chunk, zeros outside the tensor: h x w
   float* y = scratch + h * w;  // transformed along the rows' axis (columns): h x w
   for (int i = 0; i < h; ++i) {
-    for (int j = 0; j < w; ++j)
-      x[i * w + j] = i < valid_h && j < valid_w ? src[i * src_stride + j] : 0.0f;
+    for (int j = 0; j < w; ++j) {
+      if (i >= valid_h || j >= valid_w) {
+        x[i * w + j] = 0.0f;
+      } else if (pre != nullptr) {
+        x[i * w + j] = precondition_element(src[i * src_stride + j], pre->v[i * src_stride + j],
+                                            pre->beta2, pre->one_minus_beta2, pre->bias, pre->eps);
+      } else {
+        x[i * w + j] = src[i * src_stride + j];
+      }
+    }
   }
   for (int u = 0; u < h; ++u) {
     for (int j = 0; j < w; ++j)
