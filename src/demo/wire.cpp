@@ -224,6 +224,7 @@ compress::SparseChunks mean_of_screened(const std::vector<const uint8_t*>& paylo
   float* values = out.values.data_ptr<float>();
   int64_t* counts = out.counts.data_ptr<int64_t>();
 
+  const bool alone = payloads.size() == 1;  // no sums: neither slots nor counts needed
   at::parallel_for(0, l.chunks, 16, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> slot(plan.chunk_numel(), -1);  // per coefficient: its entry, or -1
     std::vector<uint32_t> seen(capacity);               // per entry: how many replicas sent it
@@ -239,12 +240,15 @@ compress::SparseChunks mean_of_screened(const std::vector<const uint8_t*>& paylo
         codec::get_values(body, l, encoding, c, chunk_values.data());
         if (count == 0) {  // the first payload: its positions are distinct, each a new entry
           for (int64_t j = 0; j < l.k; ++j) {
-            slot[chunk_positions[j]] = int32_t(j);
             pos_out[j] = int32_t(chunk_positions[j]);
             val_out[j] = 0.0f + chunk_values[j];  // as the sum below starts: -0 becomes +0
-            seen[j] = 1;
           }
           count = l.k;
+          if (alone) break;  // one payload: its values are the means (mean_of(x, 1) is x)
+          for (int64_t j = 0; j < l.k; ++j) {
+            slot[chunk_positions[j]] = int32_t(j);
+            seen[j] = 1;
+          }
           continue;
         }
         for (int64_t j = 0; j < l.k; ++j) {
@@ -260,7 +264,7 @@ compress::SparseChunks mean_of_screened(const std::vector<const uint8_t*>& paylo
           seen[s] += 1;
         }
       }
-      for (int64_t s = 0; s < count; ++s) {  // divide once per coefficient, reset the slots
+      for (int64_t s = 0; s < count && !alone; ++s) {  // divide once a coefficient, reset slots
         val_out[s] = cm::mean_of(val_out[s], seen[s]);
         slot[pos_out[s]] = -1;
       }
