@@ -1,6 +1,7 @@
 // DeMo with one replica against a naive float64 implementation of the algorithm (docs/algorithm.md)
 // written here: residual kept in the sample domain, DCT by the direct formula, top-k by sorting.
 #include "closed_form.h"
+#include "demo/kernels.h"
 
 #include "flexdemo/optim.h"
 #include "flexdemo/train_options.h"
@@ -342,6 +343,58 @@ TEST(Demo, RejectsInvalidOptions) {
   o = optim::preset(optim::Preset::DeMo);
   o.normalize = true;  // with sign on
   expect_error(o, "normalize");
+}
+
+TEST(Demo, PreconditionedAsTheTransformReadsEqualsPreconditionedGradients) {
+  // The optimizer's own preconditioner, which the CPU fast path applies as its transform reads
+  // each gradient, against the same step without it fed gradients preconditioned beforehand by
+  // kernels::precondition (its own running mean squares, its own step count): bit for bit,
+  // through exchanges started early, steps folded between exchanges and a missing gradient.
+  at::manual_seed(31);
+  const std::vector<std::vector<int64_t>> shapes = {{48, 40}, {90}};
+  optim::OptimizerOptions fused = test_options(dct::ChunkMode::Divisor, false);
+  adaptive(fused);
+  fused.replicate_every = 2;
+  optim::OptimizerOptions given = fused;
+  given.precondition = false;
+  std::vector<at::Tensor> pa, pb, v;
+  for (const auto& shape : shapes) {
+    pa.push_back(at::randn(shape).set_requires_grad(true));
+    pb.push_back(pa.back().detach().clone().set_requires_grad(true));
+    v.push_back(at::zeros({at::Tensor(pa.back()).numel()}));
+  }
+  optim::Optimizer a(pa, fused), b(pb, given);
+  for (int64_t step = 1; step <= 8; ++step) {
+    std::vector<at::Tensor> grads, scaled;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      const bool missing = i == 1 && (step == 3 || step == 6);
+      grads.push_back(missing ? at::Tensor() : at::randn(shapes[i]));
+      if (missing) {
+        v[i].mul_(fused.beta2);
+        scaled.push_back(at::Tensor());
+        continue;
+      }
+      scaled.push_back(at::empty({grads[i].numel()}));
+      kernels::precondition(grads[i], v[i], scaled[i], fused.beta2, fused.eps, step);
+    }
+    a.start_exchange({0}, {grads[0]});
+    b.start_exchange({0}, {scaled[0]});
+    a.step(grads);
+    b.step(scaled);
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      EXPECT_TRUE(at::equal(pa[i], pb[i])) << "tensor " << i << " step " << step;
+      EXPECT_TRUE(at::equal(a.residual(i), b.residual(i))) << "tensor " << i << " step " << step;
+    }
+    int found = 0;
+    for (const auto& [name, t] : a.state_tensors()) {
+      for (size_t i = 0; i < shapes.size(); ++i) {
+        if (name != "grad_sq." + std::to_string(i)) continue;
+        ++found;
+        EXPECT_TRUE(at::equal(t.reshape(-1), v[i])) << name << " step " << step;
+      }
+    }
+    EXPECT_EQ(found, int(shapes.size()));
+  }
 }
 
 TEST(Demo, FastPathEqualsPlainPath) {

@@ -162,7 +162,7 @@ class CpuBackend final : public HostBackend {
   }
 
   void accumulate(size_t i, const at::Tensor& grad, double lr) override {
-    const std::optional<kernels::Preconditioning> pre = taken_preconditioning(i);
+    const std::optional<kernels::Preconditioning> pre = taken_preconditioning(i, grad);
     kernels::dct_accumulate(grad, plans_[i], options_.decay, lr, residuals_[i],
                             pre ? &*pre : nullptr);
   }
@@ -172,7 +172,7 @@ class CpuBackend final : public HostBackend {
   // the chunk is in cache.
   void encode_one(size_t i, const at::Tensor& grad, double lr, int64_t topk,
                   compress::ValueEncoding values, uint8_t* dst) override {
-    const std::optional<kernels::Preconditioning> pre = taken_preconditioning(i);
+    const std::optional<kernels::Preconditioning> pre = taken_preconditioning(i, grad);
     kernels::dct_accumulate_encode(grad, plans_[i], options_.decay, lr, residuals_[i], topk, values,
                                    dst, pre ? &*pre : nullptr);
   }
@@ -214,9 +214,12 @@ class CpuBackend final : public HostBackend {
   }
 
  private:
-  // Tensor i's preconditioning offered for this gradient, used once.
-  std::optional<kernels::Preconditioning> taken_preconditioning(size_t i) {
-    return std::exchange(preconditioning_.at(i), std::nullopt);
+  // Tensor i's preconditioning offered for this gradient, taken once. Offers come with
+  // gradients only (a missing one's mean square decays where it is missing); one left over by a
+  // step that failed before its encode is dropped here, never applied to a missing gradient.
+  std::optional<kernels::Preconditioning> taken_preconditioning(size_t i, const at::Tensor& grad) {
+    std::optional<kernels::Preconditioning> p = std::exchange(preconditioning_.at(i), std::nullopt);
+    return grad.defined() ? p : std::nullopt;
   }
 
   std::vector<std::optional<kernels::Preconditioning>> preconditioning_;

@@ -224,7 +224,7 @@ compress::SparseChunks mean_of_screened(const std::vector<const uint8_t*>& paylo
   float* values = out.values.data_ptr<float>();
   int64_t* counts = out.counts.data_ptr<int64_t>();
 
-  const bool alone = payloads.size() == 1;  // no sums: neither slots nor counts needed
+  const bool alone = payloads.size() == 1;  // no sums: no slots, no replicas' counts
   at::parallel_for(0, l.chunks, 16, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> slot(plan.chunk_numel(), -1);  // per coefficient: its entry, or -1
     std::vector<uint32_t> seen(capacity);               // per entry: how many replicas sent it

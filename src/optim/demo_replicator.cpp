@@ -59,8 +59,9 @@ class DemoReplicator final : public optim::Replicator {
   }
   void wait_in_flight() override { finish_in_flight(); }
 
-  // Not with one bucket: start() encodes nothing then, and a gradient held until exchange()
-  // is safer copied (preconditioned) at once.
+  // Not with one bucket (overlap_step): start() encodes nothing then, and a gradient held until
+  // exchange() is safer copied (preconditioned) at once; that mode's exchanges and folded steps
+  // forgo the fusion with it (the offer does not say who makes it).
   bool precondition_as_read(size_t i, const kernels::Preconditioning& p) override {
     return !one_bucket_ && backend_->precondition_as_read(i, p);
   }

@@ -1,7 +1,8 @@
 // ExchangeEveryStep (stepping.h): every `every` steps the replicator exchanges and the inner step
 // rule applies the direction; the steps between fold their gradients into the replicator's state.
-// With `precondition`, each gradient is first divided by the root of its running mean square:
-// each replica's own, or one the replicas share (second_moment.h).
+// With `precondition`, each gradient is divided by the root of its running mean square (each
+// replica's own, or one the replicas share: second_moment.h) before it enters the replicator's
+// state: here, or by the replicator as its transform reads the gradient where it offers to.
 #include "second_moment.h"
 #include "stepping.h"
 
@@ -68,7 +69,8 @@ class ExchangeEveryStep final : public Stepping {
       replicator_->start(tensors, grads, folded(lr));
       return;
     }
-    // Preconditioned now, once: step() takes these as they are.
+    // Preconditioned now, once (or handed on unscaled, the replicator preconditioning them as it
+    // encodes them now): step() takes these as they are.
     std::vector<at::Tensor> scaled;
     for (size_t k = 0; k < tensors.size(); ++k) {
       started_[tensors[k]] = precondition(tensors[k], grads[k]);
@@ -136,7 +138,8 @@ class ExchangeEveryStep final : public Stepping {
   // The scale of a gradient entering the replicator's residual.
   double folded(double lr) const { return options_.fold_lr ? lr : 1.0; }
 
-  // Every gradient of this step preconditioned: those started early as they were then.
+  // Every gradient of this step preconditioned, or unscaled where the replicator preconditions
+  // it as it reads it: those started early as they were then.
   std::vector<at::Tensor> preconditioned(const std::vector<at::Tensor>& grads) {
     if (sums_second_moment()) {
       return shared_->precondition_all(grads, preconditioned_ + 1);
@@ -182,7 +185,7 @@ class ExchangeEveryStep final : public Stepping {
   std::vector<at::Tensor> grad_sq_;  // precondition: each gradient's running mean square
   std::unique_ptr<SharedSecondMoment> shared_;  // precondition with second_moment shared
   int64_t preconditioned_ = 0;                   // the steps in it
-  // precondition: this step's gradients started early (start()), preconditioned then.
+  // precondition: this step's gradients started early (start()), as precondition() gave them.
   std::vector<std::optional<at::Tensor>> started_;
 };
 
