@@ -46,8 +46,9 @@ struct ChunkShape {
 };
 
 // The next chunk (valid_h rows of valid_w floats, the row stride of this chunk's) of up to three
-// tensors laid out alike (samples and the residual; parameters and AdamW's moments), which a
-// kernel asks the caches for while it works on this chunk. Null pointers: none.
+// tensors laid out alike (samples, the residual and the preconditioner's mean square; parameters
+// and AdamW's moments), which a kernel asks the caches for while it works on this chunk. Null
+// pointers: none.
 struct NextChunk {
   const float* rows[3] = {};
   int valid_h = 0, valid_w = 0;
@@ -100,8 +101,8 @@ struct KernelTable {
   // x read from src (row stride src_stride) where u < valid_h and v < valid_w, 0 elsewhere;
   // out has row stride out_stride. If fresh is not null, the new values are also written there
   // contiguously (position u * w + v) for select_topk. next: the next chunk's samples (and its
-  // residual where laid out alike), asked for while this one runs. pre (null: none): the
-  // samples preconditioned as they are read.
+  // residual where laid out alike, and its running mean square with pre), asked for while this
+  // one runs. pre (null: none): the samples preconditioned as they are read.
   void (*dct_accumulate)(const ChunkShape& shape, const float* src, int64_t src_stride, int valid_h,
                          int valid_w, float* out, int64_t out_stride, float beta, float alpha,
                          float* fresh, float* scratch, const NextChunk& next,

@@ -118,7 +118,7 @@ void bump_version(const at::Tensor& t) {
   t.unsafeGetTensorImpl()->bump_version();
 }
 
-// The per-element constants of FlexDeMo's preconditioner at p.step (bias: the root of 1 - beta2^t).
+// The per-element constants of FlexDeMo's preconditioner at step t (bias: the root of 1 - beta2^t).
 ChunkPrecondition precondition_constants(double beta2, double eps, int64_t step) {
   ChunkPrecondition c;
   c.beta2 = float(beta2);
